@@ -1,0 +1,25 @@
+"""Exceptions raised to users. Every message names the thing that is wrong (style.md 13)."""
+
+
+class SparrowError(Exception):
+    """Base class of every error sparrow raises for bad input or an unusable model."""
+
+
+class ModelNotFoundError(SparrowError, FileNotFoundError):
+    """The model path does not exist or holds no checkpoint."""
+
+
+class ModelLoadError(SparrowError):
+    """The checkpoint exists but cannot be loaded (truncated file, missing or misshaped tensor)."""
+
+
+class UnsupportedArchitectureError(SparrowError):
+    """The checkpoint's architecture has no sparrow implementation."""
+
+
+class UnsupportedGGUFTypeError(ModelLoadError):
+    """A GGUF tensor uses a ggml quantization type sparrow cannot dequantize."""
+
+
+class InvalidRequestError(SparrowError, ValueError):
+    """A prompt or sampling parameter is invalid (empty prompt, prompt too long, top_p=0, ...)."""

@@ -1,0 +1,39 @@
+"""Output types of ``LLM.generate``, with vLLM's names."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token: natural log, from the model's distribution before sampling
+    transforms (temperature, penalties, truncation); ``rank`` is 1 for the most likely token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    """'stop' (EOS, stop token or stop string), 'length' (max_tokens or context) or None while running."""
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """Everything generated for one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
