@@ -1,0 +1,78 @@
+"""Paged attention over a block-table KV cache: torch reference (the CPU path and the kernels' oracle).
+
+Shapes: R = rows (query tokens of the step, all sequences concatenated), S = sequences in the step,
+Hq / Hkv = query / KV heads (GQA: Hq % Hkv == 0), D = head dim of q and k, Dv = head dim of v,
+N = blocks in the pool, B = block size, M = max blocks per sequence.
+
+Cache layout (per layer): k_cache [N, B, Hkv, D], v_cache [N, B, Hkv, Dv]; token t of a sequence lives
+at slot ``block_tables[s, t // B] * B + t % B``; ``slot = block * B + offset`` flattens the pool.
+
+Sequence s owns query rows ``query_start_loc[s] : query_start_loc[s+1]`` (q_len of them); after this
+step it holds ``seq_lens[s]`` tokens, so its query j sits at position ``seq_lens[s] - q_len + j`` and
+sees keys at positions p with ``p <= pos`` and, with a sliding window W, ``pos - p < W``
+(Gemma / Mistral convention: i - W < j <= i).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_ref(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store k [R, Hkv, D] and v [R, Hkv, Dv] at ``slot_mapping`` [R] (int64; rows with slot < 0 are
+    skipped) of k_cache [N, B, Hkv, D] / v_cache [N, B, Hkv, Dv], cast to the cache dtype. In place."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of q [R, Hq, D] over the paged cache; returns [R, Hq, Dv] in q's dtype.
+
+    block_tables [S, M] int32, seq_lens [S] int32, query_start_loc [S+1] int32 (see module doc).
+    Scores are ``scale * q.k`` (then ``soft_cap * tanh(s / soft_cap)`` if soft_cap), softmax in fp32.
+    The K/V of this step's rows must already be written to the cache.
+    """
+    num_seqs = seq_lens.shape[0]
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    out = torch.empty(q.shape[0], hq, v_cache.shape[-1], dtype=q.dtype, device=q.device)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for s in range(num_seqs):
+        q0, q1, ctx = starts[s], starts[s + 1], lens[s]
+        if q1 == q0:
+            continue
+        nblocks = (ctx + block_size - 1) // block_size
+        blocks = block_tables[s, :nblocks].long()
+        k = k_cache[blocks].reshape(-1, hkv, k_cache.shape[-1])[:ctx].float()  # [L, Hkv, D]
+        v = v_cache[blocks].reshape(-1, hkv, v_cache.shape[-1])[:ctx].float()  # [L, Hkv, Dv]
+        qs = q[q0:q1].float()  # [Lq, Hq, D]
+        group = hq // hkv
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale  # [Hq, Lq, L]
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        q_pos = torch.arange(ctx - (q1 - q0), ctx, device=q.device)[:, None]
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
+        visible = k_pos <= q_pos
+        if sliding_window is not None:
+            visible &= q_pos - k_pos < sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out
