@@ -1,7 +1,13 @@
 import os
 
-import pytest
 import torch
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated, so it must be set before any kernel module
+# is imported: on a machine without CUDA every Triton kernel runs in the interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -11,11 +17,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture
-def interpret_triton(monkeypatch):
-    """Run Triton kernels in the interpreter on a CPU machine."""
-    if not torch.cuda.is_available():
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    yield
