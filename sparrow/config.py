@@ -1,0 +1,298 @@
+"""Frozen configuration dataclasses, normalized once (style.md 3).
+
+``ModelConfig.from_hf`` turns an HF ``config.json`` dict (any supported architecture, transformers 4 or 5
+field names) into explicit fields; ``from_gguf`` first maps GGUF metadata onto HF names, then calls it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparrow.errors import ModelLoadError, UnsupportedArchitectureError
+
+# GGUF general.architecture -> HF architecture name.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+
+
+def _rope_for(cfg: dict, layer_type: str | None) -> dict:
+    """The rope parameters ({rope_theta, rope_type, ...}) of a layer type, from transformers 5's
+    ``rope_parameters`` (flat or keyed by layer type) or transformers 4's rope_theta / rope_scaling."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        if layer_type is not None and isinstance(params.get(layer_type), dict):
+            return dict(params[layer_type])
+        if "rope_theta" in params or "rope_type" in params:
+            return dict(params)
+        if isinstance(params.get("full_attention"), dict):
+            return dict(params["full_attention"])
+    out = dict(cfg.get("rope_scaling") or {})
+    theta = cfg.get("rope_theta", 10000.0)
+    if layer_type == "sliding_attention" and "rope_local_base_freq" in cfg:
+        out = {}
+        theta = cfg["rope_local_base_freq"]
+    out.setdefault("rope_type", out.pop("type", "default"))
+    out["rope_theta"] = theta
+    return out
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Attention shape of one decoder layer (layers may differ: Gemma 3/4 sliding vs full)."""
+
+    layer_type: str
+    """'sliding_attention' or 'full_attention'."""
+    num_kv_heads: int
+    """KV heads of this layer."""
+    head_dim: int
+    """Head dim of q, k and v in this layer."""
+    sliding_window: int | None
+    """Window W (query i sees keys j with i - W < j <= i), or None for full attention."""
+    rope: dict
+    """Rope parameters of this layer: rope_theta, rope_type, and the type's own fields."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder model's shape and numerics, normalized from HF config.json or GGUF metadata."""
+
+    architecture: str
+    """HF architecture name, e.g. 'Gemma3ForCausalLM'; keys the model registry."""
+    model_type: str
+    """HF model_type, e.g. 'gemma3_text', 'llama'."""
+    vocab_size: int
+    """Rows of the embedding table and LM head."""
+    hidden_size: int
+    """Residual stream width H."""
+    intermediate_size: int
+    """Dense MLP width."""
+    num_hidden_layers: int
+    """Decoder layers."""
+    num_attention_heads: int
+    """Query heads."""
+    num_key_value_heads: int
+    """KV heads (GQA) of the default layer type."""
+    head_dim: int
+    """Head dim of the default layer type."""
+    rms_norm_eps: float
+    """Epsilon of every RMSNorm."""
+    max_position_embeddings: int
+    """Longest context the model was trained for."""
+    hidden_act: str
+    """MLP activation, HF name ('silu', 'gelu_pytorch_tanh')."""
+    tie_word_embeddings: bool
+    """LM head shares the embedding table."""
+    layers: tuple[LayerSpec, ...]
+    """Per-layer attention shape, window and rope."""
+    attention_bias: bool = False
+    """q/k/v projections carry a bias (Qwen2)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on q and k before RoPE (Qwen3, Gemma 3/4)."""
+    attn_scale: float | None = None
+    """Attention score scale; None means head_dim ** -0.5."""
+    attn_logit_softcapping: float | None = None
+    """tanh soft-cap on attention scores (Gemma 2)."""
+    final_logit_softcapping: float | None = None
+    """tanh soft-cap on the final logits (Gemma 2/4)."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence token id."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Token ids that end generation."""
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+    """The HF config dict this was built from (architecture-specific extras live here)."""
+
+    @property
+    def is_gemma(self) -> bool:
+        """Gemma conventions: (1 + w) norms, scaled embedding, GELU-tanh MLP, sandwich norms."""
+        return self.model_type.startswith("gemma")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """An extra field from the HF config (for architecture-specific options)."""
+        return self.raw.get(key, default)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        """Normalize an HF config.json dict. Raises UnsupportedArchitectureError / ModelLoadError."""
+        from sparrow.models.registry import resolve_architecture
+
+        cfg = dict(cfg)
+        if "text_config" in cfg and isinstance(cfg["text_config"], dict) and "hidden_size" not in cfg:
+            text = dict(cfg["text_config"])
+            text.setdefault("architectures", cfg.get("architectures"))
+            text["_multimodal"] = True
+            cfg = text
+        arch = resolve_architecture(cfg)
+        try:
+            hidden = int(cfg["hidden_size"])
+            n_heads = int(cfg["num_attention_heads"])
+            n_layers = int(cfg["num_hidden_layers"])
+            vocab = int(cfg["vocab_size"])
+        except KeyError as e:
+            raise ModelLoadError(f"config of {arch} lacks the field {e.args[0]!r}") from None
+        head_dim = int(cfg.get("head_dim") or hidden // n_heads)
+        n_kv = int(cfg.get("num_key_value_heads") or n_heads)
+        model_type = cfg.get("model_type", "")
+        layer_types = cfg.get("layer_types")
+        window = cfg.get("sliding_window")
+        if not layer_types:
+            if window and model_type.startswith("gemma3"):
+                pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
+                layer_types = [
+                    "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)
+                ]
+            elif window and cfg.get("use_sliding_window", True) and model_type in ("mistral", "mixtral"):
+                layer_types = ["sliding_attention"] * n_layers
+            else:
+                layer_types = ["full_attention"] * n_layers
+        if len(layer_types) != n_layers:
+            raise ModelLoadError(f"config.layer_types has {len(layer_types)} entries for {n_layers} layers")
+        if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
+            layer_types = ["full_attention"] * n_layers
+        layers = tuple(
+            LayerSpec(
+                layer_type=t,
+                num_kv_heads=n_kv,
+                head_dim=head_dim,
+                sliding_window=int(window) if t == "sliding_attention" and window else None,
+                rope=_rope_for(cfg, t),
+            )
+            for t in layer_types
+        )
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        scalar = cfg.get("query_pre_attn_scalar")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        is_gemma = model_type.startswith("gemma")
+        return cls(
+            architecture=arch,
+            model_type=model_type,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=int(cfg.get("intermediate_size") or 0),
+            num_hidden_layers=n_layers,
+            num_attention_heads=n_heads,
+            num_key_value_heads=n_kv,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+            hidden_act=act,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", is_gemma)),
+            layers=layers,
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type in ("qwen3", "qwen3_moe") or model_type.startswith(("gemma3", "gemma4")),
+            attn_scale=float(scalar) ** -0.5 if scalar else None,
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            raw=cfg,
+        )
+
+    @classmethod
+    def from_gguf(cls, metadata: dict[str, Any]) -> "ModelConfig":
+        """Normalize GGUF metadata (``{key: python value}``, as read by sparrow.loader.gguf).
+
+        Raises UnsupportedArchitectureError for a ``general.architecture`` sparrow cannot run."""
+        arch = metadata.get("general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            raise UnsupportedArchitectureError(
+                f"GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}"
+            )
+
+        def m(key: str, default: Any = None) -> Any:
+            return metadata.get(f"{arch}.{key}", default)
+
+        try:
+            hidden = int(m("embedding_length"))
+            n_heads = int(m("attention.head_count"))
+            n_layers = int(m("block_count"))
+        except TypeError:
+            raise ModelLoadError(f"GGUF metadata lacks the {arch} shape keys (embedding_length, ...)") from None
+        vocab = m("vocab_size") or len(metadata.get("tokenizer.ggml.tokens", [])) or None
+        if vocab is None:
+            raise ModelLoadError("GGUF metadata gives no vocab size (no vocab_size, no tokenizer.ggml.tokens)")
+        cfg: dict[str, Any] = {
+            "architectures": [GGUF_ARCHITECTURES[arch]],
+            "model_type": {"gemma3": "gemma3_text"}.get(arch, arch),
+            "hidden_size": hidden,
+            "intermediate_size": int(m("feed_forward_length", 0)),
+            "num_hidden_layers": n_layers,
+            "num_attention_heads": n_heads,
+            "num_key_value_heads": int(m("attention.head_count_kv", n_heads)),
+            "head_dim": int(m("attention.key_length", hidden // n_heads)),
+            "rms_norm_eps": float(m("attention.layer_norm_rms_epsilon", 1e-6)),
+            "max_position_embeddings": int(m("context_length", 4096)),
+            "vocab_size": int(vocab),
+            "rope_theta": float(m("rope.freq_base", 10000.0)),
+            "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+        }
+        if arch == "gemma3":
+            cfg.update(
+                hidden_activation="gelu_pytorch_tanh",
+                query_pre_attn_scalar=cfg["head_dim"],
+                sliding_window=int(m("attention.sliding_window", 512)),
+                rope_local_base_freq=10000.0,
+                sliding_window_pattern=6,
+                tie_word_embeddings=True,
+            )
+        else:
+            cfg["hidden_act"] = "silu"
+        if arch == "qwen2":
+            cfg["attention_bias"] = True
+        scaling = m("rope.scaling.type")
+        if scaling == "linear":
+            cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(m("rope.scaling.factor", 1.0))}
+        return cls.from_hf(cfg)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache settings."""
+
+    block_size: int = 16
+    """Tokens per KV block (a power of two >= 1)."""
+    num_blocks: int | None = None
+    """Blocks in the pool per layer; None sizes the pool from max_num_seqs x max_model_len (CPU) or free GPU memory."""
+    gpu_memory_utilization: float = 0.85
+    """Fraction of GPU memory the engine may use (weights + KV pool)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits."""
+
+    max_num_seqs: int = 64
+    """Most sequences running in one step."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks + decode rows)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs besides the weights."""
+
+    model: ModelConfig
+    """The model's normalized config."""
+    device: str = "cpu"
+    """'cpu' or 'cuda[:N]'."""
+    dtype: str = "float32"
+    """Compute dtype of weights and activations: 'float32', 'bfloat16' or 'float16'."""
+    max_model_len: int = 4096
+    """Longest sequence (prompt + output) accepted."""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    """KV cache settings."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Batching limits."""
+    enforce_eager: bool = False
+    """Never capture CUDA graphs."""
+
+    def replace(self, **kw: Any) -> "EngineConfig":
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **kw)

@@ -1,0 +1,119 @@
+"""Attention over the paged KV cache, and the per-step metadata every layer reads.
+
+Shapes: R = rows of the step, S = sequences, Hq / Hkv = query / KV heads, D = head dim,
+N = KV blocks in the pool, B = block size, M = max blocks per sequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from sparrow.kernels.paged_attention import paged_attention_ref, write_kv_ref
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch layout, built by the ModelRunner and read by every attention layer."""
+
+    positions: torch.Tensor
+    """[R] int64: position of each row's token in its sequence."""
+    slot_mapping: torch.Tensor
+    """[R] int64: KV-pool slot (block * B + offset) where each row's K/V is written."""
+    query_start_loc: torch.Tensor
+    """[S+1] int32: rows of sequence s are query_start_loc[s]:query_start_loc[s+1]."""
+    seq_lens: torch.Tensor
+    """[S] int32: tokens of sequence s in the cache after this step (cached + new)."""
+    block_tables: torch.Tensor
+    """[S, M] int32: KV blocks of each sequence, in order (padding entries are 0)."""
+    max_query_len: int
+    """Longest q_len of the step (1 for a pure decode step)."""
+    max_seq_len: int
+    """Longest seq_len of the step."""
+    logits_indices: torch.Tensor
+    """[S'] int64: rows whose logits are computed (the last row of each sequence that samples)."""
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence contributes exactly one row."""
+        return self.max_query_len == 1
+
+
+_ATTENTION_IMPL = {"fn": None}
+
+
+def set_attention_impl(fn) -> None:
+    """Route every attention layer through ``fn`` (paged_attention_ref's signature); None restores the default
+    (Triton kernels on CUDA when available, the torch reference elsewhere)."""
+    _ATTENTION_IMPL["fn"] = fn
+
+
+def _default_attention():
+    try:
+        from sparrow.kernels.attention import paged_attention
+
+        return paged_attention
+    except ImportError:  # Triton missing: torch reference everywhere
+        return paged_attention_ref
+
+
+class Attention(nn.Module):
+    """Writes this step's K/V into the layer's paged cache, then attends (q [R, Hq, D] -> [R, Hq, Dv]).
+
+    ``kv_cache`` is bound by the ModelRunner after the pool is allocated: (k_cache [N, B, Hkv, D],
+    v_cache [N, B, Hkv, Dv])."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, soft_cap: float | None = None, v_head_dim: int | None = None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.v_head_dim = v_head_dim or head_dim
+        self.scale, self.sliding_window, self.soft_cap = scale, sliding_window, soft_cap
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = self.kv_cache
+        write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        fn = _ATTENTION_IMPL["fn"] or (_default_attention() if q.is_cuda else paged_attention_ref)
+        return fn(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                  self.scale, self.sliding_window, self.soft_cap)
+
+
+class SelfAttention(nn.Module):
+    """The attention block of a decoder layer, shared by every architecture:
+    qkv_proj -> (per-head q_norm / k_norm) -> RoPE -> paged attention -> o_proj.
+
+    x [R, H] -> [R, H]. HF names: qkv_proj packs q_proj | k_proj | v_proj; q_norm, k_norm, o_proj."""
+
+    def __init__(self, config, layer_idx: int, dtype: torch.dtype):
+        super().__init__()
+        from sparrow.layers.linear import Linear
+        from sparrow.layers.norm import RMSNorm
+        from sparrow.layers.rotary import RotaryEmbedding
+
+        spec = config.layers[layer_idx]
+        hq, hkv, d = config.num_attention_heads, spec.num_kv_heads, spec.head_dim
+        self.hq, self.hkv, self.d = hq, hkv, d
+        self.qkv_proj = Linear(config.hidden_size, output_sizes=[hq * d, hkv * d, hkv * d],
+                               bias=config.attention_bias, dtype=dtype)
+        self.o_proj = Linear(hq * d, config.hidden_size, bias=config.get("attention_out_bias", False), dtype=dtype)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, gemma=config.is_gemma, dtype=dtype)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, gemma=config.is_gemma, dtype=dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        rotary_dim = int(d * float(config.get("partial_rotary_factor", 1.0)))
+        self.rotary = RotaryEmbedding(d, rotary_dim, config.max_position_embeddings, spec.rope)
+        scale = config.attn_scale if config.attn_scale is not None else d**-0.5
+        self.attn = Attention(hq, hkv, d, scale, spec.sliding_window, config.attn_logit_softcapping)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        r = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q, k, v = q.view(r, self.hq, self.d), k.view(r, self.hkv, self.d), v.view(r, self.hkv, self.d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(meta.positions, q, k)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.reshape(r, self.hq * self.d))

@@ -1,0 +1,26 @@
+"""Gated dense MLP: down(act(gate(x)) * up(x)), gate|up packed in one linear. R = rows, H = hidden,
+I = intermediate. Activation names are HF's ('silu', 'gelu_pytorch_tanh')."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sparrow.layers.activation import ACTIVATIONS
+from sparrow.layers.linear import Linear
+from sparrow.errors import ModelLoadError
+
+
+class GatedMLP(nn.Module):
+    """gate_up_proj [2I, H] (gate rows first), down_proj [H, I]; forward x [R, H] -> [R, H]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if act not in ACTIVATIONS:
+            raise ModelLoadError(f"activation {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+        self.gate_up_proj = Linear(hidden_size, output_sizes=[intermediate_size] * 2, bias=bias, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))

@@ -1,0 +1,1 @@
+"""Checkpoint readers (GGUF, safetensors) and the generic weight loader."""

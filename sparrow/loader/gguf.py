@@ -1,0 +1,114 @@
+"""GGUF checkpoints: metadata, and tensors renamed and reshaped to HF conventions, in one place.
+
+Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md, read with the ``gguf`` package
+(memory-mapped). GGUF conventions that differ from HF, undone here:
+- tensor names (``blk.N.attn_q.weight`` -> ``model.layers.N.self_attn.q_proj.weight``);
+- shapes: GGUF lists dims fastest-first (ne0 = columns); we reverse them to torch's row-major order;
+- Llama-family Q/K rows are permuted for llama.cpp's interleaved RoPE (convert_hf_to_gguf.py
+  ``LlamaModel.permute``); we apply the inverse permutation to get HF's rotate-half layout;
+- Gemma norm weights are stored as 1 + w (convert_hf_to_gguf.py, Gemma2/3); we subtract 1 in fp32.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from sparrow.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+class GGUFCheckpoint:
+    """An open GGUF file. ``metadata`` is {key: python value}; ``tensors()`` yields (HF name, fp32 tensor)."""
+
+    def __init__(self, path: str | Path):
+        import gguf
+
+        self.path = Path(path)
+        try:
+            self.reader = gguf.GGUFReader(str(self.path))
+        except Exception as e:  # truncated or not a GGUF file: gguf raises various types
+            raise ModelLoadError(f"cannot read GGUF file {self.path}: {type(e).__name__}: {e}") from None
+        self.metadata = self._read_metadata()
+        self.arch = self.metadata.get("general.architecture")
+
+    def _read_metadata(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, f in self.reader.fields.items():
+            try:
+                val = f.contents()
+            except Exception:  # a field gguf cannot decode is not one we read
+                continue
+            out[key] = val
+        return out
+
+    def rename(self, gguf_name: str) -> str | None:
+        """HF name of a GGUF tensor, or None when it has no HF counterpart (e.g. rope_freqs)."""
+        base, _, kind = gguf_name.rpartition(".")
+        if base in _GLOBAL_NAMES:
+            return f"{_GLOBAL_NAMES[base]}.{kind}"
+        m = _BLK.match(gguf_name)
+        if not m:
+            return None
+        layer, short, kind = m.groups()
+        if short == "ffn_norm":
+            # Gemma 3 has sandwich norms: its ffn_norm is the pre-FF norm; elsewhere it is the post-attention norm
+            hf = "pre_feedforward_layernorm" if self.arch == "gemma3" else "post_attention_layernorm"
+        elif short in _LAYER_NAMES:
+            hf = _LAYER_NAMES[short]
+        else:
+            return None
+        return f"model.layers.{layer}.{hf}.{kind}"
+
+    def tensors(self, device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, float32 tensor on ``device``), dequantized and converted to HF conventions.
+
+        Raises ModelLoadError for a tensor GGUF names that sparrow does not know, and
+        UnsupportedGGUFTypeError for an unsupported quantization type."""
+        from sparrow.quant.gguf import dequantize
+
+        n_head = self.metadata.get(f"{self.arch}.attention.head_count")
+        n_kv = self.metadata.get(f"{self.arch}.attention.head_count_kv", n_head)
+        permute_qk = self.arch in ("llama", "mistral")
+        for t in self.reader.tensors:
+            name = self.rename(t.name)
+            if name is None:
+                if t.name == "rope_freqs.weight":
+                    yield "rope_freqs", torch.from_numpy(np.array(t.data, dtype=np.float32))
+                    continue
+                raise ModelLoadError(f"GGUF tensor {t.name!r} has no known HF counterpart for {self.arch}")
+            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+            try:
+                raw = torch.from_numpy(np.ascontiguousarray(t.data).view(np.uint8).reshape(-1))
+            except ValueError as e:
+                raise ModelLoadError(f"GGUF tensor {t.name!r} is truncated or malformed: {e}") from None
+            w = dequantize(raw.to(device), int(t.tensor_type), shape, name=t.name)
+            if permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = n_head if "q_proj" in name else n_kv
+                # inverse of llama.cpp's reshape(heads, 2, D/2, K).swapaxes(1, 2)
+                w = w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+            if self.arch == "gemma3" and name.endswith("norm.weight"):
+                w = w - 1
+            yield name, w

@@ -1,0 +1,1 @@
+"""Model architectures; ``registry`` maps HF architecture names to classes."""

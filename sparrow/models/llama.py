@@ -1,0 +1,36 @@
+"""Llama-family decoders: Llama 2/3, SmolLM, Mistral (dense), Qwen2 (qkv bias), Qwen3 (q/k norm).
+The differences are config flags read by the shared blocks (style.md 14)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sparrow.layers.attention import SelfAttention
+from sparrow.layers.mlp import GatedMLP
+from sparrow.layers.norm import RMSNorm
+from sparrow.models.base import CausalLM
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); the residual add is fused into the norms."""
+
+    def __init__(self, config, layer_idx: int, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.self_attn = SelfAttention(config, layer_idx, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                            bias=config.get("mlp_bias", False), dtype=dtype)
+
+    def forward(self, x, residual, meta):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(CausalLM):
+    layer_cls = LlamaDecoderLayer

@@ -1,0 +1,48 @@
+"""HF architecture name -> sparrow model class (style.md 4)."""
+from __future__ import annotations
+
+import importlib
+
+from sparrow.errors import UnsupportedArchitectureError
+
+# architecture -> (module, class)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    """Every HF architecture name sparrow can run."""
+    return sorted(_MODELS)
+
+
+def register(architecture: str, module: str, cls: str) -> None:
+    """Add an architecture (module is relative to sparrow.models)."""
+    _MODELS[architecture] = (module, cls)
+
+
+def resolve_architecture(cfg: dict) -> str:
+    """The first supported name in cfg['architectures']; UnsupportedArchitectureError naming it otherwise."""
+    archs = cfg.get("architectures") or []
+    for a in archs:
+        if a in _MODELS:
+            return a
+    name = ", ".join(archs) if archs else f"model_type={cfg.get('model_type')!r} (no 'architectures' field)"
+    raise UnsupportedArchitectureError(
+        f"unsupported architecture {name}; supported: {', '.join(supported_architectures())}"
+    )
+
+
+def get_model_class(architecture: str):
+    """The nn.Module class for an HF architecture name."""
+    if architecture not in _MODELS:
+        raise UnsupportedArchitectureError(
+            f"unsupported architecture {architecture}; supported: {', '.join(supported_architectures())}"
+        )
+    module, cls = _MODELS[architecture]
+    return getattr(importlib.import_module(f"sparrow.models.{module}"), cls)
