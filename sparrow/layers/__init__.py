@@ -1,0 +1,1 @@
+"""Model building blocks shared by every architecture: linear, attention, MoE, router, norms, activations."""

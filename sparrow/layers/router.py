@@ -1,0 +1,227 @@
+"""MoE routers: every scoring function of design §3 in one module (torch; the router stays unquantized).
+
+Shapes: R = rows, H = hidden, E = experts, K = top-k (experts per row), G = expert groups, V = vocab.
+
+``select_experts`` turns router logits [R, E] into (weights [R, K] fp32, ids [R, K] int64):
+
+    scores  = softmax(logits) | sigmoid(logits) | sqrt(softplus(logits))        (fp32)
+    choice  = scores + e_score_correction_bias          (the bias only *selects*; weights use ``scores``)
+    grouped top-k (optional): a group's score is the sum of its top-2 ``choice``; keep ``topk_group`` of
+              the ``n_group`` groups, mask the others' experts to -inf
+    ids     = top-k of choice (sorted by choice, descending)
+    weights = scores[ids]; / their sum if ``renormalize``; x routed_scaling_factor; x per_expert_scale[ids]
+
+Which family uses what (the transformers modules these match, tested in tests/layers/test_router.py;
+routed_scaling = routed_scaling_factor, a hash layer's ids are tid2eid[input_ids]):
+
+| family | module | scoring | bias | groups | renormalize | scale |
+|---|---|---|---|---|---|---|
+| Mixtral | MixtralTopKRouter | softmax | - | - | always | - |
+| Qwen2-MoE, Qwen3-MoE | Qwen{2,3}MoeTopKRouter | softmax | - | - | norm_topk_prob | - |
+| Gemma 4 | Gemma4TextRouter (``Gemma4Router``) | softmax | - | - | always | per_expert_scale |
+| DeepSeek-V3 | DeepseekV3TopkRouter | sigmoid | yes | n_group / topk_group | norm_topk_prob | routed_scaling |
+| MiniMax-M2 | MiniMaxM2TopKRouter | sigmoid | yes (on the block) | - | always | - |
+| DeepSeek-V4 | DeepseekV4TopKRouter | scoring_func (sqrtsoftplus) | yes | - | always | routed_scaling |
+| DeepSeek-V4 hash | DeepseekV4HashRouter (``HashRouter``) | scoring_func | - | tid2eid[ids] | always | routed_scaling |
+
+Renormalization divides by ``sum + 1e-20`` (DeepSeek's guard; below one ulp of any sum of K probabilities,
+so it is exact for the families that divide by the bare sum).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+
+
+def score_logits(router_logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """Per-expert scores of logits [R, E] in fp32: softmax over E, sigmoid, or sqrt(softplus)."""
+    logits = router_logits.float()
+    if scoring == "softmax":
+        return torch.softmax(logits, dim=-1)
+    if scoring == "sigmoid":
+        return logits.sigmoid()
+    if scoring == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    raise ValueError(f"unknown router scoring function {scoring!r}; expected one of {SCORING_FUNCS}")
+
+
+def _group_mask(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """``choice`` [R, E] with the experts of all but the best ``topk_group`` of ``n_group`` groups set to -inf.
+    A group scores the sum of its top-2 experts (DeepSeek-V3's ``group_scores``)."""
+    rows, num_experts = choice.shape
+    per_group = num_experts // n_group
+    grouped = choice.view(rows, n_group, per_group)
+    group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)  # [R, G]
+    keep_groups = group_scores.topk(topk_group, dim=-1).indices  # [R, topk_group]
+    keep = torch.zeros(rows, n_group, dtype=torch.bool, device=choice.device).scatter_(1, keep_groups, True)
+    return choice.masked_fill(~keep.unsqueeze(-1).expand(rows, n_group, per_group).reshape(rows, num_experts),
+                              float("-inf"))
+
+
+def weigh_experts(
+    scores: torch.Tensor,
+    topk_ids: torch.Tensor,
+    renormalize: bool = False,
+    routed_scaling_factor: float = 1.0,
+    per_expert_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Weights [R, K] fp32 of the chosen experts ``topk_ids`` [R, K] from unbiased scores [R, E] fp32."""
+    weights = scores.gather(1, topk_ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
+    if per_expert_scale is not None:
+        weights = weights * per_expert_scale.float()[topk_ids]
+    return weights
+
+
+def select_experts(
+    router_logits: torch.Tensor,
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = False,
+    e_score_correction_bias: torch.Tensor | None = None,
+    n_group: int | None = None,
+    topk_group: int | None = None,
+    routed_scaling_factor: float = 1.0,
+    per_expert_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route each row: logits [R, E] (any float dtype) -> (weights [R, K] fp32, ids [R, K] int64).
+
+    ``scoring`` in SCORING_FUNCS; ``e_score_correction_bias`` [E] only shifts the selection; ``n_group`` /
+    ``topk_group`` enable grouped top-k (both or neither; E % n_group == 0); ``per_expert_scale`` [E]
+    multiplies each chosen expert's weight (Gemma 4). ids are ordered by descending (biased) score.
+    Raises ValueError for an unknown scoring function or inconsistent top-k / group sizes.
+    """
+    num_experts = router_logits.shape[-1]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"router top_k={top_k} must be in [1, num_experts={num_experts}]")
+    scores = score_logits(router_logits, scoring)
+    choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
+    if (n_group is None) != (topk_group is None):
+        raise ValueError(f"grouped top-k needs both n_group and topk_group, got {n_group=} {topk_group=}")
+    if n_group is not None and topk_group is not None and n_group > 1:
+        if num_experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"grouped top-k: {num_experts} experts, {n_group=}, {topk_group=} is inconsistent")
+        if top_k > topk_group * (num_experts // n_group):
+            raise ValueError(f"grouped top-k: top_k={top_k} exceeds the {topk_group} kept groups' experts")
+        choice = _group_mask(choice, n_group, topk_group)
+    topk_ids = choice.topk(top_k, dim=-1).indices
+    return weigh_experts(scores, topk_ids, renormalize, routed_scaling_factor, per_expert_scale), topk_ids
+
+
+class Router(nn.Module):
+    """Linear gate + ``select_experts``: the router of Mixtral, Qwen2/3-MoE, DeepSeek-V3/V4, MiniMax-M2.
+
+    Parameters (HF names under ``mlp.gate.``): ``weight`` [E, H]; with ``use_correction_bias``,
+    ``e_score_correction_bias`` [E] fp32 (MiniMax-M2 checkpoints keep it on the block,
+    ``mlp.e_score_correction_bias``: the model's weight table renames it here). Logits are computed in fp32
+    whatever the weight and input dtypes. forward(x [R, H]) -> (weights [R, K] fp32, ids [R, K] int64).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        scoring: str = "softmax",
+        renormalize: bool = False,
+        use_correction_bias: bool = False,
+        n_group: int | None = None,
+        topk_group: int | None = None,
+        routed_scaling_factor: float = 1.0,
+        params_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        if scoring not in SCORING_FUNCS:
+            raise ValueError(f"unknown router scoring function {scoring!r}; expected one of {SCORING_FUNCS}")
+        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
+        self.scoring, self.renormalize = scoring, renormalize
+        self.n_group, self.topk_group = n_group, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=params_dtype), requires_grad=False)
+        self.register_parameter("e_score_correction_bias", None)
+        if use_correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Router logits [R, E] fp32 of x [R, H]."""
+        return F.linear(x.float(), self.weight.float())
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return select_experts(
+            self.logits(x), self.top_k, self.scoring, self.renormalize, self.e_score_correction_bias,
+            self.n_group, self.topk_group, self.routed_scaling_factor,
+        )
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden_size}, experts={self.num_experts}, top_k={self.top_k}, "
+                f"scoring={self.scoring}, renormalize={self.renormalize}, n_group={self.n_group}, "
+                f"topk_group={self.topk_group}, routed_scaling_factor={self.routed_scaling_factor}")
+
+
+class Gemma4Router(nn.Module):
+    """Gemma 4's router (transformers ``Gemma4TextRouter``); reads the raw residual, not the experts' input.
+
+    x -> scale-free RMSNorm (fp32, eps) -> x ``scale`` x H^-0.5 -> ``proj`` -> softmax -> top-k ->
+    renormalize -> x ``per_expert_scale``[ids]. Parameters (HF names under ``router.``): ``proj.weight``
+    [E, H], ``scale`` [H], ``per_expert_scale`` [E]; ``norm`` has none. Computed in fp32 throughout
+    (transformers runs ``proj`` in the model dtype). forward(x [R, H]) -> (weights [R, K] fp32, ids [R, K]).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, eps: float = 1e-6,
+                 params_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.hidden_size, self.num_experts, self.top_k, self.eps = hidden_size, num_experts, top_k, eps
+        self.proj = nn.Linear(hidden_size, num_experts, bias=False, dtype=params_dtype)
+        self.proj.weight.requires_grad_(False)
+        self.scale = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
+        self.per_expert_scale = nn.Parameter(torch.ones(num_experts, dtype=params_dtype), requires_grad=False)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Router logits [R, E] fp32 of the raw residual x [R, H]."""
+        h = x.float()
+        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)  # Gemma4RMSNorm(with_scale=False)
+        h = h * self.scale.float() * self.hidden_size**-0.5
+        return F.linear(h, self.proj.weight.float())
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return select_experts(self.logits(x), self.top_k, "softmax", renormalize=True,
+                              per_expert_scale=self.per_expert_scale)
+
+    def extra_repr(self) -> str:
+        return f"hidden={self.hidden_size}, experts={self.num_experts}, top_k={self.top_k}, eps={self.eps}"
+
+
+class HashRouter(nn.Module):
+    """DeepSeek-V4's hash routing (transformers ``DeepseekV4HashRouter``, the ``hash_moe`` layers).
+
+    The experts are fixed per token id: ids = ``tid2eid``[input_ids]; the learned gate only weighs them:
+    weights = scores(x . weight^T)[ids], renormalized, x routed_scaling_factor. Parameters (HF names under
+    ``mlp.gate.``): ``weight`` [E, H], ``tid2eid`` [V, K] int64.
+    forward(x [R, H], input_ids [R]) -> (weights [R, K] fp32, ids [R, K] int64).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, vocab_size: int,
+                 scoring: str = "sqrtsoftplus", routed_scaling_factor: float = 1.0,
+                 params_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if scoring not in SCORING_FUNCS:
+            raise ValueError(f"unknown router scoring function {scoring!r}; expected one of {SCORING_FUNCS}")
+        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
+        self.scoring, self.routed_scaling_factor = scoring, routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=params_dtype), requires_grad=False)
+        self.tid2eid = nn.Parameter(torch.zeros(vocab_size, top_k, dtype=torch.long), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = score_logits(F.linear(x.float(), self.weight.float()), self.scoring)
+        topk_ids = self.tid2eid[input_ids.reshape(-1)].long()
+        return weigh_experts(scores, topk_ids, True, self.routed_scaling_factor), topk_ids
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden_size}, experts={self.num_experts}, top_k={self.top_k}, "
+                f"scoring={self.scoring}, routed_scaling_factor={self.routed_scaling_factor}")
