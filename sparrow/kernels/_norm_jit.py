@@ -1,0 +1,73 @@
+"""Triton body of the fused RMSNorm (launcher and torch twin: ``sparrow.kernels.norm``).
+
+Shapes: R = rows, nH = heads per row (1 for a plain [R, H] norm), H = normalized width,
+G = ceil(H / GROUP) fp8 groups per row. One program normalizes one (row, head) vector of H elements,
+held in registers as a [BLOCK_G, GROUP] tile (so the fp8 group amax is a reduction over axis 1).
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rms_norm_kernel(
+    x_ptr,  # [R, nH, H] any strides with unit stride on H; dtype = output dtype before fp8
+    res_ptr,  # [R, H] contiguous, or dummy when not HAS_RESIDUAL
+    w_ptr,  # [H] any float dtype, or dummy when not HAS_WEIGHT
+    y_ptr,  # [R, nH, H] contiguous: x's dtype, or e4m3 when FP8_OUT
+    res_out_ptr,  # [R, H] contiguous x + residual in x's dtype, or dummy
+    scale_ptr,  # [R, G] fp32 contiguous, or dummy when not FP8_OUT
+    H,
+    NUM_HEADS,
+    stride_xr,
+    stride_xh,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    GEMMA: tl.constexpr,  # fp32 multiply then cast (Gemma) vs cast then multiply (Llama)
+    UNIT_OFFSET: tl.constexpr,  # with GEMMA: multiply by (1 + w) (Gemma 1-3) instead of w (Gemma 4)
+    FP8_OUT: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    dt = x_ptr.dtype.element_ty
+    g = tl.arange(0, BLOCK_G)
+    cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [BLOCK_G, GROUP]
+    mask = cols < H
+
+    x = tl.load(x_ptr + row * stride_xr + head * stride_xh + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        # HF adds the residual in the model dtype: round the sum, store it, normalize the rounded value.
+        r = tl.load(res_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(dt)
+        tl.store(res_out_ptr + row * H + cols, s, mask=mask)
+        x = s.to(tl.float32)
+
+    var = tl.sum(tl.sum(x * x, axis=1), axis=0) / H
+    xhat = x * tl.rsqrt(var + eps)
+
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if GEMMA:
+            if UNIT_OFFSET:
+                y = (xhat * (1.0 + w)).to(dt)
+            else:
+                y = (xhat * w).to(dt)
+        else:
+            y = (xhat.to(dt).to(tl.float32) * w).to(dt)
+    else:
+        y = xhat.to(dt)
+
+    out_row = row * NUM_HEADS + head
+    if FP8_OUT:
+        yf = y.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(yf), axis=1), 1e-10)  # [BLOCK_G], fp8.AMAX_EPS
+        scale = amax / 448.0
+        q = yf / scale[:, None]
+        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+        tl.store(y_ptr + out_row * H + cols, q.to(y_ptr.dtype.element_ty), mask=mask)
+        n_groups = (H + GROUP - 1) // GROUP
+        tl.store(scale_ptr + out_row * n_groups + g, scale, mask=g < n_groups)
+    else:
+        tl.store(y_ptr + out_row * H + cols, y, mask=mask)

@@ -1,0 +1,183 @@
+"""GEMV for few rows (decode, speculative verify): y = x @ w.T with each weight element read once.
+
+Shapes: R = rows (<= MAX_ROWS = 16), K = input width, N = output width.
+
+    gemv(x [R, K], w [N, K]) -> y [R, N]                         w: bf16 / fp16 / fp32, x's dtype
+    gemv_fp8(x [R, K], w [N, K] e4m3, w_scale [ceil(N/128), ceil(K/128)] fp32) -> y [R, N]
+        w = w_e4m3 * w_scale[n // 128, k // 128] (DeepSeek / Qwen FP8 ``weight_scale_inv``, see fp8.py)
+
+Accumulation is fp32; y is rounded once to x's dtype. ``*_ref`` are the torch twins (CPU path and
+oracle), ``*_triton`` the launchers (same signatures), ``gemv`` / ``gemv_fp8`` the dispatchers: Triton for
+CUDA tensors with R <= MAX_ROWS (or anywhere when ``FORCE_TRITON`` is set), otherwise the twin (on CUDA,
+``gemv`` with R > MAX_ROWS goes to cuBLAS through ``F.linear``; larger R is a GEMM's job).
+
+Tile configs are data (style.md 9): ``GEMV_CONFIGS`` maps a row bound to a ``GemvConfig``; the launcher
+takes the first entry whose bound covers R, then narrows BLOCK_N until the grid has ``MIN_PROGRAMS``
+programs (all SMs busy). Tests force a config with ``with forced_config(GemvConfig(...)):``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, dequantize_fp8_block_ref
+
+# Set by tests to run the Triton launcher on CPU tensors under TRITON_INTERPRET=1.
+FORCE_TRITON = False
+MAX_ROWS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    """Output columns per program (power of two; >= 16 with use_dot)."""
+    block_k: int
+    """K elements per loop step (power of two; divides 128 for FP8 weights; >= 16 with use_dot)."""
+    use_dot: bool
+    """tl.dot on rows padded to 16 (tensor cores) instead of a broadcast multiply + sum."""
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# (largest R, config); tuned later per GPU. Few rows: FMA path, no padding to 16 rows.
+GEMV_CONFIGS: tuple[tuple[int, GemvConfig], ...] = (
+    (1, GemvConfig(block_n=32, block_k=256, use_dot=False, num_warps=4)),
+    (4, GemvConfig(block_n=32, block_k=64, use_dot=False, num_warps=4)),
+    (MAX_ROWS, GemvConfig(block_n=64, block_k=128, use_dot=True, num_warps=4)),
+)
+MIN_PROGRAMS = 264  # 2 x the 132 SMs of an H100 / H200
+
+_FORCED: GemvConfig | None = None
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@contextlib.contextmanager
+def forced_config(config: GemvConfig):
+    """Use ``config`` for every GEMV launch inside the ``with`` block (tests, tuning)."""
+    global _FORCED
+    previous, _FORCED = _FORCED, config
+    try:
+        yield config
+    finally:
+        _FORCED = previous
+
+
+def pick_config(rows: int, n: int, fp8: bool) -> GemvConfig:
+    """The forced config, else the table's entry for ``rows`` with BLOCK_N narrowed to fill the GPU."""
+    if _FORCED is not None:
+        return _FORCED
+    config = next(c for bound, c in GEMV_CONFIGS if rows <= bound)
+    block_n = config.block_n
+    while block_n > 16 and -(-n // block_n) < MIN_PROGRAMS:
+        block_n //= 2
+    block_k = min(config.block_k, GROUP) if fp8 else config.block_k
+    return dataclasses.replace(config, block_n=block_n, block_k=block_k)
+
+
+def gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [R, K] @ w [N, K].T in fp32, rounded to x's dtype: [R, N]. Raises ValueError on bad inputs."""
+    _check(x, w, "gemv", max_rows=None)
+    return F.linear(x.float(), w.float()).to(x.dtype)
+
+
+def gemv_fp8_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """x [R, K] @ dequant(w e4m3 [N, K], w_scale [ceil(N/128), ceil(K/128)]).T in fp32 -> [R, N] x's dtype."""
+    _check(x, w, "gemv_fp8", max_rows=None, w_scale=w_scale)
+    return F.linear(x.float(), dequantize_fp8_block_ref(w, w_scale, GROUP)).to(x.dtype)
+
+
+def gemv_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Triton launcher of ``gemv_ref`` (same contract) for R <= MAX_ROWS."""
+    _check(x, w, "gemv", max_rows=MAX_ROWS)
+    return _launch(x, w, None)
+
+
+def gemv_fp8_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """Triton launcher of ``gemv_fp8_ref`` (same contract) for R <= MAX_ROWS."""
+    _check(x, w, "gemv_fp8", max_rows=MAX_ROWS, w_scale=w_scale)
+    return _launch(x, w, w_scale)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y = x @ w.T for x [R, K], w [N, K] of x's dtype -> [R, N]; see the module doc for the dispatch."""
+    if x.shape[0] <= MAX_ROWS and (x.is_cuda or FORCE_TRITON):
+        return gemv_triton(x, w)
+    if x.is_cuda:
+        _check(x, w, "gemv", max_rows=None)
+        return F.linear(x, w)
+    return gemv_ref(x, w)
+
+
+def gemv_fp8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """y = x @ dequant(w, w_scale).T for e4m3 block-scaled w; see the module doc for the dispatch."""
+    if x.shape[0] <= MAX_ROWS and (x.is_cuda or FORCE_TRITON):
+        return gemv_fp8_triton(x, w, w_scale)
+    return gemv_fp8_ref(x, w, w_scale)
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> torch.Tensor:
+    from sparrow.kernels._gemv_jit import gemv_kernel
+
+    rows, k = x.shape
+    n = w.shape[0]
+    fp8 = w_scale is not None
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_()
+    cfg = pick_config(rows, n, fp8)
+    if fp8 and GROUP % cfg.block_k != 0:
+        raise ValueError(f"gemv_fp8: block_k {cfg.block_k} must divide the 128-wide scale block")
+    block_r = 16 if cfg.use_dot else _next_pow2(rows)
+    gemv_kernel[(-(-n // cfg.block_n),)](
+        x,
+        w,
+        w_scale if fp8 else x,
+        y,
+        rows,
+        n,
+        k,
+        x.stride(0),
+        w.stride(0),
+        w_scale.stride(0) if fp8 else 0,
+        FP8_W=fp8,
+        USE_DOT=cfg.use_dot,
+        IEEE=x.dtype == torch.float32,
+        BLOCK_R=block_r,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return y
+
+
+def _check(x, w, name, max_rows, w_scale=None) -> None:
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"{name}: need x [R, K] and w [N, K], got x {tuple(x.shape)}, w {tuple(w.shape)}")
+    if max_rows is not None and x.shape[0] > max_rows:
+        raise ValueError(f"{name}: {x.shape[0]} rows > {max_rows}; use a GEMM for larger batches")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name}: x dtype {x.dtype} not supported (fp32, bf16, fp16)")
+    if w_scale is None and w.dtype != x.dtype:
+        raise ValueError(f"{name}: w dtype {w.dtype} != x dtype {x.dtype}")
+    if w_scale is not None:
+        if w.dtype != FP8_DTYPE:
+            raise ValueError(f"{name}: w must be float8_e4m3fn, got {w.dtype}")
+        want = (-(-w.shape[0] // GROUP), -(-w.shape[1] // GROUP))
+        if tuple(w_scale.shape) != want or w_scale.dtype != torch.float32 or w_scale.stride(1) != 1:
+            raise ValueError(
+                f"{name}: w_scale must be fp32 {want} with unit last stride, got {tuple(w_scale.shape)} {w_scale.dtype}"
+            )
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"{name}: x and w need unit stride on K, got {x.stride()} and {w.stride()}")
+    if w.device != x.device or (w_scale is not None and w_scale.device != x.device):
+        raise ValueError(f"{name}: x, w (and w_scale) must be on one device")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

@@ -1,0 +1,181 @@
+"""RMSNorm, optionally fused with the residual add and FP8 quantization of its output.
+
+Shapes: R = rows, H = hidden, nH = heads, D = head dim, G = ceil(H / 128) fp8 groups per row.
+
+    rms_norm(x [R, H] | [R, nH, D], weight [H] | [D] | None, eps, *, gemma, unit_offset, residual, fp8_out)
+
+``rms_norm_ref`` is the torch twin (CPU path and oracle), ``rms_norm_triton`` the launcher with the same
+signature, ``rms_norm`` the dispatcher: Triton for CUDA tensors (or anywhere when ``FORCE_TRITON`` is set,
+as the tests do under ``TRITON_INTERPRET=1``), the twin otherwise.
+
+Conventions (each matches its transformers module exactly when the weight has x's dtype):
+- Llama (``gemma=False``, ``LlamaRMSNorm``): x̂ = x * rsqrt(mean(x²) + eps) in fp32, cast to x's dtype, then
+  multiplied by the weight: ``(w * x̂.to(dtype)).to(dtype)``.
+- Gemma 1-3 (``gemma=True``, ``Gemma3RMSNorm``): ``(x̂ * (1 + w.float())).to(dtype)``, all in fp32.
+- Gemma 4 (``gemma=True, unit_offset=False``, ``Gemma4RMSNorm``): ``(x̂ * w.float()).to(dtype)``.
+- ``weight=None``: scale-free, ``x̂.to(dtype)`` (Gemma 4 v_norm and router norm, ``with_scale=False``).
+The output always has x's dtype (HF's Llama module would promote to an fp32 weight's dtype).
+"""
+from __future__ import annotations
+
+import torch
+
+from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, quantize_fp8_per_group_ref
+
+# Set by tests to run the Triton launcher on CPU tensors under TRITON_INTERPRET=1.
+FORCE_TRITON = False
+
+MAX_HIDDEN = 65536  # one program holds a whole row in registers
+# (largest tile elements, num_warps): one (row, head) per program, warps grow with the row width.
+NORM_WARPS: tuple[tuple[int, int], ...] = ((256, 1), (1024, 2), (2048, 4), (8192, 8), (MAX_HIDDEN, 16))
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def rms_norm_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    *,
+    gemma: bool = False,
+    unit_offset: bool = True,
+    residual: torch.Tensor | None = None,
+    fp8_out: bool = False,
+):
+    """Torch twin of ``rms_norm``; see the module doc for the formulas and ``rms_norm`` for the returns."""
+    _check(x, weight, residual, fp8_out)
+    dtype = x.dtype
+    new_residual = None
+    if residual is not None:
+        x = (x.float() + residual.float()).to(dtype)  # HF adds in the model dtype
+        new_residual = x
+    xf = x.float()
+    xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is None:
+        y = xhat.to(dtype)
+    elif gemma:
+        w = weight.float()
+        y = (xhat * (1.0 + w if unit_offset else w)).to(dtype)
+    else:
+        y = (weight.float() * xhat.to(dtype).float()).to(dtype)
+    outs: tuple = quantize_fp8_per_group_ref(y, GROUP) if fp8_out else (y,)
+    if new_residual is not None:
+        outs = outs + (new_residual,)
+    return outs[0] if len(outs) == 1 else outs
+
+
+def rms_norm_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    *,
+    gemma: bool = False,
+    unit_offset: bool = True,
+    residual: torch.Tensor | None = None,
+    fp8_out: bool = False,
+):
+    """Triton launcher of ``rms_norm`` (same signature and returns); one program per (row, head)."""
+    from sparrow.kernels._norm_jit import rms_norm_kernel
+
+    _check(x, weight, residual, fp8_out)
+    hidden = x.shape[-1]
+    rows = x.shape[0]
+    heads = x.shape[1] if x.dim() == 3 else 1
+    stride_xh = x.stride(1) if x.dim() == 3 else 0
+    group = GROUP if (fp8_out or hidden >= GROUP) else max(16, _next_pow2(hidden))
+    block_g = _next_pow2(-(-hidden // group))
+    num_warps = next(w for limit, w in NORM_WARPS if block_g * group <= limit)
+
+    if fp8_out:
+        y = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+        scales = torch.empty(rows, -(-hidden // GROUP), dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        scales = y  # dummy pointer, never touched
+    new_residual = torch.empty_like(x) if residual is not None else None
+    if rows > 0:
+        rms_norm_kernel[(rows, heads)](
+            x,
+            residual if residual is not None else x,
+            weight if weight is not None else x,
+            y,
+            new_residual if new_residual is not None else x,
+            scales,
+            hidden,
+            heads,
+            x.stride(0),
+            stride_xh,
+            float(eps),
+            HAS_WEIGHT=weight is not None,
+            HAS_RESIDUAL=residual is not None,
+            GEMMA=bool(gemma),
+            UNIT_OFFSET=bool(unit_offset),
+            FP8_OUT=bool(fp8_out),
+            BLOCK_G=block_g,
+            GROUP=group,
+            num_warps=num_warps,
+        )
+    outs: tuple = (y, scales) if fp8_out else (y,)
+    if new_residual is not None:
+        outs = outs + (new_residual,)
+    return outs[0] if len(outs) == 1 else outs
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    *,
+    gemma: bool = False,
+    unit_offset: bool = True,
+    residual: torch.Tensor | None = None,
+    fp8_out: bool = False,
+):
+    """RMSNorm of x over its last dim; Triton on CUDA (or with ``FORCE_TRITON``), the torch twin otherwise.
+
+    x: [R, H] or per-head [R, nH, D] (q_norm / k_norm; any row / head strides, unit stride on the last
+    dim), fp32 / bf16 / fp16. weight: [H] (any float dtype) or None for scale-free. eps: float.
+    gemma / unit_offset: the convention (module doc). residual: [R, H] of x's dtype and shape (2-D x only):
+    x + residual is rounded to x's dtype, normalized, and returned as the new residual.
+    fp8_out (2-D x only): quantize the output per 128-column group as ``fp8.quantize_fp8_per_group_ref``.
+
+    Returns ``y`` [R, H] in x's dtype, or with fp8_out ``(q e4m3 [R, H], scales fp32 [R, G])``, with
+    ``new_residual`` [R, H] appended when residual is given: ``(y, new_residual)`` / ``(q, scales, new_residual)``.
+    Raises ValueError naming the bad shape, dtype or stride.
+    """
+    fn = rms_norm_triton if (x.is_cuda or FORCE_TRITON) else rms_norm_ref
+    return fn(x, weight, eps, gemma=gemma, unit_offset=unit_offset, residual=residual, fp8_out=fp8_out)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _check(x, weight, residual, fp8_out) -> None:
+    if x.dim() not in (2, 3):
+        raise ValueError(f"rms_norm: x must be [R, H] or [R, nH, D], got shape {tuple(x.shape)}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"rms_norm: x dtype {x.dtype} not supported (fp32, bf16, fp16)")
+    hidden = x.shape[-1]
+    if hidden == 0 or hidden > MAX_HIDDEN:
+        raise ValueError(f"rms_norm: normalized width {hidden} outside 1..{MAX_HIDDEN}")
+    if x.stride(-1) != 1:
+        raise ValueError(f"rms_norm: x must have unit stride on its last dim, got strides {x.stride()}")
+    if weight is not None:
+        if weight.shape != (hidden,):
+            raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} != ({hidden},)")
+        if weight.dtype not in _FLOAT_DTYPES or not weight.is_contiguous():
+            raise ValueError(f"rms_norm: weight must be a contiguous fp32/bf16/fp16 tensor, got {weight.dtype}")
+        if weight.device != x.device:
+            raise ValueError(f"rms_norm: weight on {weight.device}, x on {x.device}")
+    if residual is not None:
+        if x.dim() != 2:
+            raise ValueError("rms_norm: residual needs a 2-D x [R, H]")
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(
+                f"rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}"
+            )
+        if not residual.is_contiguous():
+            raise ValueError(f"rms_norm: residual must be contiguous, got strides {residual.stride()}")
+    if fp8_out and x.dim() != 2:
+        raise ValueError("rms_norm: fp8_out needs a 2-D x [R, H]")

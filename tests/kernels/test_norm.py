@@ -1,0 +1,233 @@
+"""RMSNorm: the torch twin against transformers' modules, the Triton launcher against the twin.
+
+Shapes: R = rows, H = hidden, nH = heads, D = head dim. On CPU the Triton kernel runs under
+TRITON_INTERPRET=1 (tests/conftest.py), so shapes stay small. Run as a script on a GPU for GB/s.
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from sparrow.kernels import norm
+from sparrow.kernels.fp8 import dequantize_fp8_per_group_ref
+from sparrow.kernels.norm import rms_norm, rms_norm_ref, rms_norm_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROWS = [1, 2, 3, 16, 17, 33]
+HIDDEN = [40, 136, 640, 1000]
+DTYPES = [torch.float32, torch.bfloat16]
+# Kernel vs twin: the same fp32 math, only the reduction order (and GPU rsqrt) differ, so at most one
+# rounding step of the output dtype apart.
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2)}
+CONVENTIONS = {"llama": dict(gemma=False), "gemma3": dict(gemma=True), "gemma4": dict(gemma=True, unit_offset=False)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter_rounds_like_gpu():
+    """Triton 3.9's interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even) and drops the
+    mantissa carry in fp32 -> e4m3 (1.95 becomes 1.0, not 2.0). While this module runs, do those two
+    casts with torch's round-to-nearest-even, as the GPU does, so the comparisons stay tight."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    builder = ti.InterpreterBuilder
+    cast_impl, fp_to_fp = builder.cast_impl, builder.create_fp_to_fp
+
+    def from_fp32(src, dst_type, torch_dtype, np_dtype):
+        t = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch_dtype)
+        return ti.TensorHandle(t.view(np_dtype[0]).numpy().view(np_dtype[1]), dst_type.scalar)
+
+    def patched_cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return from_fp32(src, dst_type, torch.bfloat16, (torch.int16, np.uint16))
+        return cast_impl(self, src, dst_type)
+
+    def patched_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+            return from_fp32(src, dst_type, torch.float8_e4m3fn, (torch.uint8, np.uint8))
+        return fp_to_fp(self, src, dst_type, rounding_mode)
+
+    builder.cast_impl, builder.create_fp_to_fp = patched_cast, patched_fp_to_fp  # create_fp_trunc calls cast_impl
+    yield
+    builder.cast_impl, builder.create_fp_to_fp = cast_impl, fp_to_fp
+
+
+def _inputs(rows, hidden, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, hidden, generator=g) * 3 + 0.5).to(dtype).to(DEVICE)
+    w = (torch.rand(hidden, generator=g) * 2 - 0.5).to(dtype).to(DEVICE)
+    return x, w
+
+
+def nmse(a, b):
+    a, b = a.float(), b.float()
+    return float(((a - b) ** 2).sum() / (b**2).sum().clamp_min(1e-30))
+
+
+# ---- the twin against transformers -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_twin_matches_hf_modules(dtype):
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    x, w = _inputs(5, 136, dtype)
+    x, w = x.cpu(), w.cpu()
+    eps = 1e-6
+    cases = [
+        (LlamaRMSNorm(136, eps=eps), dict(gemma=False), w),
+        (Gemma3RMSNorm(136, eps=eps), dict(gemma=True), w),
+        (Gemma4RMSNorm(136, eps=eps), dict(gemma=True, unit_offset=False), w),
+        (Gemma4RMSNorm(136, eps=eps, with_scale=False), dict(gemma=True), None),
+    ]
+    for module, kw, weight in cases:
+        module = module.to(dtype)
+        if weight is not None:
+            module.weight.data.copy_(weight)
+        with torch.no_grad():
+            expect = module(x)
+        got = rms_norm_ref(x, weight, eps, **kw)
+        # Same ops in the same order: bit-exact (Gemma 4's pow(-0.5) vs rsqrt may differ by 1 fp32 ulp).
+        torch.testing.assert_close(got, expect, atol=0, rtol=1e-6 if dtype == torch.float32 else 0)
+
+
+def test_twin_residual_matches_hf_add_then_norm():
+    x, w = _inputs(4, 40, torch.bfloat16)
+    r, _ = _inputs(4, 40, torch.bfloat16, seed=1)
+    y, new_res = rms_norm_ref(x, w, 1e-6, residual=r)
+    torch.testing.assert_close(new_res, x + r, atol=0, rtol=0)  # the sum is rounded to bf16 like HF's
+    torch.testing.assert_close(y, rms_norm_ref(x + r, w, 1e-6), atol=0, rtol=0)
+
+
+# ---- the Triton kernel against the twin --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("rows", ROWS)
+def test_kernel_llama(rows, hidden, dtype):
+    x, w = _inputs(rows, hidden, dtype)
+    torch.testing.assert_close(rms_norm_triton(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("convention", ["gemma3", "gemma4"])
+@pytest.mark.parametrize("rows,hidden", [(1, 40), (3, 1000), (17, 136)])
+def test_kernel_gemma(rows, hidden, convention, dtype):
+    x, w = _inputs(rows, hidden, dtype)
+    kw = CONVENTIONS[convention]
+    torch.testing.assert_close(rms_norm_triton(x, w, 1e-6, **kw), rms_norm_ref(x, w, 1e-6, **kw), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 40), (16, 640), (33, 1000)])
+def test_kernel_scale_free(rows, hidden, dtype):
+    x, _ = _inputs(rows, hidden, dtype)
+    torch.testing.assert_close(rms_norm_triton(x, None, 1e-6), rms_norm_ref(x, None, 1e-6), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("convention", ["llama", "gemma3"])
+@pytest.mark.parametrize("rows,hidden", [(1, 136), (2, 40), (17, 1000), (33, 640)])
+def test_kernel_residual(rows, hidden, convention, dtype):
+    x, w = _inputs(rows, hidden, dtype)
+    r, _ = _inputs(rows, hidden, dtype, seed=1)
+    kw = CONVENTIONS[convention]
+    y, new_res = rms_norm_triton(x, w, 1e-6, residual=r, **kw)
+    y_ref, new_res_ref = rms_norm_ref(x, w, 1e-6, residual=r, **kw)
+    torch.testing.assert_close(new_res, new_res_ref, atol=0, rtol=0)  # one rounding of an fp32 sum
+    torch.testing.assert_close(y, y_ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("rows,hidden", [(1, 128), (3, 1000), (16, 640), (33, 136)])
+def test_kernel_fp8_out(rows, hidden, with_residual, dtype):
+    x, w = _inputs(rows, hidden, dtype)
+    x[0, :128] = 0  # an all-zero group (a zero row for H = 128): scale clamps, q = 0; 1000 / 136 are ragged
+    r = _inputs(rows, hidden, dtype, seed=1)[0] if with_residual else None
+    got = rms_norm_triton(x, w, 1e-6, residual=r, fp8_out=True)
+    ref = rms_norm_ref(x, w, 1e-6, residual=r, fp8_out=True)
+    assert got[0].dtype == torch.float8_e4m3fn and got[1].shape == (rows, -(-hidden // 128))
+    torch.testing.assert_close(got[1], ref[1], **TOL[dtype])  # scales: amax / 448 of (nearly) equal y
+    deq, deq_ref = dequantize_fp8_per_group_ref(got[0], got[1]), dequantize_fp8_per_group_ref(ref[0], ref[1])
+    assert nmse(deq, deq_ref) < 1e-4  # at most a few elements one e4m3 step apart
+    y = rms_norm_ref(x, w, 1e-6, residual=r)
+    y = y[0] if with_residual else y
+    assert nmse(deq, y) < 2e-3  # e4m3 has 3 mantissa bits: quantization NMSE ~ 4e-4
+    if with_residual:
+        torch.testing.assert_close(got[2], ref[2], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("convention", ["llama", "gemma4"])
+@pytest.mark.parametrize("rows,heads,head_dim", [(1, 2, 40), (3, 4, 64), (17, 2, 136)])
+def test_kernel_per_head_strided(rows, heads, head_dim, convention, dtype):
+    # q_norm over a view of a fused qkv output: row stride > heads * head_dim.
+    qkv, w = _inputs(rows, (heads + 2) * head_dim, dtype)
+    q = qkv[:, : heads * head_dim].view(rows, heads, head_dim)
+    w = w[:head_dim].contiguous()
+    kw = CONVENTIONS[convention]
+    got = rms_norm_triton(q, w, 1e-6, **kw)
+    assert got.shape == q.shape and got.is_contiguous()
+    torch.testing.assert_close(got, rms_norm_ref(q, w, 1e-6, **kw), **TOL[dtype])
+    torch.testing.assert_close(rms_norm_triton(q, None, 1e-6), rms_norm_ref(q, None, 1e-6), **TOL[dtype])
+
+
+def test_dispatcher_and_force(monkeypatch):
+    x, w = _inputs(2, 40, torch.float32)
+    monkeypatch.setattr(norm, "FORCE_TRITON", True)
+    torch.testing.assert_close(rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5), **TOL[torch.float32])
+    assert rms_norm(x[:0], w, 1e-5).shape == (0, 40)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda x, w: rms_norm_triton(x[0], w, 1e-6),  # 1-D
+        lambda x, w: rms_norm_triton(x.t(), w[:2], 1e-6),  # stride on the last dim
+        lambda x, w: rms_norm_triton(x, w[:-1], 1e-6),  # weight width
+        lambda x, w: rms_norm_triton(x.int(), w, 1e-6),  # dtype
+        lambda x, w: rms_norm_triton(x, w, 1e-6, residual=x[:1]),  # residual shape
+        lambda x, w: rms_norm_triton(x.view(2, 2, 20), w[:20], 1e-6, fp8_out=True),  # fp8 on 3-D
+    ],
+)
+def test_launcher_rejects(bad):
+    x, w = _inputs(2, 40, torch.float32)
+    with pytest.raises(ValueError, match="rms_norm"):
+        bad(x, w)
+
+
+# ---- real shapes, GPU only ---------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", [2816, 5376])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("fp8_out", [False, True])
+def test_gpu_real_shapes(rows, hidden, fp8_out):
+    x, w = _inputs(rows, hidden, torch.bfloat16)
+    r = _inputs(rows, hidden, torch.bfloat16, seed=1)[0]
+    got = rms_norm_triton(x, w, 1e-6, gemma=True, residual=r, fp8_out=fp8_out)
+    ref = rms_norm_ref(x, w, 1e-6, gemma=True, residual=r, fp8_out=fp8_out)
+    if fp8_out:
+        assert nmse(dequantize_fp8_per_group_ref(*got[:2]), dequantize_fp8_per_group_ref(*ref[:2])) < 1e-4
+    else:
+        torch.testing.assert_close(got[0], ref[0], **TOL[torch.bfloat16])
+    torch.testing.assert_close(got[-1], ref[-1], atol=0, rtol=0)
+
+
+if __name__ == "__main__":
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
+    import kernels_micro
+
+    kernels_micro.main(["norm"])
