@@ -195,8 +195,9 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_gguf(cls, metadata: dict[str, Any]) -> "ModelConfig":
-        """Normalize GGUF metadata (``{key: python value}``, as read by sparrow.loader.gguf).
+    def from_gguf(cls, metadata: dict[str, Any], tensor_names: set[str] | None = None) -> "ModelConfig":
+        """Normalize GGUF metadata (``{key: python value}``, as read by sparrow.loader.gguf); the LM head is
+        tied to the embedding when the file has no ``output.weight`` among ``tensor_names``.
 
         Raises UnsupportedArchitectureError for a ``general.architecture`` sparrow cannot run."""
         arch = metadata.get("general.architecture")
@@ -233,6 +234,8 @@ class ModelConfig:
             "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
         }
+        if tensor_names is not None:
+            cfg["tie_word_embeddings"] = "output.weight" not in tensor_names
         if arch == "gemma3":
             cfg.update(
                 hidden_activation="gelu_pytorch_tanh",
@@ -240,7 +243,6 @@ class ModelConfig:
                 sliding_window=int(m("attention.sliding_window", 512)),
                 rope_local_base_freq=10000.0,
                 sliding_window_pattern=6,
-                tie_word_embeddings=True,
             )
         else:
             cfg["hidden_act"] = "silu"
@@ -262,6 +264,10 @@ class CacheConfig:
     """Blocks in the pool per layer; None sizes the pool from max_num_seqs x max_model_len (CPU) or free GPU memory."""
     gpu_memory_utilization: float = 0.85
     """Fraction of GPU memory the engine may use (weights + KV pool)."""
+    cpu_kv_cache_bytes: int = 2 << 30
+    """Bytes of the KV pool on CPU (the pool is still at least one max_model_len sequence)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prompt prefixes across requests."""
 
 
 @dataclass(frozen=True)

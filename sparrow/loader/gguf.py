@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -101,7 +102,9 @@ class GGUFCheckpoint:
                 raise ModelLoadError(f"GGUF tensor {t.name!r} has no known HF counterpart for {self.arch}")
             shape = tuple(int(x) for x in reversed(t.shape.tolist()))
             try:
-                raw = torch.from_numpy(np.ascontiguousarray(t.data).view(np.uint8).reshape(-1))
+                with warnings.catch_warnings():  # the memory map is read-only; we only read it
+                    warnings.simplefilter("ignore", UserWarning)
+                    raw = torch.from_numpy(np.ascontiguousarray(t.data).view(np.uint8).reshape(-1))
             except ValueError as e:
                 raise ModelLoadError(f"GGUF tensor {t.name!r} is truncated or malformed: {e}") from None
             w = dequantize(raw.to(device), int(t.tensor_type), shape, name=t.name)

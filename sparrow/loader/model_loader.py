@@ -35,7 +35,7 @@ def read_model_config(path: str | Path) -> tuple[ModelConfig, bool, object]:
         from sparrow.loader.gguf import GGUFCheckpoint
 
         ckpt = GGUFCheckpoint(path)
-        return ModelConfig.from_gguf(ckpt.metadata), True, ckpt
+        return ModelConfig.from_gguf(ckpt.metadata, {t.name for t in ckpt.reader.tensors}), True, ckpt
     from sparrow.loader.safetensors import read_config
 
     return ModelConfig.from_hf(read_config(path)), False, None
@@ -47,12 +47,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     path = Path(path).expanduser()
     config, is_gguf, ckpt = read_model_config(path)
     cls = get_model_class(config.architecture)
-    with torch.device("meta"):
+    with torch.device(device):  # parameters are allocated (uninitialized) where they will live
         model = cls(config, dtype=dtype)
-    model = model.to_empty(device=device)
-    for mod in model.modules():  # non-persistent buffers (rope caches) are rebuilt on the target device
-        if hasattr(mod, "reset_buffers"):
-            mod.reset_buffers()
     if is_gguf:
         tensors = ckpt.tensors(device="cpu")
     else:

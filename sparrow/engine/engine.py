@@ -1,0 +1,175 @@
+"""The engine facade: add_request / step / has_unfinished_requests (style.md 2).
+
+Each step: the scheduler picks rows, the model runner runs them and samples, and the engine appends the
+sampled tokens, detokenizes incrementally, and finishes sequences on EOS, stop token, stop string,
+max_tokens or the context limit.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+from sparrow.config import EngineConfig
+from sparrow.engine.block_manager import BlockManager
+from sparrow.engine.detokenizer import IncrementalDetokenizer, find_stop
+from sparrow.engine.model_runner import ModelRunner
+from sparrow.engine.sampler import make_generator
+from sparrow.engine.scheduler import Scheduler
+from sparrow.engine.sequence import Sequence
+from sparrow.errors import InvalidRequestError
+from sparrow.outputs import CompletionOutput, Logprob, RequestOutput
+from sparrow.sampling_params import SamplingParams
+from sparrow.tokenizer import encode_prompt
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(config, model)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.requests: dict[str, tuple[RequestOutput, list[Sequence]]] = {}
+        self._ids = itertools.count()
+        eos = set(config.model.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = eos
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int], torch.Tensor | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise InvalidRequestError("a dict prompt needs 'prompt_token_ids'")
+            ids = [int(t) for t in prompt["prompt_token_ids"]]
+            soft, pos = prompt.get("soft_embeds"), list(prompt.get("soft_positions") or [])
+            if soft is not None:
+                if soft.dim() != 2 or soft.shape[1] != self.config.model.hidden_size:
+                    raise InvalidRequestError(
+                        f"soft_embeds must be [n, {self.config.model.hidden_size}], got {tuple(soft.shape)}")
+                if len(pos) != soft.shape[0] or len(set(pos)) != len(pos) or any(not 0 <= p < len(ids) for p in pos):
+                    raise InvalidRequestError(
+                        f"soft_positions must be {soft.shape[0]} distinct prompt positions in [0, {len(ids)})")
+            return prompt.get("prompt"), ids, soft, pos
+        if self.tokenizer is None:
+            raise InvalidRequestError("text prompts need a tokenizer; pass {'prompt_token_ids': [...]}")
+        return prompt, encode_prompt(self.tokenizer, prompt), None, []
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a prompt (text or {'prompt_token_ids': [...], optional 'soft_embeds', 'soft_positions'}).
+        Raises InvalidRequestError for an empty prompt, one longer than max_model_len, or bad token ids."""
+        params = params or SamplingParams()
+        text, ids, soft, soft_pos = self._prompt_ids(prompt)
+        if not ids:
+            raise InvalidRequestError("empty prompt: give at least one token")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens, longer than max_model_len={limit} allows (at most {limit - 1})")
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self.requests:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        seqs = []
+        for i in range(params.n):
+            seq = Sequence(rid, i, list(ids), params, self.eos_token_ids, soft_embeds=soft, soft_positions=soft_pos)
+            if params.seed is not None:
+                seq.generator = make_generator(params.seed, i, self.runner.device)
+            if self.tokenizer is not None:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            seqs.append(seq)
+        out = RequestOutput(rid, text, list(ids),
+                            [CompletionOutput(i, "", []) for i in range(params.n)])
+        self.requests[rid] = (out, seqs)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request, freeing its blocks."""
+        _, seqs = self.requests.pop(request_id, (None, []))
+        for seq in seqs:
+            self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _decode_token(self, tid: int) -> str:
+        return self.tokenizer.decode([tid]) if self.tokenizer is not None else None
+
+    def _finish_check(self, seq: Sequence, tid: int, new_text: str) -> None:
+        p = seq.params
+        n_out = len(seq.output_token_ids)
+        if tid in seq.eos_token_ids and not p.ignore_eos and n_out > p.min_tokens - 1:
+            seq.finish_reason = "stop"
+        elif p.stop_token_ids and tid in p.stop_token_ids and n_out >= p.min_tokens:
+            seq.finish_reason, seq.stop_reason = "stop", tid
+        elif p.stop_strings and new_text and n_out >= p.min_tokens:
+            hit = find_stop(seq.text, len(new_text), p.stop_strings, p.include_stop_str_in_output)
+            if hit is not None:
+                seq.text = seq.text[: hit[0]]
+                seq.finish_reason, seq.stop_reason = "stop", hit[1]
+        if seq.finish_reason is None:
+            if p.max_tokens is not None and n_out >= p.max_tokens:
+                seq.finish_reason = "length"
+            elif seq.num_tokens >= self.config.max_model_len:
+                seq.finish_reason = "length"
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns the RequestOutput of every request that progressed (cumulative
+        text and tokens; ``finished`` set on the last)."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        sampled, prompt_lp = self.runner.execute(scheduled)
+        touched: dict[str, None] = {}
+        k = 0
+        for i, item in enumerate(scheduled):
+            seq = item.seq
+            samples = item.samples  # read before num_computed_tokens moves
+            if i in prompt_lp:
+                seq.prompt_logprobs.extend(prompt_lp[i])
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.commit_computed(seq)
+            if not samples:
+                continue
+            tid = sampled.token_ids[k]
+            lps = sampled.logprobs[k]
+            k += 1
+            seq.output_token_ids.append(tid)
+            if lps is not None:
+                seq.logprobs.append({t: Logprob(lp, rank, self._decode_token(t)) for t, (lp, rank) in lps.items()})
+            new_text = ""
+            if seq.detokenizer is not None:
+                new_text = seq.detokenizer.add(tid)
+                seq.text += new_text
+            self._finish_check(seq, tid, new_text)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+            touched[seq.request_id] = None
+        return [self._update(rid) for rid in touched if rid in self.requests]
+
+    def _update(self, rid: str) -> RequestOutput:
+        out, seqs = self.requests[rid]
+        for seq, comp in zip(seqs, out.outputs):
+            comp.text = seq.text
+            comp.token_ids = list(seq.output_token_ids)
+            comp.logprobs = list(seq.logprobs) if seq.params.logprobs is not None else None
+            comp.finish_reason, comp.stop_reason = seq.finish_reason, seq.stop_reason
+        if seqs[0].params.prompt_logprobs is not None:
+            first = seqs[0]
+            out.prompt_logprobs = [None] + [
+                {t: Logprob(lp, rank, self._decode_token(t)) for t, (lp, rank) in d.items()}
+                for d in first.prompt_logprobs
+            ]
+        out.finished = all(s.is_finished for s in seqs)
+        if out.finished:
+            del self.requests[rid]
+        return out

@@ -1,0 +1,162 @@
+"""``LLM``: the user-facing class (vLLM's names): load a model, generate for a batch of prompts."""
+from __future__ import annotations
+
+import logging
+from typing import Iterator, Sequence as Seq
+
+import torch
+
+from sparrow.config import CacheConfig, EngineConfig, SchedulerConfig
+from sparrow.engine.engine import Engine
+from sparrow.errors import InvalidRequestError
+from sparrow.outputs import RequestOutput
+from sparrow.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> 'cuda' when a GPU is visible, else 'cpu'. Raises InvalidRequestError for 'cuda' without one."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidRequestError("device='cuda' was asked for but no CUDA GPU is visible")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise InvalidRequestError(f"unknown device {device!r} (use 'auto', 'cpu' or 'cuda')")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """'auto' -> bfloat16 on CUDA, float32 on CPU."""
+    if dtype == "auto":
+        return "bfloat16" if device.startswith("cuda") else "float32"
+    if dtype not in _DTYPES:
+        raise InvalidRequestError(f"unknown dtype {dtype!r} (use 'auto', 'float32', 'bfloat16' or 'float16')")
+    return dtype
+
+
+class LLM:
+    """Load a model and generate.
+
+    model: an HF folder (config.json + safetensors), a ``.gguf`` file, or None for the packaged default
+    (Gemma 3 270M Q4_K_M). device: 'auto' | 'cpu' | 'cuda'. dtype: 'auto' | 'float32' | 'bfloat16' |
+    'float16'. max_model_len: longest prompt + output (default: the model's, capped at 8192).
+    Raises sparrow errors (ModelNotFoundError, ModelLoadError, UnsupportedArchitectureError, ...)."""
+
+    def __init__(self, model: str | None = None, device: str = "auto", dtype: str = "auto",
+                 max_model_len: int | None = None, quantization: str | None = None, block_size: int = 16,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, enforce_eager: bool = False,
+                 num_kv_blocks: int | None = None, enable_prefix_caching: bool = True, seed: int = 0,
+                 tokenizer=None):
+        from sparrow.default_model import default_model_path
+        from sparrow.loader.model_loader import load_model
+        from sparrow.tokenizer import load_tokenizer
+
+        if quantization is not None:
+            raise InvalidRequestError(f"quantization={quantization!r} is not supported yet")
+        if block_size < 1 or block_size & (block_size - 1):
+            raise InvalidRequestError(f"block_size={block_size} must be a power of two")
+        path = model if model is not None else default_model_path()
+        device = resolve_device(device)
+        dtype = resolve_dtype(dtype, device)
+        torch.manual_seed(seed)
+        loaded = load_model(path, _DTYPES[dtype], device)
+        mcfg = loaded.config
+        limit = mcfg.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = min(limit, 8192)
+        elif max_model_len > limit:
+            raise InvalidRequestError(f"max_model_len={max_model_len} exceeds the model's {limit} positions")
+        elif max_model_len < 2:
+            raise InvalidRequestError(f"max_model_len={max_model_len} must be at least 2")
+        config = EngineConfig(
+            model=mcfg, device=device, dtype=dtype, max_model_len=max_model_len,
+            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max(max_num_batched_tokens, 1)),
+            enforce_eager=enforce_eager,
+        )
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
+        self.engine = Engine(config, loaded.model, self.tokenizer)
+        self.model_path = path
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def _normalize(self, prompts, sampling_params):
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise InvalidRequestError("no prompts given")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        sampling_params = list(sampling_params)
+        if len(sampling_params) != len(prompts):
+            raise InvalidRequestError(
+                f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts (give one, or one per prompt)")
+        return prompts, sampling_params
+
+    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for one prompt or a list (text, or {'prompt_token_ids': [...]}); results in prompt order.
+        All prompts are validated before any runs, so a bad one raises without side effects."""
+        prompts, params = self._normalize(prompts, sampling_params)
+        ids = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(p, sp))
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generating")
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    if bar:
+                        bar.update(1)
+        if bar:
+            bar.close()
+        return [done[r] for r in ids]
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the text of one prompt's first completion as it is generated (new text per step)."""
+        rid = self.engine.add_request(prompt, sampling_params or SamplingParams())
+        sent = 0
+        try:
+            while True:
+                outs = [o for o in self.engine.step() if o.request_id == rid]
+                for out in outs:
+                    text = out.outputs[0].text
+                    if len(text) > sent:
+                        yield text[sent:]
+                        sent = len(text)
+                    if out.finished:
+                        return
+                if not self.engine.has_unfinished_requests():
+                    return
+        finally:
+            if rid in self.engine.requests:
+                self.engine.abort(rid)
+
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
+        """Generate the assistant's reply to a conversation, rendered with the model's chat template."""
+        from sparrow.tokenizer import apply_chat_template
+
+        return self.generate(apply_chat_template(self.tokenizer, messages), sampling_params)[0]

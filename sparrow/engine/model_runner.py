@@ -1,0 +1,155 @@
+"""The model runner: allocates the paged KV pool, turns a scheduled step into batch tensors
+(input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc), runs the model, and samples.
+
+Shapes: R = rows of the step, S = scheduled sequences, M = max blocks per sequence, V = vocab.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sparrow.config import EngineConfig
+from sparrow.engine.sampler import Sampler, SamplingState
+from sparrow.engine.scheduler import ScheduledSeq
+from sparrow.layers.attention import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token occupies over all layers."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    return sum(a.num_kv_heads * (a.head_dim + a.v_head_dim) * size for a in model.attention_layers())
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module):
+        self.config = config
+        self.model = model
+        self.device = torch.device(config.device)
+        self.dtype = _DTYPES[config.dtype]
+        self.block_size = config.cache.block_size
+        self.num_blocks = self._num_blocks()
+        self._allocate_kv_cache()
+        self.sampler = Sampler()
+
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        per_block = kv_bytes_per_token(self.model, self.dtype) * self.block_size
+        want = self.config.scheduler.max_num_seqs * -(-self.config.max_model_len // self.block_size)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - cache.gpu_memory_utilization) * total
+        else:
+            budget = cache.cpu_kv_cache_bytes
+        fits = int(budget // per_block)
+        need_one = -(-self.config.max_model_len // self.block_size)
+        if fits < need_one:
+            fits = need_one  # one full-length sequence must fit; later ones wait or are preempted
+        return max(1, min(want, fits))
+
+    def _allocate_kv_cache(self) -> None:
+        self.kv_caches = []
+        for attn in self.model.attention_layers():
+            shape_k = (self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+            shape_v = (self.num_blocks, self.block_size, attn.num_kv_heads, attn.v_head_dim)
+            k = torch.zeros(shape_k, dtype=self.dtype, device=self.device)
+            v = torch.zeros(shape_v, dtype=self.dtype, device=self.device)
+            attn.kv_cache = (k, v)
+            self.kv_caches.append((k, v))
+        log.info("KV cache: %d blocks of %d tokens", self.num_blocks, self.block_size)
+
+    def prepare(self, scheduled: list[ScheduledSeq]):
+        """Batch tensors for one step; returns (input_ids [R], meta, soft_embeds, soft_mask, sample_rows,
+        prompt_logprob_rows)."""
+        input_ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
+        soft_vecs, soft_mask = [], []
+        sample_rows: list[int] = []
+        prompt_rows: list[tuple[int, int, int]] = []  # (scheduled idx, first row, count)
+        bs = self.block_size
+        for i, item in enumerate(scheduled):
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            row0 = len(input_ids)
+            input_ids += seq.tokens(start, start + n)
+            positions += range(start, start + n)
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            if seq.soft_embeds is not None:
+                index = {p: j for j, p in enumerate(seq.soft_positions)}
+                for p in range(start, start + n):
+                    j = index.get(p)
+                    soft_mask.append(j is not None)
+                    if j is not None:
+                        soft_vecs.append(seq.soft_embeds[j])
+            else:
+                soft_mask += [False] * n
+            qsl.append(len(input_ids))
+            seq_lens.append(start + n)
+            tables.append(seq.block_table)
+            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens:
+                m = min(n, seq.num_prompt_tokens - 1 - start)
+                if m > 0:
+                    prompt_rows.append((i, row0, m))
+            if item.samples:
+                sample_rows.append(len(input_ids) - 1)
+        width = max(len(t) for t in tables)
+        dev = self.device
+        bt = torch.zeros(len(tables), width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        meta = AttentionMetadata(
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=bt.to(dev),
+            max_query_len=max(s.num_new_tokens for s in scheduled),
+            max_seq_len=max(seq_lens),
+            logits_indices=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        soft = torch.stack(soft_vecs).to(dev) if soft_vecs else None
+        mask = torch.tensor(soft_mask, dtype=torch.bool, device=dev) if soft_vecs else None
+        return ids, meta, soft, mask, sample_rows, prompt_rows
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]):
+        """Run one step. Returns (sampler output for the sequences that sample, in scheduled order,
+        {scheduled idx: [[(token, logprob, rank, topk dict)], ...]} prompt logprobs)."""
+        ids, meta, soft, mask, sample_rows, prompt_rows = self.prepare(scheduled)
+        hidden = self.model(ids, meta, soft, mask)
+        out = None
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[meta.logits_indices])
+            states = []
+            for item in scheduled:
+                if item.samples:
+                    s = item.seq
+                    states.append(SamplingState(s.params, s.prompt_token_ids, s.output_token_ids,
+                                                s.generator, s.eos_token_ids))
+            out = self.sampler(logits, states)
+        prompt_lp = {}
+        for i, row0, m in prompt_rows:
+            seq = scheduled[i].seq
+            lp = torch.log_softmax(self.model.compute_logits(hidden[row0:row0 + m]), dim=-1)
+            start = seq.num_computed_tokens
+            targets = torch.tensor(seq.tokens(start + 1, start + 1 + m), device=lp.device)
+            chosen = lp.gather(1, targets[:, None])[:, 0]
+            ranks = (lp > chosen[:, None]).sum(1) + 1
+            k = seq.params.prompt_logprobs
+            top = lp.topk(k, dim=-1) if k > 0 else None
+            rows = []
+            for r in range(m):
+                d = {int(targets[r]): (float(chosen[r]), int(ranks[r]))}
+                if top is not None:
+                    for j in range(k):
+                        tid = int(top.indices[r, j])
+                        d.setdefault(tid, (float(top.values[r, j]), j + 1))
+                rows.append(d)
+            prompt_lp[i] = rows
+        return out, prompt_lp

@@ -1,0 +1,65 @@
+"""One generated sequence: its tokens, its KV blocks and its progress. A request with n > 1 owns n of them."""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from sparrow.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    index: int
+    """Position among the request's n sequences."""
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: set[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    """Tokens whose K/V are in the cache."""
+    num_cached_prefix_tokens: int = 0
+    """Of those, tokens found in the prefix cache when the sequence was admitted."""
+    generator: torch.Generator | None = None
+    detokenizer: object = None
+    text: str = ""
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    soft_embeds: torch.Tensor | None = None
+    """[n_soft, H] vectors injected at ``soft_positions`` instead of embedding-table rows."""
+    soft_positions: list[int] = field(default_factory=list)
+    seq_id: int = field(default_factory=lambda: next(_ids))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

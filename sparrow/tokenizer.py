@@ -1,0 +1,64 @@
+"""Tokenization through transformers' AutoTokenizer (from an HF folder, or built from a GGUF file's
+vocabulary), chat templates, and the BOS rule: a prompt never gets a second BOS."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+from sparrow.errors import InvalidRequestError, ModelLoadError
+
+log = logging.getLogger(__name__)
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("SPARROW_CACHE", Path.home() / ".cache" / "sparrow"))
+
+
+def load_tokenizer(path: str | Path):
+    """AutoTokenizer for a model path. For a GGUF file transformers converts the embedded vocabulary
+    (slow for large vocabularies), so the converted tokenizer is saved under ~/.cache/sparrow/tokenizers
+    keyed by the file's path, size and mtime, and reloaded from there next time."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    try:
+        if path.is_file():
+            st = path.stat()
+            key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+            cached = _cache_root() / "tokenizers" / f"{path.stem}-{key}"
+            if (cached / "tokenizer_config.json").is_file():
+                return AutoTokenizer.from_pretrained(str(cached))
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            try:
+                tok.save_pretrained(str(cached))
+            except OSError as e:  # a read-only cache is not fatal
+                log.warning("could not cache the tokenizer at %s: %s", cached, e)
+            return tok
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # transformers raises many types for a broken tokenizer
+        raise ModelLoadError(f"cannot load a tokenizer for {path}: {type(e).__name__}: {e}") from None
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """Token ids of a text prompt, with BOS added once when the tokenizer adds one, and not added when the
+    text already starts with the BOS token (e.g. a rendered chat template). Raises InvalidRequestError on ''."""
+    if not isinstance(prompt, str):
+        raise InvalidRequestError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+    if prompt == "":
+        raise InvalidRequestError("empty prompt: give at least one character or token")
+    bos = tokenizer.bos_token
+    has_bos = bool(bos) and prompt.startswith(bos)
+    ids = tokenizer(prompt, add_special_tokens=not has_bos)["input_ids"]
+    if len(ids) >= 2 and tokenizer.bos_token_id is not None and ids[0] == ids[1] == tokenizer.bos_token_id:
+        ids = ids[1:]
+    return ids
+
+
+def apply_chat_template(tokenizer, messages: list[dict]) -> str:
+    """Render a conversation with the model's chat template, ending with the assistant turn's opening.
+    Raises InvalidRequestError when the model has no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("this model has no chat template; use a plain prompt (no --chat)")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
