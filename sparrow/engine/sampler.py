@@ -21,7 +21,7 @@ from sparrow.sampling_params import SamplingParams
 
 TOP_P_CANDIDATES = 1024
 """Top-p without top-k first looks for the nucleus among this many best tokens (a partial top-k); rows
-whose nucleus is larger fall back to a full sort of the vocabulary."""
+whose nucleus is larger retry with 16x more, and sort the whole vocabulary past V / 4."""
 
 
 @dataclass
@@ -174,9 +174,10 @@ def truncate(
         if bool(short.any()):
             rows = short.nonzero().flatten()
             full = truncate(logits[rows], temperature[rows], top_k[rows], top_p[rows], min_p[rows],
-                            max_candidates=V)
-            vals = torch.cat([vals, vals.new_full((S, V - K), float("-inf"))], dim=1)
-            ids = torch.cat([ids, ids.new_zeros((S, V - K))], dim=1)
+                            max_candidates=16 * K)      # 16x more candidates, a full sort past V / 4
+            pad = full.logits.shape[1] - K
+            vals = torch.cat([vals, vals.new_full((S, pad), float("-inf"))], dim=1)
+            ids = torch.cat([ids, ids.new_zeros((S, pad))], dim=1)
             vals[rows], ids[rows], count[rows] = full.logits, full.ids, full.count
     return Candidates(vals, ids, count)
 
