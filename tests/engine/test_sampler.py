@@ -303,7 +303,7 @@ def _bench() -> None:
     greedy = [state(SP(temperature=0.0), prompt=[1], out=[2]) for _ in range(R)]
     sampler = Sampler(0)
     for name, x, st in [("greedy, R=8", peaked, greedy), ("mixed, R=8, peaked logits", peaked, states),
-                        ("mixed, R=8, flat randn*3 logits (top-p sorts)", torch.randn(R, V) * 3, states)]:
+                        ("mixed, R=8, flat randn*3 logits (big nucleus)", torch.randn(R, V) * 3, states)]:
         sampler(x, st)
         t0 = time.perf_counter()
         for _ in range(10):
