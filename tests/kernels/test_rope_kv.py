@@ -12,6 +12,7 @@ import torch
 from sparrow.kernels.attention import force_backend
 from sparrow.kernels.rope import build_cos_sin_cache, qk_norm_rope_kv_write, qk_norm_rope_kv_write_ref
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the small tests also run on a GPU machine
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1 / 64, rtol=1 / 64)}
 
 
@@ -21,13 +22,15 @@ def make(rows, hq, hkv, d, rotary_dim, dtype, k_eq_v, seed=0, page=16):
     k = (3 * torch.randn(rows, hkv, d, generator=g)).to(dtype)
     v = None if k_eq_v else torch.randn(rows, hkv, d, generator=g).to(dtype)
     positions = torch.randint(0, 500, (rows,), generator=g)
-    slots = torch.randperm(4 * page, generator=g)[:rows]
+    num_pages = 4 + 2 * (rows // page)
+    slots = torch.randperm(num_pages * page, generator=g)[:rows]
     slots[rows // 2] = -1  # a padded row: not written
     qw = (1 + 0.5 * torch.randn(d, generator=g)).to(dtype)
     kw = (1 + 0.5 * torch.randn(d, generator=g)).to(dtype)
     cache = build_cos_sin_cache(rotary_dim, 512, 1e4)
-    k_cache = torch.zeros(4, page, hkv, d, dtype=dtype)
-    return q, k, v, positions, cache, qw, kw, k_cache, k_cache.clone(), slots
+    k_cache = torch.zeros(num_pages, page, hkv, d, dtype=dtype)
+    out = (q, k, v, positions, cache, qw, kw, k_cache, k_cache.clone(), slots)
+    return tuple(None if t is None else t.to(DEV) for t in out)
 
 
 # rows, hq, hkv, d, rotary_dim, dtype, gemma_norm, norm_offset, v_norm, k_eq_v, with q/k norm
@@ -54,7 +57,7 @@ def test_kernel_matches_twin(rows, hq, hkv, d, rd, dtype, gemma, offset, v_norm,
         got = qk_norm_rope_kv_write(*args, kc2, vc2, slots, norm_offset=offset)
     for a, b in zip(got + (kc2, vc2), want + (kc, vc)):
         torch.testing.assert_close(a, b, **TOL[dtype])
-    flat = kc2.view(-1, hkv, d)
+    flat, slots = kc2.view(-1, hkv, d).cpu(), slots.cpu()
     assert flat[slots[slots >= 0]].abs().sum(-1).gt(0).all()  # written rows
     assert int((flat.abs().sum((-1, -2)) > 0).sum()) == int((slots >= 0).sum())  # and nothing else
 
@@ -133,8 +136,6 @@ def test_gemma4_shapes_gpu(d, hkv, k_eq_v):
     kc = torch.zeros(40, 16, hkv, d, dtype=torch.bfloat16, device="cuda")
     vc = torch.zeros_like(kc)
     slots = torch.randperm(640)[:rows].cuda()
-    q, k, qw, kw, pos = q.cuda(), k.cuda(), qw.cuda(), kw.cuda(), pos.cuda()
-    v = None if v is None else v.cuda()
     args = (q, k, v, pos, cache, d, qw, kw, 1e-6, True, True, k_eq_v)
     kc2, vc2 = kc.clone(), vc.clone()
     want = qk_norm_rope_kv_write_ref(*args, kc, vc, slots, norm_offset=0.0)
