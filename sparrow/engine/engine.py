@@ -151,6 +151,8 @@ class Engine:
                 new_text = seq.detokenizer.add(tid)
                 seq.text += new_text
             self._finish_check(seq, tid, new_text)
+            if seq.finish_reason is not None and seq.detokenizer is not None and not isinstance(seq.stop_reason, str):
+                seq.text += seq.detokenizer.flush()  # text held back for an incomplete character
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
             touched[seq.request_id] = None

@@ -47,32 +47,33 @@ def paged_attention_ref(
     The K/V of this step's rows must already be written to the cache.
     """
     num_seqs = seq_lens.shape[0]
-    hq, hkv = q.shape[1], k_cache.shape[2]
-    block_size = k_cache.shape[1]
-    out = torch.empty(q.shape[0], hq, v_cache.shape[-1], dtype=q.dtype, device=q.device)
+    r, hq, d = q.shape
+    hkv, block_size, dv = k_cache.shape[2], k_cache.shape[1], v_cache.shape[-1]
+    group = hq // hkv
+    out = torch.empty(r, hq, dv, dtype=q.dtype, device=q.device)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     for s in range(num_seqs):
         q0, q1, ctx = starts[s], starts[s + 1], lens[s]
-        if q1 == q0:
+        lq = q1 - q0
+        if lq == 0:
             continue
         nblocks = (ctx + block_size - 1) // block_size
         blocks = block_tables[s, :nblocks].long()
-        k = k_cache[blocks].reshape(-1, hkv, k_cache.shape[-1])[:ctx].float()  # [L, Hkv, D]
-        v = v_cache[blocks].reshape(-1, hkv, v_cache.shape[-1])[:ctx].float()  # [L, Hkv, Dv]
-        qs = q[q0:q1].float()  # [Lq, Hq, D]
-        group = hq // hkv
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale  # [Hq, Lq, L]
+        k = k_cache[blocks].reshape(-1, hkv, d)[:ctx].float().permute(1, 2, 0)  # [Hkv, D, L]
+        v = v_cache[blocks].reshape(-1, hkv, dv)[:ctx].float().transpose(0, 1)  # [Hkv, L, Dv]
+        qs = q[q0:q1].float().reshape(lq, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * lq, d)
+        scores = torch.bmm(qs, k).mul_(scale)  # [Hkv, G*Lq, L], rows ordered (g, query)
         if soft_cap is not None:
             scores = soft_cap * torch.tanh(scores / soft_cap)
-        q_pos = torch.arange(ctx - (q1 - q0), ctx, device=q.device)[:, None]
-        k_pos = torch.arange(ctx, device=q.device)[None, :]
-        visible = k_pos <= q_pos
-        if sliding_window is not None:
-            visible &= q_pos - k_pos < sliding_window
-        scores = scores.masked_fill(~visible, float("-inf"))
+        if lq > 1 or sliding_window is not None:
+            q_pos = torch.arange(ctx - lq, ctx, device=q.device)[:, None]
+            k_pos = torch.arange(ctx, device=q.device)[None, :]
+            visible = k_pos <= q_pos
+            if sliding_window is not None:
+                visible &= q_pos - k_pos < sliding_window
+            scores = scores.view(hkv, group, lq, ctx).masked_fill(~visible, float("-inf")).view(hkv, group * lq, ctx)
         probs = torch.softmax(scores, dim=-1)
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+        o = torch.bmm(probs, v).view(hkv, group, lq, dv).permute(2, 0, 1, 3).reshape(lq, hq, dv)
+        out[q0:q1] = o.to(q.dtype)
     return out

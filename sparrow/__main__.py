@@ -1,0 +1,5 @@
+import sys
+
+from sparrow.cli import main
+
+sys.exit(main())

@@ -1,0 +1,143 @@
+"""Command line: ``sparrow generate | chat | bench`` (also ``python -m sparrow``).
+
+Errors a user can cause (missing model, bad prompt, bad sampling value, ...) print one line naming the
+problem and exit with status 2, without a traceback."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from sparrow.errors import SparrowError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint folder or .gguf file (default: the packaged Gemma 3 270M Q4_K_M)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default {max_tokens})")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = disabled")
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _sampling(args):
+    from sparrow.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed, max_tokens=args.max_tokens)
+
+
+def _llm(args):
+    from sparrow.engine.llm import LLM
+
+    return LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+
+
+def cmd_generate(args) -> int:
+    from sparrow.tokenizer import apply_chat_template
+
+    from sparrow.errors import InvalidRequestError
+
+    params = _sampling(args)  # validate before the slow model load
+    if args.prompt == "":
+        raise InvalidRequestError("empty prompt: give at least one character or token")
+    llm = _llm(args)
+    prompt = args.prompt
+    if args.chat:
+        prompt = apply_chat_template(llm.tokenizer, [{"role": "user", "content": prompt}])
+    for piece in llm.stream(prompt, params):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from sparrow.tokenizer import apply_chat_template
+
+    params = _sampling(args)
+    llm = _llm(args)
+    apply_chat_template(llm.tokenizer, [{"role": "user", "content": "hi"}])  # fail early without a template
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("sparrow chat: type a message, /reset to start over, /exit or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = []
+        for piece in llm.stream(apply_chat_template(llm.tokenizer, messages), params):
+            reply.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_bench(args) -> int:
+    from sparrow.bench import run_bench
+
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sparrow", description="sparrow: an LLM inference engine for MoE models")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log loading and engine details")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="stream the continuation of a prompt to stdout")
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _add_model_args(g)
+    _add_sampling_args(g, 128)
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("chat", help="interactive conversation using the model's chat template")
+    c.add_argument("--system", default=None, help="system message")
+    _add_model_args(c)
+    _add_sampling_args(c, 512)
+    c.set_defaults(func=cmd_chat)
+    b = sub.add_parser("bench", help="prefill / decode tok/s of sparrow and of HF transformers on the same weights")
+    _add_model_args(b)
+    b.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes (default 1,8)")
+    b.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence (default 128)")
+    b.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded per sequence (default 32)")
+    b.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
+    b.add_argument("--model-shape", default=None,
+                   help="benchmark a random-weight model of a named shape instead of --model")
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except SparrowError as e:
+        print(f"sparrow: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
