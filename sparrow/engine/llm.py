@@ -43,13 +43,14 @@ class LLM:
     model: an HF folder (config.json + safetensors), a ``.gguf`` file, or None for the packaged default
     (Gemma 3 270M Q4_K_M). device: 'auto' | 'cpu' | 'cuda'. dtype: 'auto' | 'float32' | 'bfloat16' |
     'float16'. max_model_len: longest prompt + output (default: the model's, capped at 8192).
+    tokenizer: a transformers tokenizer to use instead of the model's; skip_tokenizer_init=True runs without one.
     Raises sparrow errors (ModelNotFoundError, ModelLoadError, UnsupportedArchitectureError, ...)."""
 
     def __init__(self, model: str | None = None, device: str = "auto", dtype: str = "auto",
                  max_model_len: int | None = None, quantization: str | None = None, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, enforce_eager: bool = False,
                  num_kv_blocks: int | None = None, enable_prefix_caching: bool = True, seed: int = 0,
-                 tokenizer=None):
+                 tokenizer=None, skip_tokenizer_init: bool = False):
         from sparrow.default_model import default_model_path
         from sparrow.loader.model_loader import load_model
         from sparrow.tokenizer import load_tokenizer
@@ -79,7 +80,8 @@ class LLM:
                                       max_num_batched_tokens=max(max_num_batched_tokens, 1)),
             enforce_eager=enforce_eager,
         )
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
+        # skip_tokenizer_init (vLLM's name): no tokenizer; prompts must be {'prompt_token_ids': [...]}, no text out
+        self.tokenizer = tokenizer if tokenizer is not None or skip_tokenizer_init else load_tokenizer(path)
         self.engine = Engine(config, loaded.model, self.tokenizer)
         self.model_path = path
 
