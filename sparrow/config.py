@@ -215,7 +215,8 @@ class ModelConfig:
             n_layers = int(m("block_count"))
         except TypeError:
             raise ModelLoadError(f"GGUF metadata lacks the {arch} shape keys (embedding_length, ...)") from None
-        vocab = m("vocab_size") or len(metadata.get("tokenizer.ggml.tokens", [])) or None
+        vocab = (m("vocab_size") or metadata.get("tokenizer.ggml.tokens.length")
+                 or len(metadata.get("tokenizer.ggml.tokens", [])) or None)
         if vocab is None:
             raise ModelLoadError("GGUF metadata gives no vocab size (no vocab_size, no tokenizer.ggml.tokens)")
         cfg: dict[str, Any] = {

@@ -10,8 +10,12 @@ Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md, read with the
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 import re
+from dataclasses import dataclass
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
@@ -41,29 +45,80 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
 _BLK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
+@dataclass
+class TensorInfo:
+    """Where one tensor's bytes lie in the file."""
+
+    name: str
+    tensor_type: int
+    shape: list[int]
+    """GGUF order: ne0 (fastest) first."""
+    data_offset: int
+    n_bytes: int
+
+
+# Metadata arrays that only the tokenizer reads; the index cache records their length, not their content.
+_TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
+                     "tokenizer.ggml.merges")
+
+
 class GGUFCheckpoint:
-    """An open GGUF file. ``metadata`` is {key: python value}; ``tensors()`` yields (HF name, fp32 tensor)."""
+    """An open GGUF file. ``metadata`` is {key: python value}; ``tensors()`` yields (HF name, fp32 tensor).
+
+    gguf's GGUFReader parses every metadata field up front, which takes seconds for a 262k-token
+    vocabulary; so the first open saves the tensor index and the metadata (tokenizer arrays reduced to
+    their length) under ~/.cache/sparrow/gguf-index, keyed by path, size and mtime, and later opens read
+    that index and memory-map the file directly."""
 
     def __init__(self, path: str | Path):
+        self.path = Path(path)
+        st = self.path.stat()
+        key = hashlib.sha256(f"{self.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:20]
+        cache = Path(os.environ.get("SPARROW_CACHE", Path.home() / ".cache" / "sparrow")) / "gguf-index" / f"{key}.json"
+        index = None
+        if cache.is_file():
+            try:
+                index = json.loads(cache.read_text())
+            except (OSError, json.JSONDecodeError):
+                index = None
+        if index is None:
+            index = self._parse()
+            try:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                cache.write_text(json.dumps(index))
+            except OSError as e:  # a read-only cache only costs time
+                log.warning("could not write the GGUF index cache %s: %s", cache, e)
+        self.metadata = index["metadata"]
+        self.tensor_infos = [TensorInfo(**t) for t in index["tensors"]]
+        self.tensor_names = {t.name for t in self.tensor_infos}
+        self.arch = self.metadata.get("general.architecture")
+        end = max((t.data_offset + t.n_bytes for t in self.tensor_infos), default=0)
+        if end > st.st_size:
+            raise ModelLoadError(f"GGUF file {self.path} is truncated: tensor data ends at byte {end}, "
+                                 f"file has {st.st_size}")
+        self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
+
+    def _parse(self) -> dict:
         import gguf
 
-        self.path = Path(path)
         try:
-            self.reader = gguf.GGUFReader(str(self.path))
+            reader = gguf.GGUFReader(str(self.path))
         except Exception as e:  # truncated or not a GGUF file: gguf raises various types
             raise ModelLoadError(f"cannot read GGUF file {self.path}: {type(e).__name__}: {e}") from None
-        self.metadata = self._read_metadata()
-        self.arch = self.metadata.get("general.architecture")
-
-    def _read_metadata(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, f in self.reader.fields.items():
+        meta: dict[str, Any] = {}
+        for key, f in reader.fields.items():
+            if key in _TOKENIZER_ARRAYS:
+                meta[key + ".length"] = len(f.data)
+                continue
             try:
                 val = f.contents()
             except Exception:  # a field gguf cannot decode is not one we read
                 continue
-            out[key] = val
-        return out
+            if isinstance(val, (str, int, float, bool, list)) or val is None:
+                meta[key] = val
+        tensors = [dict(name=t.name, tensor_type=int(t.tensor_type), shape=[int(x) for x in t.shape.tolist()],
+                        data_offset=int(t.data_offset), n_bytes=int(t.n_bytes)) for t in reader.tensors]
+        return {"metadata": meta, "tensors": tensors}
 
     def rename(self, gguf_name: str) -> str | None:
         """HF name of a GGUF tensor, or None when it has no HF counterpart (e.g. rope_freqs)."""
@@ -93,21 +148,18 @@ class GGUFCheckpoint:
         n_head = self.metadata.get(f"{self.arch}.attention.head_count")
         n_kv = self.metadata.get(f"{self.arch}.attention.head_count_kv", n_head)
         permute_qk = self.arch in ("llama", "mistral")
-        for t in self.reader.tensors:
+        for t in self.tensor_infos:
             name = self.rename(t.name)
+            with warnings.catch_warnings():  # the memory map is read-only; we only read it
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.from_numpy(self._mmap[t.data_offset:t.data_offset + t.n_bytes])
             if name is None:
                 if t.name == "rope_freqs.weight":
-                    yield "rope_freqs", torch.from_numpy(np.array(t.data, dtype=np.float32))
+                    yield "rope_freqs", dequantize(raw, t.tensor_type, tuple(reversed(t.shape)), name=t.name)
                     continue
                 raise ModelLoadError(f"GGUF tensor {t.name!r} has no known HF counterpart for {self.arch}")
-            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-            try:
-                with warnings.catch_warnings():  # the memory map is read-only; we only read it
-                    warnings.simplefilter("ignore", UserWarning)
-                    raw = torch.from_numpy(np.ascontiguousarray(t.data).view(np.uint8).reshape(-1))
-            except ValueError as e:
-                raise ModelLoadError(f"GGUF tensor {t.name!r} is truncated or malformed: {e}") from None
-            w = dequantize(raw.to(device), int(t.tensor_type), shape, name=t.name)
+            shape = tuple(reversed(t.shape))
+            w = dequantize(raw.to(device), t.tensor_type, shape, name=t.name)
             if permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = n_head if "q_proj" in name else n_kv
                 # inverse of llama.cpp's reshape(heads, 2, D/2, K).swapaxes(1, 2)

@@ -35,7 +35,7 @@ def read_model_config(path: str | Path) -> tuple[ModelConfig, bool, object]:
         from sparrow.loader.gguf import GGUFCheckpoint
 
         ckpt = GGUFCheckpoint(path)
-        return ModelConfig.from_gguf(ckpt.metadata, {t.name for t in ckpt.reader.tensors}), True, ckpt
+        return ModelConfig.from_gguf(ckpt.metadata, ckpt.tensor_names), True, ckpt
     from sparrow.loader.safetensors import read_config
 
     return ModelConfig.from_hf(read_config(path)), False, None
