@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 
 import torch
 
@@ -45,7 +46,10 @@ class Engine:
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise InvalidRequestError("a dict prompt needs 'prompt_token_ids'")
-            ids = [int(t) for t in prompt["prompt_token_ids"]]
+            try:  # operator.index takes Python and numpy integers, refuses floats, strings and None
+                ids = [operator.index(t) for t in prompt["prompt_token_ids"]]
+            except TypeError:
+                raise InvalidRequestError("prompt_token_ids must be a list of integer token ids") from None
             soft, pos = prompt.get("soft_embeds"), list(prompt.get("soft_positions") or [])
             if soft is not None:
                 if soft.dim() != 2 or soft.shape[1] != self.config.model.hidden_size:
@@ -135,7 +139,8 @@ class Engine:
             seq = item.seq
             samples = item.samples  # read before num_computed_tokens moves
             if i in prompt_lp:
-                seq.prompt_logprobs.extend(prompt_lp[i])
+                # by position: a sequence preempted and prefilled again recomputes rows it already has
+                seq.prompt_logprobs[seq.num_computed_tokens:seq.num_computed_tokens + len(prompt_lp[i])] = prompt_lp[i]
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.commit_computed(seq)
             if not samples:
