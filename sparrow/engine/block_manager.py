@@ -47,7 +47,9 @@ class BlockManager:
 
     def allocate_prefix(self, seq: Sequence) -> int:
         """On admission: reuse cached blocks of the prompt's prefix; returns the tokens found cached."""
-        if not self.enable_prefix_caching or seq.soft_embeds is not None or seq.block_table:
+        # a prompt_logprobs request computes every prompt row, so it takes nothing from the cache (as vLLM)
+        if (not self.enable_prefix_caching or seq.soft_embeds is not None or seq.block_table
+                or seq.params.prompt_logprobs is not None):
             return 0
         cached = 0
         for h in self._prefix_hashes(seq):
