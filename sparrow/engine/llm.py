@@ -72,6 +72,9 @@ class LLM:
             raise InvalidRequestError(f"max_model_len={max_model_len} exceeds the model's {limit} positions")
         elif max_model_len < 2:
             raise InvalidRequestError(f"max_model_len={max_model_len} must be at least 2")
+        if num_kv_blocks is not None and num_kv_blocks * block_size < max_model_len:
+            raise InvalidRequestError(f"num_kv_blocks={num_kv_blocks} of {block_size} tokens cannot hold one "
+                                      f"sequence of max_model_len={max_model_len} tokens")
         config = EngineConfig(
             model=mcfg, device=device, dtype=dtype, max_model_len=max_model_len,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
