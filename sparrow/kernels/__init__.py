@@ -1,2 +1,52 @@
 """Compute kernels. Each Triton kernel sits beside a torch twin with the same signature; the twin is
-the CPU path and the test oracle (style.md 7-8)."""
+the CPU path and the test oracle (style.md 7-8).
+
+The layers pick a kernel with ``use_triton(x)``: Triton for CUDA tensors, the torch twin otherwise.
+``set_backend("torch")`` makes every layer use the twins even on the GPU (the reference path that the
+Triton path is tested against), ``set_backend("triton")`` forces the kernels even on CPU (under
+TRITON_INTERPRET=1, for tests), and ``set_backend(None)`` restores the default.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+_BACKEND: str | None = None
+
+
+def set_backend(name: str | None) -> None:
+    """'torch', 'triton' or None (by device). Raises ValueError for another name."""
+    global _BACKEND
+    if name not in (None, "torch", "triton"):
+        raise ValueError(f"unknown kernel backend {name!r}; expected 'torch', 'triton' or None")
+    _BACKEND = name
+    try:
+        from sparrow.kernels import attention
+
+        attention._backend = name
+    except ImportError:  # no Triton installed: only the torch twins exist
+        pass
+
+
+def get_backend() -> str | None:
+    return _BACKEND
+
+
+@contextlib.contextmanager
+def backend(name: str | None) -> Iterator[None]:
+    """``set_backend`` inside a with-block."""
+    old = _BACKEND
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(old)
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether a layer should run the Triton kernel on tensor ``x``."""
+    if _BACKEND is not None:
+        return _BACKEND == "triton"
+    return x.is_cuda

@@ -29,6 +29,36 @@ def write_kv_ref(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def write_kv_triton(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Triton twin of ``write_kv_ref`` (same contract); no host sync, so it can run inside a CUDA graph.
+    Raises ValueError when a row of k / v is not contiguous or the pool is not contiguous."""
+    import triton
+
+    from sparrow.kernels._kv_write_jit import write_kv_kernel
+
+    r = k.shape[0]
+    if r == 0:
+        return
+    if k.stride(-1) != 1 or k.stride(-2) != k.shape[-1] or v.stride(-1) != 1 or v.stride(-2) != v.shape[-1]:
+        raise ValueError("write_kv_triton: each row of k and v must be contiguous [Hkv, D]")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("write_kv_triton: k_cache and v_cache must be contiguous")
+    kd, vd = k.shape[1] * k.shape[2], v.shape[1] * v.shape[2]
+    write_kv_kernel[(r,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), kd, vd,
+                          BLOCK_K=min(1024, triton.next_power_of_2(kd)), BLOCK_V=min(1024, triton.next_power_of_2(vd)))
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Dispatcher: ``write_kv_triton`` where ``sparrow.kernels.use_triton(k)``, else ``write_kv_ref``."""
+    from sparrow.kernels import use_triton
+
+    (write_kv_triton if use_triton(k) else write_kv_ref)(k, v, k_cache, v_cache, slot_mapping)
+
+
 def paged_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -13,6 +13,11 @@ from torch import nn
 from sparrow.errors import ModelLoadError
 
 
+GEMV_MAX_ROWS = 0
+"""Row counts up to this use the Triton GEMV on the GPU (weights streamed once for all rows) instead of
+cuBLAS; 0 disables it. Set from measurements (benchmarks/kernels_micro.py) on the target GPU."""
+
+
 class UnquantizedLinearMethod:
     """Plain float weights ([N, K] in the model dtype); apply is ``x @ W.T + b``."""
 
@@ -23,6 +28,14 @@ class UnquantizedLinearMethod:
         pass
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.is_cuda:
+            from sparrow.kernels import use_triton
+
+            if use_triton(x):
+                from sparrow.kernels.gemv import gemv_triton
+
+                y = gemv_triton(x, layer.weight)
+                return y if layer.bias is None else y + layer.bias
         return F.linear(x, layer.weight, layer.bias)
 
 
