@@ -33,8 +33,19 @@ class ModelRunner:
         self.dtype = _DTYPES[config.dtype]
         self.block_size = config.cache.block_size
         self.num_blocks = self._num_blocks()
+        self.pad_block = self.num_blocks  # one extra block, never handed out: CUDA-graph padding rows write here
         self._allocate_kv_cache()
         self.sampler = Sampler()
+        self.graphs = None
+        from sparrow.kernels import get_backend
+
+        if self.device.type == "cuda" and not config.enforce_eager and get_backend() != "torch":
+            from sparrow.engine.cuda_graphs import DecodeGraphs
+
+            max_blocks = -(-config.max_model_len // self.block_size)
+            self.graphs = DecodeGraphs(model, self.device, config.scheduler.max_num_seqs, max_blocks,
+                                       self.pad_block, self.block_size)
+            self.graphs.capture()
 
     def _num_blocks(self) -> int:
         cache = self.config.cache
@@ -56,8 +67,8 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> None:
         self.kv_caches = []
         for attn in self.model.attention_layers():
-            shape_k = (self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-            shape_v = (self.num_blocks, self.block_size, attn.num_kv_heads, attn.v_head_dim)
+            shape_k = (self.num_blocks + 1, self.block_size, attn.num_kv_heads, attn.head_dim)
+            shape_v = (self.num_blocks + 1, self.block_size, attn.num_kv_heads, attn.v_head_dim)
             k = torch.zeros(shape_k, dtype=self.dtype, device=self.device)
             v = torch.zeros(shape_v, dtype=self.dtype, device=self.device)
             attn.kv_cache = (k, v)
@@ -99,40 +110,62 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
         width = max(len(t) for t in tables)
         dev = self.device
-        bt = torch.zeros(len(tables), width, dtype=torch.int32)
+        bt = torch.full((len(tables), width), self.pad_block, dtype=torch.int32)
         for i, t in enumerate(tables):
             bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        cpu = dict(positions=torch.tensor(positions, dtype=torch.int64),
+                   slot_mapping=torch.tensor(slots, dtype=torch.int64),
+                   seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=bt)
         meta = AttentionMetadata(
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=bt.to(dev),
+            positions=cpu["positions"].to(dev, non_blocking=True),
+            slot_mapping=cpu["slot_mapping"].to(dev, non_blocking=True),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
+            seq_lens=cpu["seq_lens"].to(dev, non_blocking=True),
+            block_tables=bt.to(dev, non_blocking=True),
             max_query_len=max(s.num_new_tokens for s in scheduled),
             max_seq_len=max(seq_lens),
-            logits_indices=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor(sample_rows, dtype=torch.int64).to(dev, non_blocking=True),
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         soft = torch.stack(soft_vecs).to(dev) if soft_vecs else None
         mask = torch.tensor(soft_mask, dtype=torch.bool, device=dev) if soft_vecs else None
         return ids, meta, soft, mask, sample_rows, prompt_rows
+
+    @staticmethod
+    def _states(scheduled: list[ScheduledSeq]) -> list[SamplingState]:
+        return [SamplingState(i.seq.params, i.seq.prompt_token_ids, i.seq.output_token_ids, i.seq.generator,
+                              i.seq.eos_token_ids) for i in scheduled if i.samples]
+
+    def _execute_graph(self, scheduled: list[ScheduledSeq]):
+        """A pure decode step through the captured graph of its batch bucket."""
+        bs = self.block_size
+        seqs = [s.seq for s in scheduled]
+        pos = [s.num_computed_tokens for s in seqs]
+        ids = torch.tensor([s.token_at(p) for s, p in zip(seqs, pos)], dtype=torch.int64)
+        slots = torch.tensor([s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)], dtype=torch.int64)
+        width = max(len(s.block_table) for s in seqs)
+        bt = torch.full((len(seqs), width), self.pad_block, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            bt[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        logits = self.graphs.run(len(seqs), ids, torch.tensor(pos, dtype=torch.int64), slots,
+                                 torch.tensor([p + 1 for p in pos], dtype=torch.int32), bt)
+        return self.sampler(logits, self._states(scheduled))
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]):
         """Run one step. Returns (sampler output for the sequences that sample, in scheduled order,
         {scheduled idx: [[(token, logprob, rank, topk dict)], ...]} prompt logprobs)."""
+        n = len(scheduled)
+        if (self.graphs is not None and all(s.num_new_tokens == 1 and s.samples for s in scheduled)
+                and all(s.seq.params.prompt_logprobs is None for s in scheduled)
+                and self.graphs.bucket_for(n) is not None):
+            return self._execute_graph(scheduled), {}
         ids, meta, soft, mask, sample_rows, prompt_rows = self.prepare(scheduled)
         hidden = self.model(ids, meta, soft, mask)
         out = None
         if sample_rows:
             logits = self.model.compute_logits(hidden[meta.logits_indices])
-            states = []
-            for item in scheduled:
-                if item.samples:
-                    s = item.seq
-                    states.append(SamplingState(s.params, s.prompt_token_ids, s.output_token_ids,
-                                                s.generator, s.eos_token_ids))
-            out = self.sampler(logits, states)
+            out = self.sampler(logits, self._states(scheduled))
         prompt_lp = {}
         for i, row0, m in prompt_rows:
             seq = scheduled[i].seq
