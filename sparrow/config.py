@@ -42,6 +42,75 @@ def _rope_for(cfg: dict, layer_type: str | None) -> dict:
     return out
 
 
+def _rotary_dim(cfg: dict, rope: dict, head_dim: int) -> int:
+    """Rotated dims per head: the whole head for Gemma 4's 'proportional' rope (its zero frequencies do the
+    partial part), else head_dim x partial_rotary_factor (or MiniMax's legacy ``rotary_dim``)."""
+    if rope.get("rope_type") == "proportional":
+        return head_dim
+    factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if factor is None and cfg.get("rotary_dim"):
+        return int(cfg["rotary_dim"])
+    return int(head_dim * float(factor if factor is not None else 1.0))
+
+
+def _check_gemma4(cfg: dict) -> None:
+    """Gemma 4 features outside the MoE text decoder (26B-A4B) sparrow runs: an error, never ignored."""
+    unsupported = {
+        "hidden_size_per_layer_input": "per-layer input embeddings (PLE)",
+        "num_kv_shared_layers": "KV sharing across layers",
+    }
+    for key, what in unsupported.items():
+        if cfg.get(key):
+            raise ModelLoadError(f"Gemma 4 config sets {key}={cfg[key]!r} ({what}), which sparrow does not support")
+    if cfg.get("use_bidirectional_attention") == "all":
+        raise ModelLoadError("Gemma 4 config sets use_bidirectional_attention='all'; sparrow runs causal decoders only")
+
+
+def _gemma4_layer_shape(cfg: dict, i: int, layer_type: str, n_kv: int, head_dim: int) -> tuple[int, int]:
+    """(KV heads, head dim) of Gemma 4 layer i: transformers 5's ``per_layer_config`` when saved, else the
+    ``global_head_dim`` (default 512) / ``num_global_key_value_heads`` of full-attention layers."""
+    per_layer = cfg.get("per_layer_config")
+    if isinstance(per_layer, dict) and per_layer:
+        over = per_layer.get(str(i)) or per_layer.get(i) or per_layer.get(layer_type) or {}
+        return int(over.get("num_key_value_heads", n_kv)), int(over.get("head_dim", head_dim))
+    if layer_type != "full_attention":
+        return n_kv, head_dim
+    kv = cfg.get("num_global_key_value_heads") if cfg.get("attention_k_eq_v", False) else None
+    return int(kv or n_kv), int(cfg.get("global_head_dim") or 512)
+
+
+def _moe_fields(cfg: dict, model_type: str) -> dict:
+    """The MoE fields of ModelConfig from an HF config (empty for a dense model)."""
+    if model_type.startswith("gemma4"):
+        if not cfg.get("enable_moe_block"):
+            return {}
+        return dict(num_experts=int(cfg["num_experts"]), num_experts_per_tok=int(cfg["top_k_experts"]),
+                    moe_intermediate_size=int(cfg["moe_intermediate_size"]), norm_topk_prob=True)
+    n = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
+    if not n:
+        return {}
+    out = dict(
+        num_experts=n,
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type in ("mixtral", "minimax_m2"))),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        n_group=cfg.get("n_group"),
+        topk_group=cfg.get("topk_group"),
+    )
+    if model_type == "minimax_m2":
+        out.update(router_scoring="sigmoid", router_correction_bias=True, norm_topk_prob=True)
+    elif cfg.get("scoring_func"):
+        out.update(router_scoring=str(cfg["scoring_func"]),
+                   router_correction_bias=cfg.get("topk_method") == "noaux_tc" or model_type == "deepseek_v3")
+    if out["num_experts_per_tok"] < 1:
+        raise ModelLoadError(f"MoE config has num_experts_per_tok={out['num_experts_per_tok']}")
+    return out
+
+
 @dataclass(frozen=True)
 class LayerSpec:
     """Attention shape of one decoder layer (layers may differ: Gemma 3/4 sliding vs full)."""
@@ -56,6 +125,8 @@ class LayerSpec:
     """Window W (query i sees keys j with i - W < j <= i), or None for full attention."""
     rope: dict
     """Rope parameters of this layer: rope_theta, rope_type, and the type's own fields."""
+    rotary_dim: int | None = None
+    """Leading dims of each head that RoPE rotates (partial rotary); None = the whole head."""
 
 
 @dataclass(frozen=True)
@@ -104,13 +175,55 @@ class ModelConfig:
     """Beginning-of-sequence token id."""
     eos_token_ids: tuple[int, ...] = ()
     """Token ids that end generation."""
+    qk_norm_per_head: bool = True
+    """q/k norms act per head ([D] weights); False: one norm over all heads' q (and k), MiniMax-M2."""
+    attention_k_eq_v: bool = False
+    """Full-attention layers have no v_proj: V is the K projection (before k_norm), Gemma 4."""
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 for a dense model."""
+    num_experts_per_tok: int = 0
+    """Experts each row is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """Width I of one routed expert."""
+    norm_topk_prob: bool = False
+    """Renormalize the top-k router weights to sum to 1."""
+    shared_expert_intermediate_size: int = 0
+    """Width of the sigmoid-gated shared expert (Qwen2-MoE); 0 = none."""
+    decoder_sparse_step: int = 1
+    """Layer i is MoE when (i + 1) % step == 0 and i is not in mlp_only_layers."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Layers that keep a dense MLP in an MoE model (Qwen2/3-MoE)."""
+    router_scoring: str = "softmax"
+    """Router scoring function: 'softmax', 'sigmoid' or 'sqrtsoftplus'."""
+    router_correction_bias: bool = False
+    """The router has e_score_correction_bias (selects experts, does not weigh them)."""
+    n_group: int | None = None
+    """Expert groups for grouped top-k (DeepSeek-V3); None = no grouping."""
+    topk_group: int | None = None
+    """Groups kept by grouped top-k."""
+    routed_scaling_factor: float = 1.0
+    """Multiplier on the routed experts' weights."""
+    moe_pair_threshold: int = 64
+    """More (row, expert) pairs than this take the grouped expert path, otherwise the per-pair path."""
     raw: dict = field(default_factory=dict, compare=False, repr=False)
     """The HF config dict this was built from (architecture-specific extras live here)."""
 
     @property
     def is_gemma(self) -> bool:
-        """Gemma conventions: (1 + w) norms, scaled embedding, GELU-tanh MLP, sandwich norms."""
+        """Gemma conventions: scaled embedding, GELU-tanh MLP, sandwich norms."""
         return self.model_type.startswith("gemma")
+
+    @property
+    def norm_kind(self) -> str:
+        """RMSNorm weight convention: 'gemma' (1 + w, Gemma 2/3), 'gemma4' (w in fp32), 'llama' (w after the cast)."""
+        if self.model_type.startswith("gemma4"):
+            return "gemma4"
+        return "gemma" if self.is_gemma else "llama"
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Layer ``layer_idx`` has routed experts."""
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
     def get(self, key: str, default: Any = None) -> Any:
         """An extra field from the HF config (for architecture-specific options)."""
@@ -154,21 +267,33 @@ class ModelConfig:
             raise ModelLoadError(f"config.layer_types has {len(layer_types)} entries for {n_layers} layers")
         if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             layer_types = ["full_attention"] * n_layers
-        layers = tuple(
-            LayerSpec(
+        elif model_type == "qwen3_moe" and window and not cfg.get("layer_types"):
+            layer_types = ["sliding_attention"] * n_layers  # Qwen3MoeModel: one window for every layer
+        if model_type.startswith("gemma4"):
+            _check_gemma4(cfg)
+        layers = []
+        for i, t in enumerate(layer_types):
+            kv_i, d_i = n_kv, head_dim
+            if model_type.startswith("gemma4"):
+                kv_i, d_i = _gemma4_layer_shape(cfg, i, t, n_kv, head_dim)
+            rope = _rope_for(cfg, t)
+            layers.append(LayerSpec(
                 layer_type=t,
-                num_kv_heads=n_kv,
-                head_dim=head_dim,
+                num_kv_heads=kv_i,
+                head_dim=d_i,
                 sliding_window=int(window) if t == "sliding_attention" and window else None,
-                rope=_rope_for(cfg, t),
-            )
-            for t in layer_types
-        )
+                rope=rope,
+                rotary_dim=_rotary_dim(cfg, rope, d_i),
+            ))
+        layers = tuple(layers)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         scalar = cfg.get("query_pre_attn_scalar")
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
         is_gemma = model_type.startswith("gemma")
+        moe = _moe_fields(cfg, model_type)
+        if model_type.startswith("gemma4"):
+            scalar = None
         return cls(
             architecture=arch,
             model_type=model_type,
@@ -184,13 +309,16 @@ class ModelConfig:
             hidden_act=act,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", is_gemma)),
             layers=layers,
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type in ("qwen3", "qwen3_moe") or model_type.startswith(("gemma3", "gemma4")),
-            attn_scale=float(scalar) ** -0.5 if scalar else None,
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", model_type in ("qwen2", "qwen2_moe")))),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "minimax_m2") or model_type.startswith(("gemma3", "gemma4")),
+            qk_norm_per_head=model_type != "minimax_m2",
+            attention_k_eq_v=bool(cfg.get("attention_k_eq_v", False)),
+            attn_scale=1.0 if model_type.startswith("gemma4") else (float(scalar) ** -0.5 if scalar else None),
             attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **moe,
             raw=cfg,
         )
 

@@ -82,9 +82,12 @@ class Attention(nn.Module):
 
 class SelfAttention(nn.Module):
     """The attention block of a decoder layer, shared by every architecture:
-    qkv_proj -> (per-head q_norm / k_norm) -> RoPE -> paged attention -> o_proj.
+    qkv_proj -> (q_norm / k_norm, per head or over all heads) -> RoPE -> paged attention -> o_proj.
 
-    x [R, H] -> [R, H]. HF names: qkv_proj packs q_proj | k_proj | v_proj; q_norm, k_norm, o_proj."""
+    x [R, H] -> [R, H]. HF names: qkv_proj packs q_proj | k_proj | v_proj; q_norm, k_norm, o_proj.
+    Config flags read here: ``qk_norm`` / ``qk_norm_per_head`` (MiniMax-M2 norms the whole [Hq*D] / [Hkv*D]
+    projection), ``attention_k_eq_v`` (Gemma 4 full layers: no v_proj, V = the raw K projection), Gemma 4's
+    scale-free v_norm, per-layer head dim / KV heads / window / rope / rotary dim from ``config.layers``."""
 
     def __init__(self, config, layer_idx: int, dtype: torch.dtype):
         super().__init__()
@@ -95,25 +98,43 @@ class SelfAttention(nn.Module):
         spec = config.layers[layer_idx]
         hq, hkv, d = config.num_attention_heads, spec.num_kv_heads, spec.head_dim
         self.hq, self.hkv, self.d = hq, hkv, d
-        self.qkv_proj = Linear(config.hidden_size, output_sizes=[hq * d, hkv * d, hkv * d],
-                               bias=config.attention_bias, dtype=dtype)
+        self.k_eq_v = config.attention_k_eq_v and spec.layer_type == "full_attention"
+        sizes = [hq * d, hkv * d] if self.k_eq_v else [hq * d, hkv * d, hkv * d]
+        self.qkv_proj = Linear(config.hidden_size, output_sizes=sizes, bias=config.attention_bias, dtype=dtype)
         self.o_proj = Linear(hq * d, config.hidden_size, bias=config.get("attention_out_bias", False), dtype=dtype)
+        kind = config.norm_kind
+        self.per_head_norm = config.qk_norm_per_head
         if config.qk_norm:
-            self.q_norm = RMSNorm(d, config.rms_norm_eps, gemma=config.is_gemma, dtype=dtype)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps, gemma=config.is_gemma, dtype=dtype)
+            qn, kn = (d, d) if self.per_head_norm else (hq * d, hkv * d)
+            self.q_norm = RMSNorm(qn, config.rms_norm_eps, kind=kind, dtype=dtype)
+            self.k_norm = RMSNorm(kn, config.rms_norm_eps, kind=kind, dtype=dtype)
         else:
             self.q_norm = self.k_norm = None
-        rotary_dim = int(d * float(config.get("partial_rotary_factor", 1.0)))
+        # Gemma 4 normalizes V without a scale (Gemma4TextAttention.v_norm)
+        self.v_norm = RMSNorm(d, config.rms_norm_eps, kind=kind, with_scale=False) if kind == "gemma4" else None
+        if spec.rotary_dim is not None:
+            rotary_dim = spec.rotary_dim
+        else:
+            rotary_dim = int(d * float(config.get("partial_rotary_factor", 1.0)))
         self.rotary = RotaryEmbedding(d, rotary_dim, config.max_position_embeddings, spec.rope)
         scale = config.attn_scale if config.attn_scale is not None else d**-0.5
         self.attn = Attention(hq, hkv, d, scale, spec.sliding_window, config.attn_logit_softcapping)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         r = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q, k, v = q.view(r, self.hq, self.d), k.view(r, self.hkv, self.d), v.view(r, self.hkv, self.d)
-        if self.q_norm is not None:
+        qkv = self.qkv_proj(x)
+        if self.k_eq_v:
+            q, k = qkv.split([self.hq * self.d, self.hkv * self.d], dim=-1)
+            v = k
+        else:
+            q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        if self.q_norm is not None and not self.per_head_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.view(r, self.hq, self.d), k.view(r, self.hkv, self.d), v.view(r, self.hkv, self.d)
+        if self.q_norm is not None and self.per_head_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.v_norm is not None:
+            v = self.v_norm(v)
         q, k = self.rotary(meta.positions, q, k)
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(r, self.hq * self.d))

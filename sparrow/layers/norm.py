@@ -1,7 +1,9 @@
 """RMSNorm with HF's numerics (Zhang & Sennrich 2019, arXiv:1910.07467).
 
-Llama convention (LlamaRMSNorm): normalize in fp32, cast back, then multiply by w.
-Gemma convention (Gemma3RMSNorm): normalize in fp32, multiply by (1 + w) in fp32, cast back.
+Three weight conventions (``kind``), all normalizing in fp32:
+- 'llama' (LlamaRMSNorm, Qwen, Mixtral, MiniMax): cast the normed x back, then multiply by w;
+- 'gemma' (Gemma3RMSNorm): multiply by (1 + w) in fp32, cast back;
+- 'gemma4' (Gemma4RMSNorm): x * (mean(x^2) + eps)^-0.5 (torch.pow, as HF), multiply by w in fp32, cast back.
 ``with_scale=False`` is the scale-free norm (Gemma 4 v_norm and router norm).
 """
 from __future__ import annotations
@@ -9,17 +11,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+NORM_KINDS = ("llama", "gemma", "gemma4")
+
 
 def rms_norm_torch(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, gemma: bool = False
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, gemma: bool = False, kind: str | None = None
 ) -> torch.Tensor:
-    """y = x / sqrt(mean(x^2) + eps) * w over the last dim; x [..., H], weight [H] or None. Returns x's dtype."""
+    """y = x / sqrt(mean(x^2) + eps) * w over the last dim; x [..., H], weight [H] or None. Returns x's dtype.
+    ``kind`` in NORM_KINDS (``gemma=True`` is kind 'gemma')."""
+    kind = kind or ("gemma" if gemma else "llama")
     xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if kind == "gemma4":
+        y = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    else:
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is None:
         return y.to(x.dtype)
-    if gemma:
+    if kind == "gemma":
         return (y * (1.0 + weight.float())).to(x.dtype)
+    if kind == "gemma4":
+        return (y * weight.float()).to(x.dtype)
     return weight * y.to(x.dtype)
 
 
@@ -27,18 +38,23 @@ class RMSNorm(nn.Module):
     """RMSNorm over the last dim (size H); ``forward(x, residual=None)``.
 
     With ``residual`` given it returns ``(norm(x + residual), x + residual)``, the pre-norm pattern of
-    every decoder layer (the sum is done in x's dtype, as HF does)."""
+    every decoder layer (the sum is done in x's dtype, as HF does). ``kind`` picks the weight convention
+    (module docstring); ``gemma=True`` is shorthand for kind='gemma'."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, gemma: bool = False, with_scale: bool = True,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, kind: str | None = None):
         super().__init__()
+        kind = kind or ("gemma" if gemma else "llama")
+        if kind not in NORM_KINDS:
+            raise ValueError(f"unknown RMSNorm kind {kind!r}; expected one of {NORM_KINDS}")
         self.eps = eps
-        self.gemma = gemma
-        init = torch.zeros if gemma else torch.ones
+        self.kind = kind
+        self.gemma = kind == "gemma"
+        init = torch.zeros if kind == "gemma" else torch.ones
         self.weight = nn.Parameter(init(hidden_size, dtype=dtype), requires_grad=False) if with_scale else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is not None:
             x = x + residual
-            return rms_norm_torch(x, self.weight, self.eps, self.gemma), x
-        return rms_norm_torch(x, self.weight, self.eps, self.gemma)
+            return rms_norm_torch(x, self.weight, self.eps, kind=self.kind), x
+        return rms_norm_torch(x, self.weight, self.eps, kind=self.kind)

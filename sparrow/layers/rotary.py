@@ -4,7 +4,10 @@ Shapes: R = rows, Hx = heads, D = head dim, Dr = rotary dim (<= D; the first Dr 
 A cos/sin cache [P, Dr] (fp32, cos and sin each [P, Dr] with the two halves repeated, as HF builds
 ``emb = cat(freqs, freqs)``) is indexed by position.
 Supported rope types: 'default', 'linear' (positions / factor), 'llama3' (Llama 3.1 frequency bands,
-as transformers' ``_compute_llama3_parameters``).
+as transformers' ``_compute_llama3_parameters``), 'proportional' (Gemma 4 full layers, transformers'
+``_compute_proportional_rope_parameters``: Dr = D, the first a = int(partial_rotary_factor * D // 2)
+frequencies are theta^(-2i/D), the other D/2 - a are 0 (cos 1, sin 0), all / factor; rotate_half runs
+over the whole head, so dims 0..a-1 pair with D/2..D/2+a-1).
 """
 from __future__ import annotations
 
@@ -20,6 +23,11 @@ def rope_inv_freq(rotary_dim: int, rope: dict) -> tuple[torch.Tensor, float]:
     """inv_freq [Dr/2] fp32 and the attention scaling factor for a rope parameter dict."""
     theta = float(rope.get("rope_theta", 10000.0))
     kind = rope.get("rope_type", "default")
+    if kind == "proportional":
+        angles = int(float(rope.get("partial_rotary_factor", 1.0)) * rotary_dim // 2)
+        rotated = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / rotary_dim))
+        inv_freq = torch.cat([rotated, torch.zeros(rotary_dim // 2 - angles)])
+        return inv_freq / float(rope.get("factor", 1.0)), 1.0
     inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
     if kind == "default":
         return inv_freq, 1.0
@@ -35,7 +43,7 @@ def rope_inv_freq(rotary_dim: int, rope: dict) -> tuple[torch.Tensor, float]:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
-    raise ModelLoadError(f"rope_type {kind!r} is not supported (supported: default, linear, llama3)")
+    raise ModelLoadError(f"rope_type {kind!r} is not supported (supported: default, linear, llama3, proportional)")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

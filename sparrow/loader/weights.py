@@ -3,7 +3,12 @@
 The model maps each checkpoint name to (parameter name, shard id) with ``resolve_weight`` (packed
 projections, stacked experts); the parameter's ``weight_loader(param, tensor, shard_id, name)`` copies it.
 Loading fails loudly, naming the tensor, on unused checkpoint tensors, misshaped tensors and parameters
-left unfilled (style.md 5).
+left unfilled (style.md 5). A whole-tensor load (shard id None) completes a parameter whatever its shards
+(e.g. transformers 5's fused 3-D ``experts.gate_up_proj`` fills the stacked experts in one go).
+
+Stacked experts (``bind_expert_loaders``): ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] are filled
+in place, one expert slice per checkpoint tensor as the tensors stream by (shard id (e, block): rows
+block*I:(block+1)*I of expert e), or whole from a fused 3-D tensor; no second stacked copy is ever built.
 """
 from __future__ import annotations
 
@@ -23,6 +28,27 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id, n
     if tuple(loaded.shape) != tuple(param.shape):
         raise ModelLoadError(f"tensor {name!r} has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
     param.data.copy_(loaded)
+
+
+def _expert_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id, name: str) -> None:
+    if shard_id is None:
+        return default_weight_loader(param, loaded, None, name)
+    expert, block = shard_id
+    if expert >= param.shape[0]:
+        raise ModelLoadError(f"tensor {name!r} names expert {expert}, but the model has {param.shape[0]} experts")
+    rows = param.shape[1] // param.expert_blocks
+    target = param.data[expert].narrow(0, block * rows, rows)
+    if tuple(loaded.shape) != tuple(target.shape):
+        raise ModelLoadError(f"tensor {name!r} has shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
+    target.copy_(loaded)
+
+
+def bind_expert_loaders(param: nn.Parameter, blocks: int) -> None:
+    """Make a stacked expert parameter [E, blocks * rows, cols] loadable from per-expert tensors (shard id
+    (expert, block), each [rows, cols]) or from one fused [E, blocks * rows, cols] tensor (shard id None)."""
+    param.weight_loader = _expert_loader
+    param.expert_blocks = blocks
+    param.expected_shards = [(e, b) for e in range(param.shape[0]) for b in range(blocks)]
 
 
 def expected_shards(param: nn.Parameter) -> list:
@@ -55,9 +81,15 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
     if skipped:
         log.info("skipped %d checkpoint tensors outside the text decoder", skipped)
     for pname, param in params.items():
-        missing = [s for s in expected_shards(param) if s not in loaded.get(pname, set())]
+        got = loaded.get(pname, set())
+        if None in got:
+            continue
+        missing = [s for s in expected_shards(param) if s not in got]
         if missing:
-            which = "" if missing == [None] else f" (shards {missing})"
-            raise ModelLoadError(
-                f"checkpoint lacks the tensor for {pname!r}{which}, expected shape {tuple(param.shape)}"
-            )
+            if missing == [None]:
+                raise ModelLoadError(f"checkpoint lacks the tensor for {pname!r}, expected shape {tuple(param.shape)}")
+            describe = getattr(model, "describe_shard", None)
+            what, shape = describe(pname, missing[0]) if describe else (f"{pname!r} shard {missing[0]!r}", None)
+            more = f" (and {len(missing) - 1} more shards of {pname!r})" if len(missing) > 1 else ""
+            raise ModelLoadError(f"checkpoint lacks the tensor {what}, expected shape "
+                                 f"{tuple(shape) if shape else '?'}{more}")

@@ -6,6 +6,8 @@ Shapes: R = rows of the step, H = hidden, V = vocab, S' = rows whose logits are 
 """
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -13,7 +15,42 @@ from sparrow.config import ModelConfig
 from sparrow.layers.attention import AttentionMetadata
 from sparrow.layers.embedding import VocabEmbedding
 from sparrow.layers.logits import LogitsProcessor
+from sparrow.layers.mlp import GatedMLP
+from sparrow.layers.moe import FusedMoE, MoEBlock
+from sparrow.layers.router import Router
 from sparrow.layers.norm import RMSNorm
+from sparrow.loader.weights import bind_expert_loaders
+
+# per-expert checkpoint tensor ``experts.N.<name>.weight`` -> (stacked parameter, row block)
+EXPERT_TENSORS: dict[str, tuple[str, int]] = {
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
+    "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", 0),  # Mixtral / MiniMax names
+}
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+
+
+def make_experts(config: ModelConfig, dtype: torch.dtype) -> FusedMoE:
+    """The stacked routed experts of one layer, with loaders for fused 3-D and per-expert tensors."""
+    experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size, config.hidden_act,
+                       pair_threshold=config.moe_pair_threshold, params_dtype=dtype)
+    bind_expert_loaders(experts.gate_up_proj, 2)
+    bind_expert_loaders(experts.down_proj, 1)
+    return experts
+
+
+def make_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
+    """The feed-forward block of layer ``layer_idx``: a routed MoEBlock (router, stacked experts, optional
+    sigmoid-gated shared expert) on MoE layers, else a dense GatedMLP. forward(x [R, H]) -> [R, H]."""
+    if not config.is_moe_layer(layer_idx):
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                        bias=config.get("mlp_bias", False), dtype=dtype)
+    gate = Router(config.hidden_size, config.num_experts, config.num_experts_per_tok, config.router_scoring,
+                  config.norm_topk_prob, config.router_correction_bias, config.n_group, config.topk_group,
+                  config.routed_scaling_factor, params_dtype=dtype)
+    shared = None
+    if config.shared_expert_intermediate_size:
+        shared = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, config.hidden_act, dtype=dtype)
+    return MoEBlock(gate, make_experts(config, dtype), shared, shared_expert_gate=shared is not None)
 
 
 class DecoderModel(nn.Module):
@@ -24,15 +61,14 @@ class DecoderModel(nn.Module):
         scale = config.hidden_size**0.5 if config.is_gemma else None
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, scale, dtype)
         self.layers = nn.ModuleList(layer_cls(config, i, dtype) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, gemma=config.is_gemma, dtype=dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kind=config.norm_kind, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, soft_embeds=None, soft_mask=None):
         x = self.embed_tokens(input_ids, soft_embeds, soft_mask)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, meta)
-        x, _ = self.norm(x, residual)
-        return x
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class CausalLM(nn.Module):
@@ -51,6 +87,8 @@ class CausalLM(nn.Module):
     skip_prefixes: tuple[str, ...] = ()
     # checkpoint prefix -> sparrow prefix (e.g. multimodal checkpoints nest the text model)
     prefix_map: dict[str, str] = {}
+    # substring renames applied after prefix_map (older checkpoint module names -> HF 5 names)
+    renames: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -83,12 +121,38 @@ class CausalLM(nn.Module):
             return None
         if self.config.tie_word_embeddings and name.startswith("lm_head."):
             return None
+        for src, dst in self.renames:
+            name = name.replace(src, dst)
+        m = _PER_EXPERT.match(name)
+        if m and m.group(3) in EXPERT_TENSORS:  # experts.N.gate_proj.weight -> experts.gate_up_proj[N, :I]
+            param, block = EXPERT_TENSORS[m.group(3)]
+            return f"{m.group(1)}.{param}", (int(m.group(2)), block)
         parts = name.split(".")
         for i, part in enumerate(parts):
             if part in self.packed_modules:
                 packed, shard = self.packed_modules[part]
                 return ".".join(parts[:i] + [packed] + parts[i + 1:]), shard
         return name, None
+
+    def describe_shard(self, pname: str, shard) -> tuple[str, tuple[int, ...]]:
+        """(checkpoint tensor name, its expected shape) for shard ``shard`` of parameter ``pname``, as HF
+        names it (for the missing-tensor error)."""
+        param = self.get_parameter(pname)
+        module_name, _, leaf = pname.rpartition(".")
+        if hasattr(param, "expert_blocks"):  # stacked experts: name the per-expert tensor and the fused one
+            expert, block = shard
+            rows = param.shape[1] // param.expert_blocks
+            part = {("gate_up_proj", 0): "gate_proj", ("gate_up_proj", 1): "up_proj"}.get((leaf, block), leaf)
+            return (f"{module_name + f'.{expert}.{part}.weight'!r} (or the fused {pname!r} {tuple(param.shape)})",
+                    (rows, param.shape[2]))
+        module = self.get_submodule(module_name)
+        sizes = getattr(module, "output_sizes", None)
+        packed = [src for src, (dst, idx) in self.packed_modules.items() if module_name.endswith(dst) and idx == shard]
+        if sizes is not None and packed:
+            base = module_name[: -len(module_name.rpartition(".")[2])]
+            shape = (sizes[shard],) + tuple(param.shape[1:])
+            return repr(f"{base}{packed[0]}.{leaf}"), shape
+        return f"{pname!r} shard {shard!r}", tuple(param.shape)
 
     def attention_layers(self):
         """Every Attention module, in layer order (the ModelRunner binds a KV cache to each)."""

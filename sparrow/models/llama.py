@@ -1,14 +1,15 @@
-"""Llama-family decoders: Llama 2/3, SmolLM, Mistral (dense), Qwen2 (qkv bias), Qwen3 (q/k norm).
-The differences are config flags read by the shared blocks (style.md 14)."""
+"""Llama-family decoders: Llama 2/3, SmolLM, Mistral (dense), Qwen2 (qkv bias), Qwen3 (q/k norm), and the
+pre-norm MoE families built on the same layer (qwen3_moe.py, mixtral.py, minimax_m2.py): the feed-forward
+block is a routed MoE on MoE layers (``make_mlp``). The differences are config flags read by the shared
+blocks (style.md 14)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from sparrow.layers.attention import SelfAttention
-from sparrow.layers.mlp import GatedMLP
 from sparrow.layers.norm import RMSNorm
-from sparrow.models.base import CausalLM
+from sparrow.models.base import CausalLM, make_mlp
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -19,8 +20,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.self_attn = SelfAttention(config, layer_idx, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                            bias=config.get("mlp_bias", False), dtype=dtype)
+        self.mlp = make_mlp(config, layer_idx, dtype)
 
     def forward(self, x, residual, meta):
         if residual is None:
