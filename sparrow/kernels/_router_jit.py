@@ -1,0 +1,97 @@
+"""Triton body of the fused MoE router (launcher and torch twin: ``sparrow.kernels.router``).
+
+Shapes: R = rows, E = experts, K = top-k, G = expert groups (1 without grouped top-k), E / G = experts per
+group. One program routes one row: its logits are held as a [G_PAD, PER_PAD] tile (expert
+e = g * (E / G) + j), so grouped top-k needs no reshape. Formulas: ``sparrow.layers.router`` (design §3).
+"""
+import triton
+import triton.language as tl
+
+SOFTMAX = 0
+SIGMOID = 1
+SQRTSOFTPLUS = 2
+
+
+@triton.jit
+def router_kernel(
+    logits_ptr,  # [R, E], unit stride on E, any float dtype
+    bias_ptr,  # [E] fp32 e_score_correction_bias, or dummy
+    scale_ptr,  # [E] per_expert_scale, or dummy
+    w_ptr,  # [R, K] fp32 out
+    ids_ptr,  # [R, K] int32 / int64 out
+    stride_lr,
+    routed_scaling,
+    SCORING: tl.constexpr,  # SOFTMAX / SIGMOID / SQRTSOFTPLUS
+    HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    RENORM: tl.constexpr,
+    TOPK: tl.constexpr,
+    K_PAD: tl.constexpr,
+    N_GROUP: tl.constexpr,  # 1: no grouped top-k
+    TOPK_GROUP: tl.constexpr,
+    PER_GROUP: tl.constexpr,  # E // N_GROUP
+    G_PAD: tl.constexpr,
+    PER_PAD: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, G_PAD)
+    j = tl.arange(0, PER_PAD)
+    e = g[:, None] * PER_GROUP + j[None, :]  # [G_PAD, PER_PAD] expert id
+    valid = (g[:, None] < N_GROUP) & (j[None, :] < PER_GROUP)
+    x = tl.load(logits_ptr + row * stride_lr + e, mask=valid, other=0.0).to(tl.float32)
+    if SCORING == 0:
+        xm = tl.where(valid, x, float("-inf"))
+        m = tl.max(tl.max(xm, axis=1), axis=0)
+        p = tl.where(valid, tl.exp(xm - m), 0.0)
+        s = p / tl.sum(tl.sum(p, axis=1), axis=0)
+    elif SCORING == 1:
+        s = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        # softplus with torch's threshold 20; log1p(u) = log(1 + u) * u / ((1 + u) - 1) keeps full precision
+        # for tiny u (Goldberg's trick), where log(1 + u) alone would round 1 + u away.
+        u = tl.exp(tl.minimum(x, 20.0))
+        v = 1.0 + u
+        lp = tl.where(v == 1.0, u, tl.log(v) * (u / tl.where(v == 1.0, 1.0, v - 1.0)))
+        s = tl.sqrt(tl.where(x > 20.0, x, lp))
+    s = tl.where(valid, s, 0.0)
+    choice = s
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(valid, choice, float("-inf"))
+    if N_GROUP > 1:
+        # a group scores the sum of its top-2 choices; keep the best TOPK_GROUP groups (lowest index on ties)
+        top1 = tl.max(choice, axis=1)  # [G_PAD]
+        arg1 = tl.min(tl.where(choice == top1[:, None], j[None, :], PER_PAD), axis=1)
+        if PER_GROUP > 1:
+            top2 = tl.max(tl.where(j[None, :] == arg1[:, None], float("-inf"), choice), axis=1)
+            gscore = top1 + top2
+        else:
+            gscore = top1
+        gscore = tl.where(g < N_GROUP, gscore, float("-inf"))
+        keep = g < 0
+        for _t in tl.static_range(TOPK_GROUP):
+            gs = tl.where(keep, float("-inf"), gscore)
+            best = tl.max(gs, axis=0)
+            gi = tl.min(tl.where(gs == best, g, G_PAD), axis=0)
+            keep = keep | (g == gi)
+        choice = tl.where(keep[:, None], choice, float("-inf"))
+    kk = tl.arange(0, K_PAD)
+    ids = tl.zeros([K_PAD], dtype=tl.int32)
+    wts = tl.zeros([K_PAD], dtype=tl.float32)
+    big = G_PAD * PER_PAD
+    for t in tl.static_range(TOPK):
+        best = tl.max(tl.max(choice, axis=1), axis=0)
+        idx = tl.min(tl.min(tl.where(choice == best, e, big), axis=1), axis=0)  # lowest id among ties
+        hit = e == idx
+        wt = tl.sum(tl.sum(tl.where(hit, s, 0.0), axis=1), axis=0)
+        choice = tl.where(hit, float("-inf"), choice)
+        ids = tl.where(kk == t, idx, ids)
+        wts = tl.where(kk == t, wt, wts)
+    kmask = kk < TOPK
+    if RENORM:
+        wts = wts / (tl.sum(tl.where(kmask, wts, 0.0), axis=0) + 1e-20)
+    wts = wts * routed_scaling
+    if HAS_SCALE:
+        wts = wts * tl.load(scale_ptr + ids, mask=kmask, other=0.0).to(tl.float32)
+    tl.store(w_ptr + row * TOPK + kk, wts, mask=kmask)
+    tl.store(ids_ptr + row * TOPK + kk, ids.to(ids_ptr.dtype.element_ty), mask=kmask)

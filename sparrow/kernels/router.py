@@ -1,0 +1,132 @@
+"""Fused MoE router: logits -> scores -> (grouped) top-k -> renormalize -> scales, one launch for all rows.
+
+Shapes: R = rows, E = experts, K = top-k, G = n_group.
+
+    fused_router(router_logits [R, E], top_k, scoring, renormalize, e_score_correction_bias [E] | None,
+                 n_group, topk_group, routed_scaling_factor, per_expert_scale [E] | None, ids_dtype)
+        -> (weights [R, K] fp32, ids [R, K] ids_dtype)
+
+Same contract and formulas as ``sparrow.layers.router.select_experts`` (design §3: softmax, sigmoid with a
+selection-only bias and optional grouped top-k, sqrt-softplus; Gemma 4 = softmax + renormalize +
+per_expert_scale on logits from ``Gemma4Router.logits``). ids are ordered by descending (biased) score;
+ties go to the lowest expert id. ``fused_router_ref`` is the torch twin (it calls ``select_experts``),
+``fused_router_triton`` the launcher, ``fused_router`` picks by ``use_triton(router_logits)``.
+"""
+from __future__ import annotations
+
+import torch
+
+from sparrow.kernels import use_triton
+from sparrow.layers.router import SCORING_FUNCS, select_experts
+
+MAX_EXPERTS = 4096  # one row's logits live in one program's registers
+
+
+def fused_router_ref(
+    router_logits: torch.Tensor,
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = False,
+    e_score_correction_bias: torch.Tensor | None = None,
+    n_group: int | None = None,
+    topk_group: int | None = None,
+    routed_scaling_factor: float = 1.0,
+    per_expert_scale: torch.Tensor | None = None,
+    ids_dtype: torch.dtype = torch.int64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch twin: ``select_experts`` with ids cast to ``ids_dtype`` (int32 or int64)."""
+    _check(router_logits, top_k, scoring, e_score_correction_bias, per_expert_scale, ids_dtype)
+    weights, ids = select_experts(router_logits, top_k, scoring, renormalize, e_score_correction_bias,
+                                  n_group, topk_group, routed_scaling_factor, per_expert_scale)
+    return weights, ids.to(ids_dtype)
+
+
+def fused_router_triton(
+    router_logits: torch.Tensor,
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = False,
+    e_score_correction_bias: torch.Tensor | None = None,
+    n_group: int | None = None,
+    topk_group: int | None = None,
+    routed_scaling_factor: float = 1.0,
+    per_expert_scale: torch.Tensor | None = None,
+    ids_dtype: torch.dtype = torch.int64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton launcher of ``fused_router_ref`` (same contract); one program per row, no host sync."""
+    from sparrow.kernels._router_jit import SIGMOID, SOFTMAX, SQRTSOFTPLUS, router_kernel
+
+    _check(router_logits, top_k, scoring, e_score_correction_bias, per_expert_scale, ids_dtype)
+    rows, num_experts = router_logits.shape
+    groups, keep = _groups(num_experts, top_k, n_group, topk_group)
+    weights = torch.empty(rows, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(rows, top_k, dtype=ids_dtype, device=router_logits.device)
+    if rows == 0:
+        return weights, ids
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    bias = e_score_correction_bias.float().contiguous() if e_score_correction_bias is not None else None
+    scale = per_expert_scale.contiguous() if per_expert_scale is not None else None
+    per_group = num_experts // groups
+    router_kernel[(rows,)](
+        logits, bias if bias is not None else weights, scale if scale is not None else weights, weights, ids,
+        logits.stride(0), float(routed_scaling_factor),
+        SCORING={"softmax": SOFTMAX, "sigmoid": SIGMOID, "sqrtsoftplus": SQRTSOFTPLUS}[scoring],
+        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, RENORM=bool(renormalize),
+        TOPK=top_k, K_PAD=_next_pow2(top_k), N_GROUP=groups, TOPK_GROUP=keep, PER_GROUP=per_group,
+        G_PAD=_next_pow2(groups), PER_PAD=_next_pow2(per_group), num_warps=4 if num_experts >= 512 else 1,
+    )
+    return weights, ids
+
+
+def fused_router(
+    router_logits: torch.Tensor,
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = False,
+    e_score_correction_bias: torch.Tensor | None = None,
+    n_group: int | None = None,
+    topk_group: int | None = None,
+    routed_scaling_factor: float = 1.0,
+    per_expert_scale: torch.Tensor | None = None,
+    ids_dtype: torch.dtype = torch.int64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route each row (module doc); Triton where ``use_triton(router_logits)``, else the twin."""
+    fn = fused_router_triton if use_triton(router_logits) else fused_router_ref
+    return fn(router_logits, top_k, scoring, renormalize, e_score_correction_bias, n_group, topk_group,
+              routed_scaling_factor, per_expert_scale, ids_dtype)
+
+
+def _groups(num_experts: int, top_k: int, n_group: int | None, topk_group: int | None) -> tuple[int, int]:
+    """(groups, kept groups) for the kernel: (1, 1) without grouped top-k. Same checks as select_experts."""
+    if (n_group is None) != (topk_group is None):
+        raise ValueError(f"grouped top-k needs both n_group and topk_group, got {n_group=} {topk_group=}")
+    if n_group is None or topk_group is None or n_group <= 1:
+        return 1, 1
+    if num_experts % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"grouped top-k: {num_experts} experts, {n_group=}, {topk_group=} is inconsistent")
+    if top_k > topk_group * (num_experts // n_group):
+        raise ValueError(f"grouped top-k: top_k={top_k} exceeds the {topk_group} kept groups' experts")
+    return n_group, topk_group
+
+
+def _check(logits, top_k, scoring, bias, scale, ids_dtype) -> None:
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"fused_router: router_logits must be a 2-D float tensor [R, E], got "
+                         f"{tuple(logits.shape)} {logits.dtype}")
+    num_experts = logits.shape[1]
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        raise ValueError(f"fused_router: {num_experts} experts, supported 1..{MAX_EXPERTS}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"router top_k={top_k} must be in [1, num_experts={num_experts}]")
+    if scoring not in SCORING_FUNCS:
+        raise ValueError(f"unknown router scoring function {scoring!r}; expected one of {SCORING_FUNCS}")
+    for name, t in (("e_score_correction_bias", bias), ("per_expert_scale", scale)):
+        if t is not None and (t.shape != (num_experts,) or t.device != logits.device):
+            raise ValueError(f"fused_router: {name} must be [{num_experts}] on {logits.device}, got "
+                             f"{tuple(t.shape)} on {t.device}")
+    if ids_dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"fused_router: ids_dtype must be torch.int32 or torch.int64, got {ids_dtype}")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

@@ -1,0 +1,123 @@
+"""Fused router kernel against its torch twin (``select_experts``).
+
+Shapes: R = rows, E = experts, K = top-k. Ids are compared as sets per row (the kernel breaks ties by the
+lowest id, torch.topk by its own order; random fp32 logits have no ties), weights matched by id with
+atol 1e-6 (fp32; only the order of the softmax sum differs). On CPU the kernel runs under
+TRITON_INTERPRET=1. Run as a script on a GPU for the time per call.
+"""
+import pytest
+import torch
+
+from sparrow.kernels.router import fused_router, fused_router_ref, fused_router_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROWS = [1, 2, 3, 16, 17, 64, 65]
+
+# name -> (kwargs of select_experts beyond top_k, needs bias): one per family of design §3
+FAMILIES = {
+    "mixtral": dict(scoring="softmax", renormalize=True),
+    "qwen_no_norm": dict(scoring="softmax", renormalize=False),
+    "gemma4": dict(scoring="softmax", renormalize=True, per_expert_scale=True),
+    "deepseek_v3": dict(scoring="sigmoid", renormalize=True, bias=True, n_group=8, topk_group=4,
+                        routed_scaling_factor=2.5),
+    "minimax_m2": dict(scoring="sigmoid", renormalize=True, bias=True),
+    "deepseek_v4": dict(scoring="sqrtsoftplus", renormalize=True, bias=True, routed_scaling_factor=1.5),
+}
+
+
+def _args(family, num_experts, rows, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    kw = dict(FAMILIES[family])
+    logits = (torch.randn(rows, num_experts, generator=g) * 2).to(dtype).to(DEVICE)
+    if kw.pop("bias", False):
+        kw["e_score_correction_bias"] = (torch.rand(num_experts, generator=g) * 0.1).to(DEVICE)
+    if kw.pop("per_expert_scale", False):
+        kw["per_expert_scale"] = (torch.rand(num_experts, generator=g) + 0.5).to(DEVICE)
+    return logits, kw
+
+
+def _assert_same_routing(got, want):
+    (w1, i1), (w2, i2) = got, want
+    assert w1.shape == w2.shape and w1.dtype == torch.float32 and i1.shape == i2.shape
+    o1, o2 = i1.long().sort(dim=1), i2.long().sort(dim=1)
+    torch.testing.assert_close(o1.values, o2.values, atol=0, rtol=0)  # same ids as sets
+    torch.testing.assert_close(w1.gather(1, o1.indices), w2.gather(1, o2.indices), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("num_experts,top_k", [(8, 1), (8, 2), (64, 8), (128, 8)])
+def test_router_matches_select_experts(family, num_experts, top_k):
+    if family == "deepseek_v3" and num_experts == 8:
+        pytest.skip("8 groups of 1 expert: covered by test_grouped_edge_cases")
+    # every odd row count once per scoring function at E = 128; the interpreter pays per row
+    full = num_experts == 128 and family in ("gemma4", "deepseek_v3", "deepseek_v4")
+    for rows in (ROWS if full else [1, 17]):
+        logits, kw = _args(family, num_experts, rows, seed=rows)
+        _assert_same_routing(fused_router_triton(logits, top_k, **kw), fused_router_ref(logits, top_k, **kw))
+
+
+@pytest.mark.parametrize("n_group,topk_group,top_k", [(8, 1, 2), (8, 8, 8), (4, 2, 3), (64, 3, 3), (3, 2, 5)])
+def test_grouped_edge_cases(n_group, topk_group, top_k):
+    num_experts = 48 if n_group == 3 else 64  # 3 groups of 16: non-power-of-two group count
+    logits, kw = _args("deepseek_v3", num_experts, 17)
+    kw.update(n_group=n_group, topk_group=topk_group)
+    _assert_same_routing(fused_router_triton(logits, top_k, **kw), fused_router_ref(logits, top_k, **kw))
+
+
+def test_odd_experts_bf16_logits_int32_ids_and_dispatch():
+    logits, kw = _args("minimax_m2", 60, 5, dtype=torch.bfloat16)  # E not a power of two, bf16 input
+    got = fused_router_triton(logits, 4, ids_dtype=torch.int32, **kw)
+    assert got[1].dtype == torch.int32
+    _assert_same_routing(got, fused_router_ref(logits, 4, **kw))
+    w, i = fused_router(logits, 4, **kw)  # CPU tensor: the twin
+    assert i.dtype == torch.int64
+    wide = torch.zeros(5, 100, dtype=torch.bfloat16, device=DEVICE)
+    wide[:, :60] = logits
+    _assert_same_routing(fused_router_triton(wide[:, :60], 4, **kw), (w, i))  # strided rows
+    assert fused_router_triton(logits[:0], 4, **kw)[0].shape == (0, 4)
+
+
+def test_extreme_logits_sqrtsoftplus():
+    logits = torch.tensor([[-40.0, -10.0, -1e-3, 0.0, 5.0, 19.9, 20.1, 60.0]], device=DEVICE)
+    for renorm in (False, True):
+        got = fused_router_triton(logits, 8, "sqrtsoftplus", renormalize=renorm)
+        _assert_same_routing(got, fused_router_ref(logits, 8, "sqrtsoftplus", renormalize=renorm))
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (lambda x: fused_router_triton(x, 0), "top_k"),
+        (lambda x: fused_router_triton(x, 2, "relu"), "scoring"),
+        (lambda x: fused_router_triton(x[0], 2), "2-D"),
+        (lambda x: fused_router_triton(x, 2, n_group=4), "n_group"),
+        (lambda x: fused_router_triton(x, 2, n_group=3, topk_group=1), "inconsistent"),
+        (lambda x: fused_router_triton(x, 2, e_score_correction_bias=torch.zeros(7)), "e_score_correction_bias"),
+        (lambda x: fused_router_triton(x, 2, ids_dtype=torch.int16), "ids_dtype"),
+    ],
+)
+def test_launcher_rejects(bad, match):
+    with pytest.raises(ValueError, match=match):
+        bad(torch.randn(3, 8, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("rows", [1, 64, 1024, 8192])
+def test_gpu_real_shapes(family, rows):
+    num_experts = 256 if family.startswith("deepseek") else 128
+    logits, kw = _args(family, num_experts, rows)
+    _assert_same_routing(fused_router_triton(logits, 8, **kw), fused_router_ref(logits, 8, **kw))
+
+
+if __name__ == "__main__":
+    import triton.testing
+
+    for family in FAMILIES:
+        for rows in (1, 64, 1024, 8192):
+            num_experts = 256 if family.startswith("deepseek") else 128
+            logits, kw = _args(family, num_experts, rows)
+            t = triton.testing.do_bench_cudagraph(lambda: fused_router_triton(logits, 8, **kw), rep=50)
+            t_ref = triton.testing.do_bench_cudagraph(lambda: fused_router_ref(logits, 8, **kw), rep=50)
+            print(f"router {family:<13} E={num_experts:<4} rows={rows:<5} triton {t * 1e3:8.2f} us   "
+                  f"torch {t_ref * 1e3:8.2f} us   {logits.numel() * 4 / (t * 1e-3) / 1e9:7.1f} GB/s (logits read)")
