@@ -1,17 +1,22 @@
 """GPU micro-benchmark of the norm / activation / GEMV kernels: achieved GB/s vs measured copy bandwidth.
 
     python benchmarks/kernels_micro.py [norm] [act] [gemv]      (all three without arguments)
+    python benchmarks/kernels_micro.py tune_gemv                 (sweep GemvConfig for GEMV_CONFIGS)
 
 Each line: kernel, shape, time per call (CUDA-graph replay, so launch overhead is excluded), bytes moved
 (each input read once + each output written once), GB/s and % of the device-to-device copy bandwidth
-measured at the start of the same run. The same for the torch baseline where one exists.
+measured at the start of the same run. The same for the torch baseline where one exists. GEMV weights
+rotate over copies larger than the L2 cache, so the GB/s are HBM figures.
 Shapes: Gemma 4 26B-A4B (hidden 2816, q 16 x 256, dense MLP 2112, experts 704) and hidden 5376.
 """
 from __future__ import annotations
 
+import pathlib
 import sys
 
 import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 
 def _time_s(fn) -> float:
@@ -20,11 +25,25 @@ def _time_s(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=50) * 1e-3
 
 
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+def copy_bandwidth(nbytes: int = 1 << 31) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted) of an elementwise kernel, best of 3.
+    (A plain ``copy_`` is a memcpy node inside a CUDA graph and runs far below HBM speed.)"""
+    a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
     b = torch.empty_like(a)
-    return 2 * nbytes / _time_s(lambda: b.copy_(a))
+    return max(2 * nbytes / _time_s(lambda: torch.mul(a, 1.0, out=b)) for _ in range(3))
+
+
+def _rotating(make, nbytes: int, working_set: int = 1 << 28):
+    """Enough copies of an input (``make()`` builds one of ``nbytes``) to exceed the L2 cache, and a
+    function returning the next one: each call inside the captured graph then reads from HBM."""
+    copies = [make() for _ in range(max(1, -(-working_set // max(nbytes, 1))))]
+    state = {"i": 0}
+
+    def next_copy():
+        state["i"] = (state["i"] + 1) % len(copies)
+        return copies[state["i"]]
+
+    return next_copy
 
 
 def _report(name: str, shape: str, fn, nbytes: int, peak: float) -> None:
@@ -72,17 +91,56 @@ def bench_gemv(peak: float) -> None:
     from sparrow.kernels.gemv import gemv_fp8_triton, gemv_triton
 
     # (K, N): qkv of a sliding layer, o_proj, dense gate_up, dense down, LM head.
-    for k, n in ((2816, 8192), (4096, 2816), (2816, 4224), (2112, 2816), (2816, 262144)):
+    for k, n in GEMV_SHAPES:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-        wq, ws = quantize_fp8_block_ref(w)
-        for rows in (1, 4, 16):
+        w_next = _rotating(lambda: w.clone(), 2 * n * k)
+        wq_next = _rotating(lambda: quantize_fp8_block_ref(w), n * k)
+        ws_bytes = -(-n // 128) * -(-k // 128) * 4
+        for rows in (1, 2, 4, 8, 16):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             io = 2 * rows * (k + n)
             shape = f"R={rows} K={k} N={n}"
-            _report("gemv bf16", shape, lambda: gemv_triton(x, w), 2 * n * k + io, peak)
-            _report("  F.linear (cuBLAS)", shape, lambda: F.linear(x, w), 2 * n * k + io, peak)
-            _report("gemv fp8", shape, lambda: gemv_fp8_triton(x, wq, ws), n * k + ws.numel() * 4 + io, peak)
-        del w, wq, ws
+            _report("gemv bf16", shape, lambda: gemv_triton(x, w_next()), 2 * n * k + io, peak)
+            _report("  F.linear (cuBLAS)", shape, lambda: F.linear(x, w_next()), 2 * n * k + io, peak)
+            _report("gemv fp8", shape, lambda: gemv_fp8_triton(x, *wq_next()), n * k + ws_bytes + io, peak)
+        del w, w_next, wq_next
+
+
+# (K, N): qkv of a sliding layer, o_proj, dense gate_up, dense down, LM head (Gemma 4 26B-A4B).
+GEMV_SHAPES = ((2816, 8192), (4096, 2816), (2816, 4224), (2112, 2816), (2816, 262144))
+
+
+def tune_gemv(peak: float) -> None:
+    """Sweep GemvConfig per row count on two shapes; print the best few (to fill GEMV_CONFIGS)."""
+    import itertools
+
+    from sparrow.kernels.fp8 import quantize_fp8_block_ref
+    from sparrow.kernels.gemv import GemvConfig, forced_config, gemv_fp8_triton, gemv_triton
+
+    for (k, n), fp8 in itertools.product(((2816, 8192),), (False, True)):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        nxt = _rotating(lambda: quantize_fp8_block_ref(w), n * k) if fp8 else _rotating(lambda: (w.clone(),), 2 * n * k)
+        fn = gemv_fp8_triton if fp8 else gemv_triton
+        nbytes = n * k * (1 if fp8 else 2)
+        for rows in (1, 4, 16):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            results = []
+            for use_dot, bn, bk, warps, stages in itertools.product(
+                (True,), (16, 32, 64), (128, 256, 512), (4, 8), (3, 4)
+            ):
+                if not use_dot and rows * bn * bk > 32768:
+                    continue
+                cfg = GemvConfig(block_n=bn, block_k=bk, use_dot=use_dot, num_warps=warps, num_stages=stages)
+                with forced_config(cfg):
+                    try:
+                        t = _time_s(lambda: fn(x, *nxt()))
+                    except Exception:  # out of shared memory / registers
+                        continue
+                results.append((t, cfg))
+            results.sort(key=lambda r: r[0])
+            for t, cfg in results[:3]:
+                print(f"tune {'fp8 ' if fp8 else 'bf16'} R={rows:<2} K={k} N={n}: {nbytes / t / 1e9:7.1f} GB/s "
+                      f"{100 * nbytes / t / peak:5.1f} %  {cfg}")
 
 
 def main(which: list[str]) -> None:
@@ -93,7 +151,7 @@ def main(which: list[str]) -> None:
     peak = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: measured copy bandwidth {peak / 1e9:.0f} GB/s")
     for name in which:
-        {"norm": bench_norm, "act": bench_act, "gemv": bench_gemv}[name](peak)
+        {"norm": bench_norm, "act": bench_act, "gemv": bench_gemv, "tune_gemv": tune_gemv}[name](peak)
 
 
 if __name__ == "__main__":

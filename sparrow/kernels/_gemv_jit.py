@@ -26,31 +26,35 @@ def gemv_kernel(
     IEEE: tl.constexpr,  # fp32 operands: exact fp32 products in tl.dot, not tf32
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # divides 128 when FP8_W, so a K step stays inside one scale block
+    BLOCK_K: tl.constexpr,  # K elements per loop step
+    SUB_K: tl.constexpr,  # K per tl.dot inside a step: divides 128 when FP8_W (one scale block each)
 ):
     pid = tl.program_id(0)
     rr = tl.arange(0, BLOCK_R)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
+    rk = tl.arange(0, SUB_K)
     r_mask = rr < R
     n_mask = rn < N
     acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        k_mask = kk < K
-        x = tl.load(x_ptr + rr[:, None] * stride_xr + kk[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if FP8_W:
-            w = w.to(x.dtype)  # e4m3 -> bf16 / fp16 / fp32 is exact; the block scale is applied per K step
-        if USE_DOT:
-            if IEEE:
-                part = tl.dot(x, tl.trans(w), input_precision="ieee")
+        for j in tl.static_range(BLOCK_K // SUB_K):
+            ks = k0 + j * SUB_K
+            kk = ks + rk
+            k_mask = kk < K
+            x = tl.load(x_ptr + rr[:, None] * stride_xr + kk[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            if FP8_W:
+                w = w.to(x.dtype)  # e4m3 -> bf16 / fp16 / fp32 is exact; the block scale is applied per SUB_K
+            if USE_DOT:
+                if IEEE:
+                    part = tl.dot(x, tl.trans(w), input_precision="ieee")
+                else:
+                    part = tl.dot(x, tl.trans(w))
             else:
-                part = tl.dot(x, tl.trans(w))
-        else:
-            part = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        if FP8_W:
-            s = tl.load(s_ptr + (rn // 128) * stride_sn + k0 // 128, mask=n_mask, other=0.0)
-            part = part * s[None, :]
-        acc += part
+                part = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            if FP8_W:
+                # a sub-step wholly past K (part = 0) reads the last scale column instead of out of bounds
+                s = tl.load(s_ptr + (rn // 128) * stride_sn + tl.minimum(ks, K - 1) // 128, mask=n_mask, other=0.0)
+                part = part * s[None, :]
+            acc += part
     tl.store(y_ptr + rr[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=r_mask[:, None] & n_mask[None, :])

@@ -33,6 +33,7 @@ CONFIGS = {
     "default": None,
     "fma": GemvConfig(block_n=32, block_k=128, use_dot=False),
     "dot": GemvConfig(block_n=32, block_k=64, use_dot=True),
+    "dot_wide_k": GemvConfig(block_n=16, block_k=256, use_dot=True),  # FP8: two 128-wide scale blocks a step
 }
 
 
