@@ -1,0 +1,99 @@
+"""Triton body of the block-scaled FP8 GEMM (launcher and torch twin: ``sparrow.kernels.fp8_gemm``).
+
+Shapes: M = rows, K = input width, N = output width; a [M, K] (bf16 / fp16 / fp32, or e4m3 already
+quantized by its producer with scales a_s [M, ceil(K/128)] fp32), w [N, K] e4m3 (row-major, nn.Linear
+layout) with block scales w_s [ceil(N/128), ceil(K/128)] fp32, c [M, N].
+
+    c[m, n] = sum over 128-wide k groups g of  a_s[m, g] * w_s[n // 128, g] * (a_q[m, g] . w_q[n, g])
+
+Each program owns a [BLOCK_M, BLOCK_N] tile of c and walks K in steps of BLOCK_K = 128 (one scale group
+per step, as in DeepSeek-V3's ``w8a8_block_fp8_matmul``). With QUANT_A the program quantizes its a tile
+per row and 128-column group itself (scale = max(amax, 1e-10) / 448, q = clamp(a / scale) -> e4m3, the
+formula of ``sparrow.kernels.fp8.quantize_fp8_per_group_ref``), so no second pass over a is needed.
+
+INTERPRET: the Triton 3.9 interpreter rounds fp32 -> e4m3 wrongly when the rounding carries into the
+exponent (127.7 -> 64) and feeds 8/16-bit dot operands badly, so there the e4m3 rounding is emulated in
+fp32 bit arithmetic and the dot runs on fp32 values (same numbers, exact products). On the GPU the cast is
+``cvt.rn.satfinite`` and ``tl.dot`` runs on e4m3 tensor cores (Hopper wgmma / Ada mma) with fp32 accumulate.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round_e4m3(v):
+    """fp32 v with |v| <= 448 -> the nearest e4m3 value (ties to even), still as fp32 (interpreter path)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    # normal range |v| >= 2^-6: keep 3 of the 23 mantissa bits, round half to even (a carry bumps the exponent)
+    lsb = (bits >> 20) & 1
+    normal = ((bits + 0x7FFFF + lsb) & 0xFFF00000).to(tl.float32, bitcast=True)
+    # subnormal range: multiples of 2^-9; (t + 1.5 * 2^23) - 1.5 * 2^23 rounds t half to even in fp32
+    t = v * 512.0
+    sub = ((t + 12582912.0) - 12582912.0) * (1.0 / 512.0)
+    return tl.where(tl.abs(v) >= 0.015625, normal, sub)
+
+
+@triton.jit
+def fp8_gemm_kernel(
+    a_ptr,  # [M, K], unit stride on K: float (QUANT_A) or e4m3
+    as_ptr,  # [M, ceil(K/128)] fp32, unit stride on groups (ignored with QUANT_A)
+    w_ptr,  # [N, K] e4m3, unit stride on K
+    ws_ptr,  # [ceil(N/128), ceil(K/128)] fp32, unit stride on K groups
+    c_ptr,  # [M, N] contiguous
+    M,
+    N,
+    K,
+    stride_am,
+    stride_asm,
+    stride_wn,
+    stride_wsn,
+    QUANT_A: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # must be 128: one scale group per step
+    GROUP_M: tl.constexpr,  # programs of GROUP_M row tiles sweep N together (L2 reuse of w)
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask = rm < M
+    n_mask = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        k_mask = kk < K
+        g = k0 // BLOCK_K
+        a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if QUANT_A:
+            af = a.to(tl.float32)
+            a_s = tl.maximum(tl.max(tl.abs(af), axis=1), 1e-10)
+            a_s = tl.math.div_rn(a_s, tl.full([BLOCK_M], 448.0, tl.float32))
+            aq = tl.math.div_rn(af, a_s[:, None])
+            aq = tl.minimum(tl.maximum(aq, -448.0), 448.0)
+            if INTERPRET:
+                aq = _round_e4m3(aq)
+            else:
+                aq = aq.to(tl.float8e4nv)
+        else:
+            a_s = tl.load(as_ptr + rm * stride_asm + g, mask=m_mask, other=0.0)
+            aq = a
+            if INTERPRET:
+                aq = aq.to(tl.float32)
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w_s = tl.load(ws_ptr + (rn // 128) * stride_wsn + g, mask=n_mask, other=0.0)
+        if INTERPRET:
+            part = tl.dot(aq, tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            part = tl.dot(aq, tl.trans(w))
+        acc += part * a_s[:, None] * w_s[None, :]
+    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])

@@ -1,0 +1,176 @@
+"""Block-scaled FP8 GEMM (W8A8) for more rows than the GEMV takes: y = x @ dequant(w).T with x quantized
+per row and 128-column group.
+
+Shapes: M = rows, K = input width, N = output width, G = ceil(K / 128).
+
+    fp8_gemm(x [M, K], w [N, K] e4m3, w_scale [ceil(N/128), G] fp32, x_scale=None, out_dtype=None) -> [M, N]
+
+x is either a float tensor (bf16 / fp16 / fp32; quantized here, per row and 128-column group, by the
+formula of ``sparrow.kernels.fp8.quantize_fp8_per_group_ref``) or e4m3 already quantized by its producer
+with ``x_scale`` [M, G] fp32. w = w_e4m3 * w_scale[n // 128, k // 128] (DeepSeek / Qwen FP8
+``weight_scale_inv``). Accumulation is fp32; y is rounded once to ``out_dtype`` (default: x's dtype, bf16
+for e4m3 x). ``fp8_gemm_ref`` is the torch twin (CPU path and oracle: dequantize both operands, fp32
+matmul), ``fp8_gemm_triton`` the launcher with the same signature, ``fp8_gemm`` the dispatcher (Triton for
+CUDA tensors or when ``FORCE_TRITON`` is set, else the twin).
+
+Tile configs are data (style.md 9): ``FP8_GEMM_CONFIGS`` maps a row bound to a config, the first bound
+covering M wins; tests force one with ``with forced_config(Fp8GemmConfig(...)):``. The entries are a
+default heuristic (small tiles for decode-sized M so the grid fills the SMs, 128 x 128 for prefill) not
+yet tuned on the H200.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+import torch
+
+from sparrow.kernels.fp8 import (
+    FP8_DTYPE,
+    GROUP,
+    dequantize_fp8_block_ref,
+    dequantize_fp8_per_group_ref,
+    quantize_fp8_per_group_ref,
+)
+
+# Set by tests to run the Triton launcher on CPU tensors under TRITON_INTERPRET=1.
+FORCE_TRITON = False
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8GemmConfig:
+    block_m: int
+    """Rows per program (power of two, >= 16 for tl.dot)."""
+    block_n: int
+    """Output columns per program (power of two, >= 16)."""
+    group_m: int = 8
+    """Row tiles that sweep N together (L2 reuse of the weight tiles)."""
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+BLOCK_K = GROUP  # one 128-wide scale group per K step
+
+# (largest M, config): decode-sized M keeps BLOCK_M small so padding rows cost little; prefill uses
+# 128 x 128 tiles (Hopper wgmma). Untuned defaults; H200 sweeps belong here.
+FP8_GEMM_CONFIGS: tuple[tuple[int, Fp8GemmConfig], ...] = (
+    (16, Fp8GemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=4)),
+    (32, Fp8GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=4)),
+    (64, Fp8GemmConfig(block_m=64, block_n=64, num_warps=4, num_stages=4)),
+    (256, Fp8GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3)),
+    (1 << 62, Fp8GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=3)),
+)
+
+_FORCED: Fp8GemmConfig | None = None
+
+
+@contextlib.contextmanager
+def forced_config(config: Fp8GemmConfig):
+    """Use ``config`` for every FP8 GEMM launch inside the ``with`` block (tests, tuning)."""
+    global _FORCED
+    previous, _FORCED = _FORCED, config
+    try:
+        yield config
+    finally:
+        _FORCED = previous
+
+
+def pick_config(rows: int) -> Fp8GemmConfig:
+    """The forced config, else the first table entry whose row bound covers ``rows``."""
+    if _FORCED is not None:
+        return _FORCED
+    return next(c for bound, c in FP8_GEMM_CONFIGS if rows <= bound)
+
+
+def fp8_gemm_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Torch twin: quantize x per 128-group (unless already e4m3), dequantize x and w, fp32 matmul, round to
+    ``out_dtype``. Raises ValueError on bad shapes / dtypes (see ``fp8_gemm``)."""
+    out_dtype = _check(x, w, w_scale, x_scale, out_dtype)
+    if x_scale is None:
+        x, x_scale = quantize_fp8_per_group_ref(x, GROUP)
+    xd = dequantize_fp8_per_group_ref(x, x_scale, GROUP)
+    return (xd @ dequantize_fp8_block_ref(w, w_scale, GROUP).T).to(out_dtype)
+
+
+def fp8_gemm_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor | None = None,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Triton launcher of ``fp8_gemm_ref`` (same contract)."""
+    from sparrow.kernels._fp8_gemm_jit import fp8_gemm_kernel
+
+    out_dtype = _check(x, w, w_scale, x_scale, out_dtype)
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_()
+    cfg = pick_config(m)
+    grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n),)
+    fp8_gemm_kernel[grid](
+        x,
+        x_scale if x_scale is not None else w_scale,
+        w,
+        w_scale,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        x_scale.stride(0) if x_scale is not None else 0,
+        w.stride(0),
+        w_scale.stride(0),
+        QUANT_A=x_scale is None,
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=BLOCK_K,
+        GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return y
+
+
+def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = x @ dequant(w, w_scale).T, W8A8; see the module doc for the contract and the dispatch."""
+    if x.is_cuda or FORCE_TRITON:
+        return fp8_gemm_triton(x, w, w_scale, x_scale, out_dtype)
+    return fp8_gemm_ref(x, w, w_scale, x_scale, out_dtype)
+
+
+def _check(x, w, w_scale, x_scale, out_dtype) -> torch.dtype:
+    """Validate the operands; return the output dtype. Raises ValueError naming the bad operand."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"fp8_gemm: need x [M, K] and w [N, K], got x {tuple(x.shape)}, w {tuple(w.shape)}")
+    m, k = x.shape
+    groups = -(-k // GROUP)
+    if w.dtype != FP8_DTYPE:
+        raise ValueError(f"fp8_gemm: w must be float8_e4m3fn, got {w.dtype}")
+    want = (-(-w.shape[0] // GROUP), groups)
+    if tuple(w_scale.shape) != want or w_scale.dtype != torch.float32 or w_scale.stride(-1) != 1:
+        raise ValueError(f"fp8_gemm: w_scale must be fp32 {want} with unit last stride, "
+                         f"got {tuple(w_scale.shape)} {w_scale.dtype}")
+    if x_scale is None:
+        if x.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"fp8_gemm: x dtype {x.dtype} needs x_scale (float x: fp32, bf16, fp16)")
+    else:
+        if x.dtype != FP8_DTYPE:
+            raise ValueError(f"fp8_gemm: x_scale given, so x must be float8_e4m3fn, got {x.dtype}")
+        if tuple(x_scale.shape) != (m, groups) or x_scale.dtype != torch.float32 or x_scale.stride(-1) != 1:
+            raise ValueError(f"fp8_gemm: x_scale must be fp32 {(m, groups)} with unit last stride, "
+                             f"got {tuple(x_scale.shape)} {x_scale.dtype}")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"fp8_gemm: x and w need unit stride on K, got {x.stride()} and {w.stride()}")
+    devices = {t.device for t in (x, w, w_scale, x_scale) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"fp8_gemm: operands on several devices {sorted(map(str, devices))}")
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if x.dtype == FP8_DTYPE else x.dtype
+    if out_dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"fp8_gemm: out_dtype {out_dtype} not supported (fp32, bf16, fp16)")
+    return out_dtype
