@@ -76,6 +76,10 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
                 f"checkpoint tensor {name!r} is not used by {type(model).__name__} (no parameter {pname!r})"
             )
         param = params[pname]
+        if shard is not None and shard not in expected_shards(param):
+            raise ModelLoadError(
+                f"checkpoint tensor {name!r} is not used by {type(model).__name__} "
+                f"({pname!r} has no shard {shard!r})")
         getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard, name)
         loaded.setdefault(pname, set()).add(shard)
     if skipped:
