@@ -1,0 +1,105 @@
+"""Tile configs of the fused MoE kernels, as data (style.md 9).
+
+Shapes: R = rows, E = experts, H = hidden, I = expert width, P = R * K pairs.
+
+A ``MoeConfig`` holds BLOCK_M (sorted pairs per program of the grouped path, also the alignment padding;
+the small-batch path ignores it) and one ``Tile`` per GEMM (gate|up, down). ``pick_config`` returns, in
+order: the config forced by ``forced_config`` (tests, tuning); the entry with the nearest row count in
+``configs/E{E}_H{H}_I{I}_{bf16|fp8}_{device}.json`` (device = ``torch.cuda.get_device_name()`` with
+spaces as underscores), written by ``benchmarks/moe_layer.py --tune``; else ``default_config``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import pathlib
+from typing import Iterator
+
+CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "configs"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    block_n: int
+    """Output columns per program (power of two, >= 16)."""
+    block_k: int
+    """Reduction elements per loop step (power of two, >= 16); FP8 weights need a multiple of 128."""
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    block_m: int
+    """Sorted pairs per program on the grouped path and the per-expert padding (power of two, >= 16)."""
+    gate_up: Tile
+    down: Tile
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "MoeConfig":
+        return cls(int(d["block_m"]), Tile(**d["gate_up"]), Tile(**d["down"]))
+
+
+_FORCED: MoeConfig | None = None
+
+
+@contextlib.contextmanager
+def forced_config(config: MoeConfig) -> Iterator[MoeConfig]:
+    """Use ``config`` for every fused-MoE launch inside the ``with`` block."""
+    global _FORCED
+    previous, _FORCED = _FORCED, config
+    try:
+        yield config
+    finally:
+        _FORCED = previous
+
+
+def default_config(rows: int, pairs: int, num_experts: int, small: bool, fp8: bool) -> MoeConfig:
+    """Heuristic: small path - GEMV-like tiles (narrow N, long K); grouped path - BLOCK_M from the mean
+    pairs per expert (padding waste vs weight reuse), wider N and K 128 for FP8 (one scale block a step)."""
+    if small:
+        tile = Tile(block_n=32, block_k=256, num_warps=4, num_stages=3)
+        return MoeConfig(16, tile, tile)
+    per_expert = pairs / max(num_experts, 1)
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+    if fp8:
+        tile = Tile(block_n=128 if block_m >= 64 else 64, block_k=128, num_warps=4, num_stages=3)
+    else:
+        tile = Tile(block_n=128 if block_m >= 64 else 64, block_k=64, num_warps=4, num_stages=4)
+    return MoeConfig(block_m, tile, tile)
+
+
+def config_file(num_experts: int, hidden: int, width: int, fp8: bool, device_name: str) -> pathlib.Path:
+    kind = "fp8" if fp8 else "bf16"
+    return CONFIG_DIR / f"E{num_experts}_H{hidden}_I{width}_{kind}_{device_name.replace(' ', '_')}.json"
+
+
+@functools.lru_cache(maxsize=64)
+def _load(path: pathlib.Path) -> dict[int, MoeConfig]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    return {int(rows): MoeConfig.from_json(c) for rows, c in data["configs"].items()}
+
+
+def tuned_configs(num_experts: int, hidden: int, width: int, fp8: bool, device_name: str) -> dict[int, MoeConfig]:
+    """Row count -> config from the data file of this shape and device ({} when there is none)."""
+    return _load(config_file(num_experts, hidden, width, fp8, device_name))
+
+
+def pick_config(rows: int, top_k: int, num_experts: int, hidden: int, width: int, small: bool, fp8: bool,
+                device_name: str | None) -> MoeConfig:
+    """The forced config, else the tuned entry of the nearest row count, else ``default_config``.
+    A tuned entry is used on either path (its block_m only matters on the grouped one)."""
+    if _FORCED is not None:
+        return _FORCED
+    if device_name is not None:
+        table = tuned_configs(num_experts, hidden, width, fp8, device_name)
+        if table:
+            return table[min(table, key=lambda r: (abs(r - rows), r))]
+    return default_config(rows, rows * top_k, num_experts, small, fp8)
