@@ -1,0 +1,99 @@
+"""Smoke tests of ``sparrow bench`` on CPU: tiny random-weight shapes, tiny sizes. They check that the table
+and the JSON carry every figure with a positive value, not how fast anything is."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sparrow.bench import Footprint
+from sparrow.cli import main
+from sparrow.model_shapes import SHAPES, full_config_dict, hf_config, shape_config
+from sparrow.models.registry import supported_architectures
+
+FIELDS = ("ttft_s", "prefill_tok_s", "decode_step_s", "decode_tok_s_per_seq", "decode_tok_s", "bytes_per_step",
+          "bound_step_s", "pct_of_bound")
+
+
+def _supported(shape: str) -> bool:
+    return SHAPES[shape]["architectures"][0] in supported_architectures()
+
+
+def _bench(tmp_path, *extra) -> dict:
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--device", "cpu", "--batch-sizes", "1,3", "--prompt-len", "9", "--decode-tokens", "4",
+               "--out", str(out), *extra])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_every_shape_is_a_valid_transformers_config(name):
+    cfg = hf_config(shape_config(name))
+    assert cfg.hidden_size == SHAPES[name]["hidden_size"]
+    assert cfg.num_hidden_layers == SHAPES[name]["num_hidden_layers"]
+    if _supported(name):
+        from sparrow.config import ModelConfig
+
+        assert ModelConfig.from_hf(full_config_dict(shape_config(name))).hidden_size == cfg.hidden_size
+
+
+def test_expert_hit_fraction():
+    fp = Footprint({"experts": 1000}, num_experts=128, top_k=8)
+    assert fp.expert_hit_fraction(1) == pytest.approx(8 / 128)
+    assert fp.expert_hit_fraction(8) == pytest.approx(1 - (120 / 128) ** 8)
+    assert fp.expert_hit_fraction(10_000) == pytest.approx(1.0)
+    assert Footprint({"dense": 10}).expert_hit_fraction(4) == 0.0
+
+
+def test_kv_bytes_respect_the_sliding_window():
+    fp = Footprint({}, kv_layers=[(2, 4, 4, 8), (1, 8, 8, None)], element_size=2)
+    # sliding layer reads min(context, 8) tokens, the full layer all of them
+    assert fp.kv_bytes(batch=3, context=100) == 3 * (2 * 8 * 8 + 1 * 16 * 100) * 2
+
+
+def test_tiny_dense_bench_table_and_json(tmp_path, capsys):
+    report = _bench(tmp_path, "--model-shape", "tiny-dense", "--profile")
+    rows = report["results"]
+    assert {(r["engine"], r["batch"]) for r in rows} == {(e, b) for e in ("sparrow", "transformers") for b in (1, 3)}
+    for r in rows:
+        assert "error" not in r, r
+        for f in FIELDS:
+            assert r[f] > 0, (f, r)
+        assert r["bytes_per_step_by_group"]["kv"] > 0
+    assert report["meta"]["copy_bandwidth_GBps"] > 0
+    assert set(report["profiles"]) == {"sparrow", "transformers"}
+    text = capsys.readouterr().out
+    assert "speedup" in text and "% of bound" in text and "one decode step at batch 1" in text
+
+
+def test_tiny_moe_bench(tmp_path):
+    """sparrow rows once Qwen3MoeForCausalLM is registered; until then transformers' rows alone."""
+    report = _bench(tmp_path, "--model-shape", "tiny-moe")
+    engines = {r["engine"] for r in report["results"]}
+    assert engines == ({"sparrow", "transformers"} if _supported("tiny-moe") else {"transformers"})
+    assert report["meta"]["bytes_model"]["num_experts"] == 8
+    for r in report["results"]:
+        assert "error" not in r, r
+        by = r["bytes_per_step_by_group"]
+        assert 0 < by["experts"] < report["meta"]["bytes_model"]["weight_bytes"]["experts"]
+        for f in FIELDS:
+            assert r[f] > 0, (f, r)
+
+
+def test_no_hf_and_bad_flags(tmp_path, capsys):
+    report = _bench(tmp_path, "--model-shape", "tiny-dense", "--no-hf")
+    assert {r["engine"] for r in report["results"]} == {"sparrow"}
+    assert main(["bench", "--model-shape", "no-such-shape", "--device", "cpu"]) == 2
+    assert main(["bench", "--model-shape", "tiny-dense", "--device", "cpu", "--batch-sizes", "0"]) == 2
+    assert "no-such-shape" in capsys.readouterr().err
+
+
+def test_random_init_is_finite_in_bf16():
+    from sparrow.model_shapes import build_random_hf_model
+
+    model = build_random_hf_model(shape_config("tiny-gemma4"), torch.bfloat16, "cpu")
+    with torch.no_grad():
+        logits = model(torch.randint(4, 512, (2, 40))).logits
+    assert torch.isfinite(logits).all()
