@@ -117,12 +117,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
     b = sub.add_parser("bench", help="prefill / decode tok/s of sparrow and of HF transformers on the same weights")
     _add_model_args(b)
-    b.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes (default 1,8)")
-    b.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence (default 128)")
-    b.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded per sequence (default 32)")
+    b.add_argument("--batch-sizes", default=None, help="comma-separated batch sizes (default 1,8,64 on GPU, 1,8 on CPU)")
+    b.add_argument("--prompt-len", "--prompt-lens", dest="prompt_len", default=None,
+                   help="comma-separated prompt lengths in tokens (default 128,2048 on GPU, 128 on CPU)")
+    b.add_argument("--decode-tokens", type=int, default=None,
+                   help="tokens decoded per sequence (default 64 on GPU, 32 on CPU)")
     b.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     b.add_argument("--model-shape", default=None,
-                   help="benchmark a random-weight model of a named shape instead of --model")
+                   help="benchmark a random-weight model of a named shape instead of --model "
+                        "(gemma4-26b-a4b, qwen3-30b-a3b, llama3-8b, gemma3-270m, tiny-moe, tiny-gemma4, tiny-dense)")
+    b.add_argument("--profile", action="store_true",
+                   help="print torch.profiler's top ops for one batch-1 decode step of each engine")
+    b.add_argument("--out", default=None, help="also write every number to this JSON file")
+    b.add_argument("--repeats", type=int, default=1, help="timed runs per point; the best is reported (default 1)")
+    b.add_argument("--enforce-eager", action="store_true", help="sparrow without CUDA graphs")
+    b.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default 0)")
     b.set_defaults(func=cmd_bench)
     return parser
 
