@@ -17,6 +17,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: quantize the linear layers to block-scaled FP8 at load (FP8 checkpoints load as FP8 "
+                        "without it)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -39,7 +42,8 @@ def _sampling(args):
 def _llm(args):
     from sparrow.engine.llm import LLM
 
-    return LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    return LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+               quantization=args.quantization)
 
 
 def cmd_generate(args) -> int:

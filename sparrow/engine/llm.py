@@ -43,6 +43,8 @@ class LLM:
     model: an HF folder (config.json + safetensors), a ``.gguf`` file, or None for the packaged default
     (Gemma 3 270M Q4_K_M). device: 'auto' | 'cpu' | 'cuda'. dtype: 'auto' | 'float32' | 'bfloat16' |
     'float16'. max_model_len: longest prompt + output (default: the model's, capped at 8192).
+    quantization: None | 'fp8' (quantize a float checkpoint's linear layers to block-scaled FP8 at load; an
+    FP8 checkpoint, declared by config.json's quantization_config, loads as FP8 either way).
     tokenizer: a transformers tokenizer to use instead of the model's; skip_tokenizer_init=True runs without one.
     Raises sparrow errors (ModelNotFoundError, ModelLoadError, UnsupportedArchitectureError, ...)."""
 
@@ -53,17 +55,19 @@ class LLM:
                  tokenizer=None, skip_tokenizer_init: bool = False):
         from sparrow.default_model import default_model_path
         from sparrow.loader.model_loader import load_model
+        from sparrow.quant.fp8 import SUPPORTED_QUANTIZATION
         from sparrow.tokenizer import load_tokenizer
 
-        if quantization is not None:
-            raise InvalidRequestError(f"quantization={quantization!r} is not supported yet")
+        if quantization is not None and quantization not in SUPPORTED_QUANTIZATION:
+            raise InvalidRequestError(f"quantization={quantization!r} is not supported "
+                                      f"(supported: None, {', '.join(map(repr, SUPPORTED_QUANTIZATION))})")
         if block_size < 1 or block_size & (block_size - 1):
             raise InvalidRequestError(f"block_size={block_size} must be a power of two")
         path = model if model is not None else default_model_path()
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
         torch.manual_seed(seed)
-        loaded = load_model(path, _DTYPES[dtype], device)
+        loaded = load_model(path, _DTYPES[dtype], device, quantization=quantization)
         mcfg = loaded.config
         limit = mcfg.max_position_embeddings
         if max_model_len is None:

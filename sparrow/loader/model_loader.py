@@ -1,4 +1,11 @@
-"""Build a model from a path: a ``.gguf`` file or an HF folder (config.json + safetensors)."""
+"""Build a model from a path: a ``.gguf`` file or an HF folder (config.json + safetensors).
+
+Quantization (design.md 4): an HF folder whose config.json has ``quantization_config`` (``quant_method:
+"fp8"``, ``weight_block_size: [128, 128]``) is an FP8 checkpoint; ``quantization="fp8"`` quantizes a float
+checkpoint while it loads. Either way the model is built inside ``quant_config_scope`` so each
+``sparrow.layers.linear.Linear`` takes the config's method, then ``bind_quant_config`` names the Linears and
+returns the ones the config skips (routers, ignored layers) to float weights, all before any tensor is read.
+After loading, every layer's ``quant_method.process_weights_after_loading`` runs."""
 from __future__ import annotations
 
 import logging
@@ -22,6 +29,8 @@ class LoadedModel:
     path: Path
     is_gguf: bool
     gguf_metadata: dict | None = None
+    quant_config: object | None = None
+    """The weight-format config (``sparrow.quant.fp8.Fp8Config``) or None for float weights."""
 
 
 def read_model_config(path: str | Path) -> tuple[ModelConfig, bool, object]:
@@ -41,14 +50,45 @@ def read_model_config(path: str | Path) -> tuple[ModelConfig, bool, object]:
     return ModelConfig.from_hf(read_config(path)), False, None
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
-    """Instantiate the registered architecture and fill its weights. Errors name the problem
-    (missing path, unsupported architecture, missing/misshaped/unused tensor, truncated file)."""
+def resolve_quant_config(path: Path, is_gguf: bool, quantization: str | None):
+    """The quantization config for a checkpoint: the checkpoint's own ``quantization_config`` (FP8), else
+    on-load quantization for ``quantization="fp8"``, else None. Raises ModelLoadError for an unsupported
+    checkpoint quantization and InvalidRequestError for an unknown ``quantization`` value."""
+    from sparrow.quant.fp8 import SUPPORTED_QUANTIZATION, Fp8Config
+
+    if quantization is not None and quantization not in SUPPORTED_QUANTIZATION:
+        from sparrow.errors import InvalidRequestError
+
+        raise InvalidRequestError(f"quantization={quantization!r} is not supported "
+                                  f"(supported: None, {', '.join(map(repr, SUPPORTED_QUANTIZATION))})")
+    if not is_gguf:
+        from sparrow.loader.safetensors import read_config
+
+        qc = read_config(path).get("quantization_config")
+        if qc:
+            return Fp8Config.from_hf(qc)  # the checkpoint's format wins; quantization="fp8" agrees with it
+    if quantization == "fp8":
+        return Fp8Config(from_checkpoint=False)
+    return None
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               quantization: str | None = None) -> LoadedModel:
+    """Instantiate the registered architecture and fill its weights. ``quantization``: None or "fp8"
+    (quantize a float checkpoint's Linear weights at load; FP8 checkpoints are recognized from config.json).
+    Errors name the problem (missing path, unsupported architecture or quantization, missing/misshaped/
+    unused tensor, truncated file)."""
+    from sparrow.layers.linear import bind_quant_config, quant_config_scope
+
     path = Path(path).expanduser()
     config, is_gguf, ckpt = read_model_config(path)
+    quant_config = resolve_quant_config(path, is_gguf, quantization)
     cls = get_model_class(config.architecture)
-    with torch.device(device):  # parameters are allocated (uninitialized) where they will live
+    with torch.device(device), quant_config_scope(quant_config):  # parameters allocated (uninitialized) in place
         model = cls(config, dtype=dtype)
+        bind_quant_config(model, quant_config)
+    if quant_config is not None:
+        _check_moe(model, quant_config)
     if is_gguf:
         tensors = ckpt.tensors(device="cpu")
     else:
@@ -65,6 +105,10 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
             yield name, t
 
     load_weights(model, filtered())
+    for mod in model.modules():
+        method = getattr(mod, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(mod)
     if rope_freqs:
         for mod in model.modules():
             if hasattr(mod, "set_freq_factors"):
@@ -72,4 +116,18 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     if hasattr(model, "process_weights_after_loading"):
         model.process_weights_after_loading()
     model.eval()
-    return LoadedModel(model, config, path, is_gguf, ckpt.metadata if is_gguf else None)
+    return LoadedModel(model, config, path, is_gguf, ckpt.metadata if is_gguf else None, quant_config)
+
+
+def _check_moe(model: torch.nn.Module, quant_config) -> None:
+    """Routed experts (FusedMoE) have no FP8 method yet: an FP8 checkpoint of an MoE model cannot load;
+    on-load quantization leaves the experts in the model dtype (logged)."""
+    from sparrow.layers.moe import FusedMoE
+
+    if not any(isinstance(m, FusedMoE) for m in model.modules()):
+        return
+    if quant_config.from_checkpoint:
+        raise ModelLoadError("FP8 checkpoints of MoE models are not supported yet: the routed experts (FusedMoE) "
+                             "have no FP8 weight format; load the bf16 checkpoint with quantization='fp8'")
+    log.warning("quantization='fp8': attention and dense MLP linears are FP8; routed experts stay in the "
+                "model dtype (no FP8 FusedMoE yet)")

@@ -1,0 +1,240 @@
+"""FP8 W8A8 (design.md 4): e4m3 weights with fp32 scales, activations quantized per 128-column row group.
+
+Shapes: R = rows, N = out features, K = in features, NB = ceil(N / 128), KB = ceil(K / 128).
+
+Weight layouts (dequant = q * scale, ``scale`` is what checkpoints call ``weight_scale_inv``):
+- block: q [N, K] e4m3, scale [NB, KB] fp32, one per 128 x 128 tile (DeepSeek-V3 / Qwen3 FP8
+  checkpoints: ``quantization_config = {quant_method: fp8, weight_block_size: [128, 128]}``);
+- per output channel: q [N, K] e4m3, scale [N, 1] fp32 (reference only; the kernels take block scales).
+scale = max(amax(|w| over the tile or row), 1e-10) / 448, q = clamp(w / scale, +-448) rounded to nearest
+even e4m3. Round trip: |w - dequant(q)| <= 2^-4 * |w| for |w| >= 2^-6 * scale (3 mantissa bits), and
+<= 2^-10 * scale below that (e4m3 subnormal step 2^-9 halved).
+
+``Fp8Config`` is the per-model quantization config: ``get_quant_method(prefix)`` gives the Linear method
+of a layer (None = stay unquantized). ``Fp8LinearMethod`` is the method object on a Linear (style.md 6):
+- checkpoint mode (FP8 checkpoint): parameters ``weight`` e4m3 [N, K] and ``weight_scale_inv`` fp32
+  [NB, KB], each loaded shard by shard for packed layers; a shard must start on a 128-row boundary
+  (else its scale rows would mix two checkpoint tensors) or loading raises ModelLoadError;
+- on-load mode (``quantization="fp8"`` on a bf16 / fp32 checkpoint): the loader stages the arriving
+  float shards of one layer in a buffer of the model dtype, and when the layer's last shard lands it
+  quantizes the whole [N, K] weight in 128 x 128 blocks into ``weight`` / ``weight_scale_inv`` and frees
+  the buffer, so peak memory is the FP8 model plus the layers in flight (one or two: checkpoints store a
+  layer's tensors together). Quantizing the packed weight equals quantizing each shard when shards are
+  128-aligned, so an FP8 checkpoint made offline from the same weights loads to the same bytes.
+apply(x [R, K]) -> [R, N] in x's dtype: R <= 16 -> ``gemv_fp8`` (weights dequantized in registers,
+activations unquantized); more rows -> ``fp8_gemm`` (activations quantized per 128-group, e4m3 tensor
+cores). Each runs Triton on the GPU and its torch twin on CPU (``sparrow.kernels.use_triton``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+from torch import nn
+
+from sparrow.errors import ModelLoadError
+from sparrow.kernels.fp8 import (
+    AMAX_EPS,
+    FP8_DTYPE,
+    FP8_MAX,
+    GROUP,
+    dequantize_fp8_block_ref,
+    quantize_fp8_block_ref,
+)
+
+__all__ = [
+    "quantize_fp8_block", "dequantize_fp8_block", "quantize_fp8_channel", "dequantize_fp8_channel",
+    "Fp8Config", "Fp8LinearMethod", "SUPPORTED_QUANTIZATION",
+]
+
+SUPPORTED_QUANTIZATION = ("fp8",)
+"""Values accepted by ``LLM(quantization=...)`` / ``--quantization``."""
+
+# Linear layers that stay in the model dtype whatever the config says: MoE routers and gates
+# (a router's top-k is sensitive to small errors; vLLM / DeepSeek / Qwen FP8 checkpoints keep them bf16).
+_ALWAYS_UNQUANTIZED = re.compile(r"(^|\.)(gate|router|shared_expert_gate|lm_head|embed_tokens)(\.|$)")
+
+# The torch references (one implementation, in the kernels package beside the kernels that use them).
+quantize_fp8_block = quantize_fp8_block_ref
+dequantize_fp8_block = dequantize_fp8_block_ref
+
+
+def quantize_fp8_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (q [N, K] e4m3, scale [N, 1] fp32), one scale = max(amax, 1e-10) / 448 per row.
+    Raises ValueError unless w is 2-D floating point."""
+    if w.dim() != 2 or not w.is_floating_point():
+        raise ValueError(f"quantize_fp8_channel: w must be a 2-D float tensor, got {tuple(w.shape)} {w.dtype}")
+    wf = w.float()
+    scale = wf.abs().amax(dim=1, keepdim=True).clamp_min(AMAX_EPS) / FP8_MAX
+    return (wf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def dequantize_fp8_channel(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``quantize_fp8_channel``: q [N, K] e4m3, scale [N, 1] -> fp32 [N, K]."""
+    return q.float() * scale.float().reshape(-1, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+    """FP8 block-scaled quantization of a model's Linear layers."""
+
+    from_checkpoint: bool
+    """True: the checkpoint holds e4m3 ``weight`` + ``weight_scale_inv``; False: quantize float weights at load."""
+    weight_block_size: tuple[int, int] = (GROUP, GROUP)
+    """Scale block [rows, cols]; only [128, 128] is supported."""
+    ignored_layers: tuple[str, ...] = ()
+    """Module-name fragments left unquantized (HF ``modules_to_not_convert`` / ``ignored_layers``)."""
+
+    @classmethod
+    def from_hf(cls, qc: dict) -> "Fp8Config":
+        """From config.json's ``quantization_config``. Raises ModelLoadError for another method, block size
+        or a static activation scheme."""
+        method = qc.get("quant_method")
+        if method != "fp8":
+            raise ModelLoadError(f"checkpoint quantization_config.quant_method={method!r} is not supported "
+                                 f"(supported: {', '.join(SUPPORTED_QUANTIZATION)})")
+        block = qc.get("weight_block_size")
+        if block is None or [int(b) for b in block] != [GROUP, GROUP]:
+            raise ModelLoadError(f"FP8 checkpoint weight_block_size={block!r} is not supported (only [128, 128]; "
+                                 "per-tensor / per-channel FP8 checkpoints are not loadable yet)")
+        scheme = qc.get("activation_scheme", "dynamic")
+        if scheme != "dynamic":
+            raise ModelLoadError(f"FP8 checkpoint activation_scheme={scheme!r} is not supported (only 'dynamic')")
+        ignored = tuple(qc.get("modules_to_not_convert") or ()) + tuple(qc.get("ignored_layers") or ())
+        return cls(from_checkpoint=True, weight_block_size=(GROUP, GROUP), ignored_layers=ignored)
+
+    def quantizes(self, prefix: str) -> bool:
+        """Whether the Linear named ``prefix`` (e.g. ``model.layers.0.self_attn.qkv_proj``) is quantized."""
+        if _ALWAYS_UNQUANTIZED.search(prefix):
+            return False
+        dotted = f".{prefix}."
+        return not any(frag and f".{frag}." in dotted for frag in self.ignored_layers)
+
+    def get_quant_method(self, prefix: str | None = None) -> "Fp8LinearMethod | None":
+        """The method object for the Linear named ``prefix`` (None: not known yet, quantize); None = unquantized."""
+        if prefix is not None and not self.quantizes(prefix):
+            return None
+        return Fp8LinearMethod(self.from_checkpoint)
+
+
+class Fp8LinearMethod:
+    """Block-scaled FP8 weights on a ``sparrow.layers.linear.Linear``; see the module doc."""
+
+    def __init__(self, from_checkpoint: bool = True):
+        self.from_checkpoint = from_checkpoint
+
+    # ---- weights ------------------------------------------------------------------------------------
+
+    def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
+        """``weight`` e4m3 [N, K] and ``weight_scale_inv`` fp32 [NB, KB], both with loaders. ``dtype`` is the
+        model dtype (activations, bias, the on-load staging buffer)."""
+        n, k = layer.out_features, layer.in_features
+        layer.weight = nn.Parameter(torch.empty(n, k, dtype=FP8_DTYPE), requires_grad=False)
+        layer.weight_scale_inv = nn.Parameter(
+            torch.empty(-(-n // GROUP), -(-k // GROUP), dtype=torch.float32), requires_grad=False)
+        layer.params_dtype = dtype
+        if self.from_checkpoint:
+            layer.weight.weight_loader = self._checkpoint_loader(layer)
+            layer.weight_scale_inv.weight_loader = self._checkpoint_loader(layer)
+        else:
+            layer.weight.weight_loader = self._quantizing_loader(layer)
+            layer.weight_scale_inv.weight_loader = self._reject_scale
+            layer.weight_scale_inv.expected_shards = []  # made by the quantizing loader, not read
+            layer._fp8_staging = None
+            layer._fp8_staged = set()
+
+    @staticmethod
+    def _shard_rows(layer: nn.Module, shard_id: int | None) -> tuple[int, int]:
+        if shard_id is None:
+            return 0, layer.out_features
+        return sum(layer.output_sizes[:shard_id]), layer.output_sizes[shard_id]
+
+    def _checkpoint_loader(self, layer: nn.Module):
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id, name: str) -> None:
+            start, rows = self._shard_rows(layer, shard_id)
+            if param is layer.weight:
+                if loaded.dtype != FP8_DTYPE:
+                    raise ModelLoadError(f"tensor {name!r} is {loaded.dtype}, but the FP8 checkpoint layout needs "
+                                         "float8_e4m3fn weights")
+                target = param.data.narrow(0, start, rows)
+            else:
+                if start % GROUP:
+                    raise ModelLoadError(
+                        f"tensor {name!r}: shard {shard_id} of the packed layer starts at row {start}, not on a "
+                        f"{GROUP}-row boundary, so its block scales cannot be placed (packed sizes "
+                        f"{layer.output_sizes}); this FP8 checkpoint cannot be loaded packed")
+                target = param.data.narrow(0, start // GROUP, -(-rows // GROUP))
+            if tuple(loaded.shape) != tuple(target.shape):
+                raise ModelLoadError(f"tensor {name!r} has shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
+            target.copy_(loaded)
+
+        return load
+
+    def _quantizing_loader(self, layer: nn.Module):
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id, name: str) -> None:
+            if not loaded.is_floating_point() or loaded.dtype == FP8_DTYPE:
+                raise ModelLoadError(f"tensor {name!r} is {loaded.dtype}; quantization='fp8' quantizes a float "
+                                     "checkpoint (an FP8 checkpoint declares quantization_config in config.json)")
+            start, rows = self._shard_rows(layer, shard_id)
+            if tuple(loaded.shape) != (rows, layer.in_features):
+                raise ModelLoadError(f"tensor {name!r} has shape {tuple(loaded.shape)}, "
+                                     f"expected {(rows, layer.in_features)}")
+            if shard_id is None:  # whole weight: quantize straight away, no staging
+                self._quantize_into(layer, loaded.to(device=param.device, dtype=layer.params_dtype))
+                return
+            if layer._fp8_staging is None:
+                layer._fp8_staging = torch.empty(layer.out_features, layer.in_features, dtype=layer.params_dtype,
+                                                 device=param.device)
+            layer._fp8_staging.narrow(0, start, rows).copy_(loaded)
+            layer._fp8_staged.add(shard_id)
+            if len(layer._fp8_staged) == len(layer.output_sizes):
+                self._quantize_into(layer, layer._fp8_staging)
+                layer._fp8_staging = None
+                layer._fp8_staged = set()
+
+        return load
+
+    @staticmethod
+    def _reject_scale(param, loaded, shard_id, name) -> None:
+        raise ModelLoadError(f"tensor {name!r}: the checkpoint carries FP8 scales but its config.json has no "
+                             "FP8 quantization_config; load it without quantization='fp8' after adding one")
+
+    @staticmethod
+    def _quantize_into(layer: nn.Module, w: torch.Tensor) -> None:
+        q, s = quantize_fp8_block_ref(w, GROUP)
+        layer.weight.data.copy_(q)
+        layer.weight_scale_inv.data.copy_(s)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Check the on-load quantization finished; make the scales contiguous fp32 (the kernels' layout)."""
+        if not self.from_checkpoint and layer._fp8_staging is not None:
+            raise ModelLoadError(f"FP8 on-load quantization of a {layer.output_sizes} packed layer got only shards "
+                                 f"{sorted(layer._fp8_staged)}")
+        if not layer.weight_scale_inv.is_contiguous():
+            layer.weight_scale_inv.data = layer.weight_scale_inv.data.contiguous()
+
+    def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
+        """The weight as fp32 [N, K] (tests, debugging)."""
+        return dequantize_fp8_block_ref(layer.weight, layer.weight_scale_inv, GROUP)
+
+    # ---- compute ------------------------------------------------------------------------------------
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x's dtype (+ bias); see the module doc for the kernel choice."""
+        from sparrow.kernels import use_triton
+        from sparrow.kernels.fp8_gemm import fp8_gemm_ref, fp8_gemm_triton
+        from sparrow.kernels.gemv import MAX_ROWS, gemv_fp8_ref, gemv_fp8_triton
+
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        triton_path = use_triton(x2)
+        if x2.shape[0] <= MAX_ROWS:
+            y = (gemv_fp8_triton if triton_path else gemv_fp8_ref)(x2, layer.weight, layer.weight_scale_inv)
+        else:
+            y = (fp8_gemm_triton if triton_path else fp8_gemm_ref)(x2, layer.weight, layer.weight_scale_inv)
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.reshape(*shape[:-1], y.shape[-1])

@@ -1,0 +1,308 @@
+"""FP8 W8A8 (``sparrow.quant.fp8``): the quantize / dequantize references, the Linear method, loading FP8
+checkpoints and quantizing float checkpoints at load, end to end on a tiny random Llama.
+
+Budgets (NMSE = ||y - ref||^2 / ||ref||^2 against x @ dequant(W).T, the dequantized reference):
+- R <= 16 rows (GEMV, activations not quantized): only fp32 summation order differs, NMSE <= 1e-10;
+- R > 16 rows (W8A8 GEMM): e4m3 activations keep 3 mantissa bits (relative rms rounding ~2^-4 / sqrt(3)
+  = 3.6 %, NMSE ~1.3e-3 for Gaussian inputs), budget NMSE <= 5e-3.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparrow.errors import InvalidRequestError, ModelLoadError
+from sparrow.kernels import backend
+from sparrow.layers.linear import Linear, UnquantizedLinearMethod, bind_quant_config, quant_config_scope
+from sparrow.quant.fp8 import (
+    Fp8Config,
+    Fp8LinearMethod,
+    dequantize_fp8_block,
+    dequantize_fp8_channel,
+    quantize_fp8_block,
+    quantize_fp8_channel,
+)
+
+ROWS = [1, 2, 3, 16, 17, 33, 257]
+GEMV_NMSE, GEMM_NMSE = 1e-10, 5e-3
+
+
+def nmse(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref.float()).pow(2).sum() / ref.float().pow(2).sum().clamp_min(1e-30)).item()
+
+
+# ---- references ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,k", [(1, 1), (128, 128), (130, 200), (257, 384), (300, 129)])
+def test_block_round_trip_error_bound(n, k):
+    """|w - dequant| <= 2^-4 |w| (3 mantissa bits) + 2^-10 * scale (subnormal step 2^-9, halved)."""
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 1, n)[:, None]  # blocks of very different size
+    q, s = quantize_fp8_block(w)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (n, k)
+    assert s.dtype == torch.float32 and s.shape == (-(-n // 128), -(-k // 128))
+    full = s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    err = (dequantize_fp8_block(q, s) - w).abs()
+    assert (err <= 2**-4 * w.abs() + 2**-10 * full + 1e-6 * w.abs()).all()
+    assert nmse(dequantize_fp8_block(q, s), w) < 2e-3
+
+
+def test_block_amax_maps_to_448_and_zero_block():
+    w = torch.zeros(256, 256)
+    w[:128, :128] = torch.randn(128, 128)
+    q, s = quantize_fp8_block(w)
+    assert q[:128, :128].float().abs().max() == 448  # each block's amax lands on e4m3's largest value
+    assert (q[128:].float() == 0).all() and (s[1] > 0).all()  # an all-zero block: tiny scale, q = 0, no NaN
+    exact = q.float() * 0.5  # representable values survive a second round trip exactly
+    q2, s2 = quantize_fp8_block(dequantize_fp8_block(q, s))
+    torch.testing.assert_close(dequantize_fp8_block(q2, s2), dequantize_fp8_block(q, s), atol=0, rtol=0)
+    assert exact.isfinite().all()
+
+
+def test_channel_round_trip_error_bound():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(130, 200, generator=g) * torch.logspace(-3, 1, 130)[:, None]
+    q, s = quantize_fp8_channel(w)
+    assert s.shape == (130, 1)
+    err = (dequantize_fp8_channel(q, s) - w).abs()
+    assert (err <= 2**-4 * w.abs() + 2**-10 * s + 1e-6 * w.abs()).all()
+    with pytest.raises(ValueError, match="2-D float"):
+        quantize_fp8_channel(torch.ones(3, dtype=torch.int32))
+
+
+# ---- the Linear method --------------------------------------------------------------------------------
+
+def _fp8_linear(sizes, k, *, from_checkpoint: bool, seed=0, bias=False):
+    """An FP8 Linear filled shard by shard from float weights (on-load) or their quantized pieces
+    (checkpoint layout); returns (layer, float weight [N, K])."""
+    g = torch.Generator().manual_seed(seed)
+    shards = [torch.randn(n, k, generator=g) * 0.05 * (i + 1) for i, n in enumerate(sizes)]
+    layer = Linear(k, output_sizes=sizes, bias=bias, quant_method=Fp8LinearMethod(from_checkpoint))
+    packed = len(sizes) > 1
+    for i, w in enumerate(shards):
+        sid = i if packed else None
+        if from_checkpoint:
+            q, s = quantize_fp8_block(w)
+            layer.weight.weight_loader(layer.weight, q, sid, f"w{i}")
+            layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, s, sid, f"s{i}")
+        else:
+            layer.weight.weight_loader(layer.weight, w, sid, f"w{i}")
+    if bias:
+        layer.bias.data.copy_(torch.randn(sum(sizes), generator=g))
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer, torch.cat(shards)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("sizes,k", [([256], 384), ([128, 256, 2], 200), ([130], 129)], ids=["even", "packed-odd", "odd"])
+def test_apply_vs_dequantized_reference(rows, sizes, k):
+    layer, _ = _fp8_linear(sizes, k, from_checkpoint=False, seed=rows, bias=True)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 2
+    ref = x @ layer.quant_method.dequantized_weight(layer).T + layer.bias
+    y = layer(x)
+    assert y.shape == (rows, sum(sizes)) and y.dtype == x.dtype
+    assert nmse(y, ref) <= (GEMV_NMSE if rows <= 16 else GEMM_NMSE)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 33])
+def test_apply_triton_path_matches_torch_path(rows):
+    """The Triton kernels (interpreter on CPU, fp32) against the torch path of the same layer."""
+    layer, _ = _fp8_linear([128, 130], 200, from_checkpoint=False, seed=5)
+    x = torch.randn(2, rows, 200, generator=torch.Generator().manual_seed(0))  # 3-D input
+    ref = layer(x)
+    with backend("triton"):
+        y = layer(x)
+    torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 33])
+def test_apply_bf16(rows):
+    layer, _ = _fp8_linear([256], 256, from_checkpoint=False)
+    x = torch.randn(rows, 256).to(torch.bfloat16)
+    ref = x.float() @ layer.quant_method.dequantized_weight(layer).T
+    y = layer(x)
+    assert y.dtype == torch.bfloat16
+    assert nmse(y, ref) <= (1e-4 if rows <= 16 else GEMM_NMSE)
+
+
+def test_checkpoint_layout_equals_on_load_quantization():
+    """Aligned packed shards: quantizing each shard (an FP8 checkpoint) == quantizing the packed weight."""
+    a, _ = _fp8_linear([256, 128, 128], 384, from_checkpoint=True, seed=3)
+    b, _ = _fp8_linear([256, 128, 128], 384, from_checkpoint=False, seed=3)
+    assert torch.equal(a.weight.view(torch.uint8), b.weight.view(torch.uint8))
+    assert torch.equal(a.weight_scale_inv, b.weight_scale_inv)
+
+
+def test_unaligned_packed_shard_is_a_clear_error():
+    layer = Linear(128, output_sizes=[64, 64], quant_method=Fp8LinearMethod(True))
+    q, s = quantize_fp8_block(torch.randn(64, 128))
+    layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, s, 0, "k_proj.weight_scale_inv")
+    with pytest.raises(ModelLoadError, match=r"'v_proj.weight_scale_inv'.*starts at row 64.*128-row boundary"):
+        layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, s, 1, "v_proj.weight_scale_inv")
+    with pytest.raises(ModelLoadError, match="float8_e4m3fn"):
+        layer.weight.weight_loader(layer.weight, torch.randn(64, 128), 0, "k_proj.weight")
+    # on-load quantization stages the whole packed weight, so unaligned shards are fine there
+    b, w = _fp8_linear([64, 64], 128, from_checkpoint=False)
+    torch.testing.assert_close(b.quant_method.dequantized_weight(b), dequantize_fp8_block(*quantize_fp8_block(w)))
+
+
+def test_quant_config_scope_and_bind():
+    cfg = Fp8Config(from_checkpoint=True, ignored_layers=("layers.1.o_proj",))
+    with quant_config_scope(cfg):
+        model = torch.nn.ModuleDict({
+            "gate": Linear(128, 8),  # a router-like name stays float
+            "layers": torch.nn.ModuleList([torch.nn.ModuleDict({"o_proj": Linear(128, 128)}) for _ in range(2)]),
+        })
+    assert all(isinstance(m.quant_method, Fp8LinearMethod) for m in model.modules() if isinstance(m, Linear))
+    bind_quant_config(model, cfg)
+    assert model["layers"][0]["o_proj"].weight.dtype == torch.float8_e4m3fn
+    assert model["layers"][0]["o_proj"].prefix == "layers.0.o_proj"
+    for name in ("gate", "layers.1.o_proj"):
+        m = model.get_submodule(name)
+        assert isinstance(m.quant_method, UnquantizedLinearMethod) and m.weight.dtype == torch.float32
+        assert not hasattr(m, "weight_scale_inv")
+    assert Linear(8, 8).weight.dtype == torch.float32  # outside the scope: float
+
+
+def test_config_from_hf():
+    cfg = Fp8Config.from_hf({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
+                             "modules_to_not_convert": ["lm_head"]})
+    assert cfg.from_checkpoint and cfg.ignored_layers == ("lm_head",)
+    for qc, match in [({"quant_method": "gptq"}, "'gptq' is not supported"),
+                      ({"quant_method": "fp8"}, "weight_block_size=None"),
+                      ({"quant_method": "fp8", "weight_block_size": [64, 64]}, r"only \[128, 128\]"),
+                      ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+                       "'static'")]:
+        with pytest.raises(ModelLoadError, match=match):
+            Fp8Config.from_hf(qc)
+    assert not cfg.quantizes("model.layers.0.mlp.gate") and cfg.quantizes("model.layers.0.mlp.gate_up_proj")
+
+
+# ---- end to end: a tiny random Llama ------------------------------------------------------------------
+
+TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512)
+_LINEAR_RE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    import transformers
+
+    path = tmp_path_factory.mktemp("fp8") / "llama"
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def write_fp8_checkpoint(src: Path, dst: Path) -> Path:
+    """The DeepSeek / Qwen FP8 layout: each linear ``*.weight`` as e4m3 + ``*.weight_scale_inv`` [N/128, K/128]."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True)
+    out = {}
+    for f in sorted(src.glob("*.safetensors")):
+        for name, t in load_file(str(f)).items():
+            if name.endswith(".weight") and name.split(".")[-2] in _LINEAR_RE:
+                q, s = quantize_fp8_block(t)
+                out[name], out[name + "_scale_inv"] = q, s
+            else:
+                out[name] = t
+    save_file(out, str(dst / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _prompts(count=6):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, TINY["vocab_size"], (n,), generator=g).tolist() for n in (3, 5, 9, 17, 30, 12)[:count]]
+
+
+def greedy_agreement(ref_llm, test_llm, prompts, steps=24) -> tuple[float, float]:
+    """(per-step agreement, free-running prefix fraction). Per step: the test model, fed the reference
+    model's greedy continuation (teacher forcing, via prompt logprobs), picks the same argmax token. Free
+    running: the fraction of steps before the two greedy generations first differ."""
+    from sparrow import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in ref_llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
+    free = [o.outputs[0].token_ids for o in test_llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
+    forced = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    same = total = prefix = 0
+    for p, r, f in zip(prompts, ref, free):
+        out = test_llm.generate({"prompt_token_ids": p + list(r)}, forced)[0]
+        plp = out.outputs[0].token_ids[:1]
+        argmax = [next(t for t, lp in d.items() if lp.rank == 1) for d in out.prompt_logprobs[len(p):]] + plp
+        same += sum(a == b for a, b in zip(argmax, r))
+        total += len(r)
+        k = 0
+        while k < len(r) and r[k] == f[k]:
+            k += 1
+        prefix += k
+    return same / total, prefix / total
+
+
+def test_on_load_fp8_greedy_agreement(tiny_dir, capsys):
+    from sparrow import LLM
+
+    base = LLM(str(tiny_dir), device="cpu", dtype="float32", skip_tokenizer_init=True)
+    fp8 = LLM(str(tiny_dir), device="cpu", dtype="float32", skip_tokenizer_init=True, quantization="fp8")
+    assert fp8.engine.runner.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    per_step, prefix = greedy_agreement(base, fp8, _prompts())
+    with capsys.disabled():
+        print(f"\nFP8 on-load vs fp32 greedy: per-step agreement {per_step:.1%}, free-running prefix {prefix:.1%}")
+    assert per_step >= 0.8
+
+
+def test_fp8_checkpoint_matches_on_load_quantization(tiny_dir, tmp_path):
+    from sparrow import LLM, SamplingParams
+    from sparrow.loader.model_loader import load_model
+
+    ckpt = write_fp8_checkpoint(tiny_dir, tmp_path / "fp8")
+    a = load_model(ckpt).model
+    b = load_model(tiny_dir, quantization="fp8").model
+    pb = dict(b.named_parameters())
+    for name, p in a.named_parameters():
+        assert p.dtype == pb[name].dtype, name
+        assert torch.equal(p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p,
+                           pb[name].view(torch.uint8) if p.dtype == torch.float8_e4m3fn else pb[name]), name
+    assert a.model.layers[1].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    assert a.model.embed_tokens.weight.dtype == torch.float32
+
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5, prompt_logprobs=5)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(4)]
+    outs = [LLM(str(path), device="cpu", dtype="float32", skip_tokenizer_init=True, **kw).generate(prompts, sp)
+            for path, kw in ((ckpt, {}), (tiny_dir, {"quantization": "fp8"}))]
+    for x, y in zip(*outs):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert x.outputs[0].logprobs == y.outputs[0].logprobs  # same logits -> bit-identical logprobs
+        assert x.prompt_logprobs == y.prompt_logprobs
+
+
+def test_fp8_checkpoint_with_unaligned_packed_shards_fails_clearly(tmp_path):
+    import transformers
+
+    src = tmp_path / "src"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY, "num_key_value_heads": 1})).save_pretrained(
+        str(src), safe_serialization=True)  # k_proj / v_proj have 64 rows
+    ckpt = write_fp8_checkpoint(src, tmp_path / "fp8")
+    from sparrow.loader.model_loader import load_model
+
+    with pytest.raises(ModelLoadError, match="128-row boundary"):
+        load_model(ckpt)
+
+
+def test_unsupported_quantization_names_itself(tiny_dir):
+    from sparrow import LLM
+
+    with pytest.raises(InvalidRequestError, match=r"quantization='int3' is not supported \(supported: None, 'fp8'\)"):
+        LLM(str(tiny_dir), device="cpu", skip_tokenizer_init=True, quantization="int3")
+    from sparrow.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "hi", "--quantization", "fp8"])
+    assert args.quantization == "fp8"
