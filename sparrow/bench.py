@@ -245,7 +245,7 @@ class SparrowRunner:
         from sparrow.sampling_params import SamplingParams
 
         eng = self.engine
-        rid = eng.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=16, ignore_eos=True))
+        rid = eng.add_request({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
         produced = 0
         while produced < 3:  # prefill (maybe several chunks) + two decode steps
             produced = max([len(o.outputs[0].token_ids) for o in eng.step()] or [produced])
