@@ -1,0 +1,199 @@
+"""GPU micro-benchmark of one MoE layer (router output -> experts -> weighted reduce) at the Gemma 4 26B-A4B
+shape: H = 2816, E = 128, K = 8, I = 704, bf16 and FP8 (e4m3, 128 x 128 block scales, W8A8).
+
+    python benchmarks/moe_layer.py [--rows 1 8 64 1024] [--dtypes bf16 fp8] [--out result.json] [--torch]
+    python benchmarks/moe_layer.py --tune [--rows ...]     (sweep tiles, write sparrow/kernels/configs/*.json)
+
+Per line: rows, path (small / grouped), time per call (CUDA-graph replay of ``fused_moe_triton``; each
+captured call uses the next of 16 routings, so the experts' weights come from HBM, not L2), the bytes
+bound (weights of the distinct experts the routings touch, mean over the routings, plus x, topk and the
+output; at the copy bandwidth measured at the start of the run), the achieved GB/s, % of copy bandwidth
+and time / bound. Shapes: R = rows, P = R * K pairs. ``--torch`` adds the torch reference path
+(sparrow.layers.moe, not graph-capturable: host-synced) for comparison.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+H, E, K, I = 2816, 128, 8, 704
+N_ROUTINGS = 16
+
+
+def _time_s(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench_cudagraph(fn, rep=50) * 1e-3
+
+
+def copy_bandwidth(nbytes: int = 1 << 31) -> float:
+    """Device-to-device bandwidth in bytes/s (read + write) of an elementwise kernel, best of 3."""
+    a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
+    b = torch.empty_like(a)
+    return max(2 * nbytes / _time_s(lambda: torch.mul(a, 1.0, out=b)) for _ in range(3))
+
+
+def make_layer(fp8: bool, seed: int = 0):
+    from sparrow.kernels.fp8 import quantize_fp8_block_ref
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).to(torch.bfloat16)
+    if not fp8:
+        return dict(gate_up_proj=w13, down_proj=w2)
+    out = {}
+    for name, w, sname in (("gate_up_proj", w13, "w13_scale"), ("down_proj", w2, "w2_scale")):
+        qs = [quantize_fp8_block_ref(we) for we in w]
+        out[name] = torch.stack([q for q, _ in qs])
+        out[sname] = torch.stack([s for _, s in qs])
+        del qs
+    return out
+
+
+def make_routings(rows: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    routings = []
+    for _ in range(N_ROUTINGS):
+        logits = torch.randn(rows, E, device="cuda", generator=g)
+        w, ids = torch.softmax(logits, -1).topk(K, dim=-1)
+        routings.append((w, ids.to(torch.int32)))
+    return routings
+
+
+def bytes_bound(rows: int, fp8: bool, routings) -> float:
+    """Bytes a call must move: the distinct experts' weights (mean over routings) + x + routing + out."""
+    per_expert = 3 * I * H * (1 if fp8 else 2)
+    if fp8:
+        per_expert += 4 * (-(-2 * I // 128) * -(-H // 128) + -(-H // 128) * -(-I // 128))
+    experts = sum(len(torch.unique(ids)) for _, ids in routings) / len(routings)
+    return experts * per_expert + rows * H * 2 * 2 + rows * K * 8
+
+
+def bench_one(rows: int, fp8: bool, layer, peak: float, with_torch: bool = False) -> dict:
+    from sparrow.kernels.moe import fused_moe_ref, fused_moe_triton
+
+    x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
+    routings = make_routings(rows)
+    state = {"i": 0}
+
+    def call():
+        state["i"] = (state["i"] + 1) % N_ROUTINGS
+        w, ids = routings[state["i"]]
+        return fused_moe_triton(x, topk_weights=w, topk_ids=ids, **layer)
+
+    call()  # compile outside the capture
+    t = _time_s(call)
+    nbytes = bytes_bound(rows, fp8, routings)
+    res = dict(rows=rows, dtype="fp8" if fp8 else "bf16", path="small" if rows * K <= 64 else "grouped",
+               us=t * 1e6, bound_us=nbytes / peak * 1e6, gbps=nbytes / t / 1e9, pct_copy=100 * nbytes / t / peak)
+    if with_torch:
+        import triton.testing
+
+        w, ids = routings[0]
+        res["torch_us"] = triton.testing.do_bench(lambda: fused_moe_ref(x, topk_weights=w, topk_ids=ids, **layer),
+                                                  rep=100) * 1e3
+    return res
+
+
+def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path) -> pathlib.Path:
+    """Coordinate search per rows: BLOCK_M, then the gate|up tile, then the down tile (36 tiles each).
+    Writes the data file ``pick_config`` reads for this shape and device."""
+    from sparrow.kernels import moe_configs
+    from sparrow.kernels.moe import fused_moe_triton
+    from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config
+
+    table = {}
+    for rows in rows_list:
+        x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
+        routings = make_routings(rows)
+        state = {"i": 0}
+
+        def call():
+            state["i"] = (state["i"] + 1) % N_ROUTINGS
+            w, ids = routings[state["i"]]
+            return fused_moe_triton(x, topk_weights=w, topk_ids=ids, **layer)
+
+        small = rows * K <= 64
+        best = moe_configs.default_config(rows, rows * K, E, small, fp8)
+        ks = (128, 256, 512) if small else ((128,) if fp8 else (32, 64, 128))
+        ns = (16, 32, 64) if small else (32, 64, 128)
+        ms = (16,) if small else (16, 32, 64, 128)
+        tiles = [Tile(n, k, w, s) for n, k, w, s in itertools.product(ns, ks, (4, 8), (3, 4))]
+
+        def timed(cfg):
+            try:
+                with forced_config(cfg):
+                    call()
+                    return _time_s(call)
+            except Exception as exc:  # out of shared memory / registers for this tile
+                print(f"  skip {cfg}: {type(exc).__name__}")
+                return float("inf")
+
+        best_t = timed(best)
+        for bm in ms:  # BLOCK_M with the default tiles, then the gate|up tile, then the down tile
+            cand = MoeConfig(bm, best.gate_up, best.down)
+            t = timed(cand)
+            if t < best_t:
+                best, best_t = cand, t
+        for which in ("gate_up", "down"):
+            for tile in tiles:
+                cand = MoeConfig(best.block_m, tile if which == "gate_up" else best.gate_up,
+                                 tile if which == "down" else best.down)
+                t = timed(cand)
+                if t < best_t:
+                    best, best_t = cand, t
+        print(f"rows {rows:5d} {'fp8' if fp8 else 'bf16'}: {best_t * 1e6:8.2f} us  {best}")
+        table[str(rows)] = best.to_json()
+    path = out_dir / moe_configs.config_file(E, H, I, fp8, torch.cuda.get_device_name()).name
+    path.write_text(json.dumps({"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                         "source": "benchmarks/moe_layer.py --tune"},
+                                "configs": table}, indent=1) + "\n")
+    moe_configs._load.cache_clear()
+    return path
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 1024])
+    p.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    p.add_argument("--out", type=pathlib.Path, help="write the results as JSON here")
+    p.add_argument("--torch", action="store_true", help="also time the torch reference path")
+    p.add_argument("--tune", action="store_true", help="sweep tiles and write the config data files")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("moe_layer.py needs a CUDA GPU")
+    from sparrow.kernels.moe_configs import CONFIG_DIR
+
+    peak = copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()}, copy bandwidth {peak / 1e9:.0f} GB/s; "
+          f"MoE layer H={H} E={E} K={K} I={I}")
+    results = []
+    for dtype in args.dtypes:
+        layer = make_layer(dtype == "fp8")
+        if args.tune:
+            print("wrote", tune(args.rows, dtype == "fp8", layer, CONFIG_DIR))
+        print(f"{'rows':>5} {'dtype':>5} {'path':>8} {'us':>9} {'bound us':>9} {'GB/s':>8} {'% copy':>7} "
+              f"{'x bound':>7}" + (f" {'torch us':>9}" if args.torch else ""))
+        for rows in args.rows:
+            r = bench_one(rows, dtype == "fp8", layer, peak, args.torch)
+            results.append(r)
+            print(f"{r['rows']:5d} {r['dtype']:>5} {r['path']:>8} {r['us']:9.2f} {r['bound_us']:9.2f} "
+                  f"{r['gbps']:8.1f} {r['pct_copy']:6.1f}% {r['us'] / r['bound_us']:7.2f}"
+                  + (f" {r['torch_us']:9.1f}" if args.torch else ""))
+        del layer
+        torch.cuda.empty_cache()
+    if args.out:
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbps": peak / 1e9,
+                                        "shape": dict(H=H, E=E, K=K, I=I), "results": results}, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()

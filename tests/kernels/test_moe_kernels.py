@@ -1,0 +1,343 @@
+"""Fused MoE kernels (align, grouped GEMM, small-batch GEMV, reduce, dispatcher) against their torch twins.
+
+Shapes: R = rows, H = hidden, E = experts, K = top-k, I = expert width, P = R * K pairs.
+On CPU the kernels run under TRITON_INTERPRET=1 at H = 64 (ragged against the 128-wide FP8 groups),
+I = 40 (ragged against every tile), with a reduced grid: every E in {8, 64, 128}, K in {1, 2, 8} and R in
+{1, 2, 3, 16, 17, 64, 65} is covered on each path, not their full product. Real shapes (H = 2816, I = 704,
+E = 128, K = 8, R up to 1024) run under ``@pytest.mark.gpu``.
+
+Tolerances. Outputs are O(1). fp32: atol = rtol = 1e-4 (only summation order differs). bf16: the kernel is
+compared with the fp32 reference on the same bf16 numbers, atol = rtol = 1e-2 (the intermediate, each pair's
+output and the result are rounded to bf16, 2^-9 relative each). FP8 W8A8: (a) against the FP8 twin (same
+quantization of x and of the intermediate), atol = rtol = 2e-2 (a one-ulp e4m3 flip of an activation
+where the kernel's fp32 division rounds differently); (b) NMSE against the fp32 reference with the
+dequantized weights (unquantized activations) < 4e-3: two e4m3 roundings of activations (x and the
+intermediate) at ~1e-3 NMSE each, measured 1.8e-3 here.
+
+Run as a script on a GPU: ``python tests/kernels/test_moe_kernels.py`` prints the MoE-layer benchmark.
+"""
+import json
+
+import pytest
+import torch
+
+from sparrow.kernels import backend
+from sparrow.kernels import moe_configs
+from sparrow.kernels.fp8 import dequantize_fp8_block_ref, quantize_fp8_block_ref
+from sparrow.kernels.moe import (
+    SMALL_MAX_PAIRS,
+    fused_moe,
+    fused_moe_ref,
+    fused_moe_triton,
+    moe_align_ref,
+    moe_align_triton,
+    moe_reduce_ref,
+    moe_reduce_triton,
+)
+from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config, pick_config
+from sparrow.layers.moe import fused_moe_grouped_ref, fused_moe_per_pair_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEVICE == "cuda"
+H, I = 64, 40
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+FP8_TOL = dict(atol=2e-2, rtol=2e-2)
+FP8_NMSE = 4e-3
+# Small tiles keep the interpreter fast and make every shape ragged; FP8 needs block_k = 128.
+CPU_CFG = MoeConfig(16, Tile(32, 32), Tile(64, 32))  # gate|up: 2 ragged N tiles of I = 40; down: 1
+CPU_CFG_FP8 = MoeConfig(16, Tile(32, 128), Tile(64, 128))
+GROUPED, SMALL = 0, 10**9  # pair_threshold forcing each path (small while P <= SMALL_MAX_PAIRS)
+
+# (E, K, R): the grouped path sees every E, K and R; the small path every E, K and the R with P <= 256
+GROUPED_CASES = [(8, 2, 1), (8, 8, 17), (64, 1, 65), (64, 8, 3), (8, 8, 64), (128, 2, 16), (128, 8, 17),
+                 (8, 1, 2)]
+SMALL_CASES = [(8, 8, 1), (8, 2, 17), (64, 1, 65), (64, 8, 3), (128, 8, 2), (128, 2, 16), (128, 8, 4),
+               (8, 1, 64)]
+
+
+def _nmse(a, b):
+    return float(((a.float() - b.float()) ** 2).mean() / (b.float() ** 2).mean())
+
+
+def _routing(rows, num_experts, top_k, seed=0, skew=False):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, num_experts, generator=g)
+    if skew:  # every row's first choice is expert 3: one crowded expert
+        logits[:, 3] += 100.0
+    weights, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
+    return weights.to(DEVICE), ids.to(DEVICE)
+
+
+def _weights(num_experts, hidden, width, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * width, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, width, generator=g) / width**0.5 * 2
+    return w13.to(dtype).to(DEVICE), w2.to(dtype).to(DEVICE)
+
+
+def _case(num_experts, top_k, rows, dtype, hidden=H, width=I, seed=0, skew=False):
+    g = torch.Generator().manual_seed(seed + 7)
+    x = torch.randn(rows, hidden, generator=g).to(dtype).to(DEVICE)
+    w13, w2 = _weights(num_experts, hidden, width, dtype)
+    tw, ti = _routing(rows, num_experts, top_k, seed, skew)
+    return x, w13, w2, tw, ti
+
+
+def _quantize_experts(w):
+    """[E, N, K] -> (e4m3 [E, N, K], fp32 scales [E, ceil(N/128), ceil(K/128)])."""
+    qs = [quantize_fp8_block_ref(we) for we in w.float()]
+    return torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs])
+
+
+def _dequantize_experts(q, s):
+    return torch.stack([dequantize_fp8_block_ref(qe, se) for qe, se in zip(q, s)])
+
+
+def _cfg(fp8=False):
+    return forced_config(CPU_CFG_FP8 if fp8 else CPU_CFG) if not ON_GPU else _nullcontext()
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def _check_against_fp32_ref(out, x, w13, w2, tw, ti, activation="silu", swiglu_limit=None):
+    want = fused_moe_grouped_ref(x.float(), w13.float(), w2.float(), tw, ti, activation, swiglu_limit)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    torch.testing.assert_close(out.float(), want, **TOL[x.dtype])
+
+
+# ------------------------------------------------------------------------------------------- align
+
+
+@pytest.mark.parametrize("num_experts,block_m", [(8, 16), (64, 64), (128, 16)])
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+def test_align_matches_twin(num_experts, top_k, block_m):
+    for rows in (1, 3, 17, 65) if num_experts < 128 else (2, 16, 64):
+        if top_k > num_experts:
+            continue
+        _, ids = _routing(rows, num_experts, top_k, seed=rows, skew=rows == 17)
+        got = moe_align_triton(ids.int(), num_experts, block_m)
+        want = moe_align_ref(ids, num_experts, block_m)
+        for g, w in zip(got, want):
+            assert g.dtype == torch.int32
+            torch.testing.assert_close(g, w, atol=0, rtol=0)
+        sorted_ids, block_expert, total = want
+        pairs = ids.numel()
+        valid = sorted_ids[sorted_ids < pairs].long()
+        assert sorted(valid.tolist()) == list(range(pairs))  # every pair exactly once
+        assert int(total) % block_m == 0 and bool((sorted_ids[int(total):] == pairs).all())
+        experts = block_expert.repeat_interleave(block_m)[: sorted_ids.numel()]
+        keep = sorted_ids < pairs
+        assert torch.equal(experts[keep].long(), ids.reshape(-1)[sorted_ids[keep].long()].long())
+
+
+# ------------------------------------------------------------------------------------------ reduce
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared", ["none", "plain", "gated"])
+def test_reduce_matches_twin(dtype, shared):
+    g = torch.Generator().manual_seed(0)
+    rows, top_k, hidden = 5, 3, 200
+    y = torch.randn(rows * top_k, hidden, generator=g).to(dtype).to(DEVICE)
+    w = torch.rand(rows, top_k, generator=g).to(DEVICE)
+    kw = {}
+    if shared != "none":
+        kw["shared_output"] = torch.randn(rows, hidden, generator=g).to(dtype).to(DEVICE)
+    if shared == "gated":
+        kw["shared_gate"] = torch.randn(rows, 1, generator=g).to(dtype).to(DEVICE)
+    torch.testing.assert_close(moe_reduce_triton(y, w, **kw), moe_reduce_ref(y, w, **kw), **TOL[dtype])
+
+
+# ------------------------------------------------------------------------------------------ experts
+
+
+@pytest.mark.parametrize("path", ["grouped", "small"])
+@pytest.mark.parametrize("case", range(8))
+def test_experts_match_reference(path, case):
+    num_experts, top_k, rows = (GROUPED_CASES if path == "grouped" else SMALL_CASES)[case]
+    dtype = torch.float32 if case % 2 else torch.bfloat16
+    x, w13, w2, tw, ti = _case(num_experts, top_k, rows, dtype, seed=case)
+    with _cfg():
+        out = fused_moe_triton(x, w13, w2, tw, ti.int() if case % 3 == 0 else ti,
+                               pair_threshold=GROUPED if path == "grouped" else SMALL)
+    _check_against_fp32_ref(out, x, w13, w2, tw, ti)
+    if dtype == torch.float32:  # and the layer's per-pair / grouped twin directly
+        ref = (fused_moe_grouped_ref if path == "grouped" else fused_moe_per_pair_ref)(x, w13, w2, tw, ti)
+        torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("path", ["grouped", "small"])
+@pytest.mark.parametrize("activation,limit", [("gelu_pytorch_tanh", None), ("gelu", None), ("silu", 0.3)])
+def test_activations_and_swiglu_limit(path, activation, limit):
+    x, w13, w2, tw, ti = _case(8, 2, 17, torch.bfloat16, seed=3)
+    with _cfg():
+        out = fused_moe_triton(x, w13, w2, tw, ti, activation, swiglu_limit=limit,
+                               pair_threshold=GROUPED if path == "grouped" else SMALL)
+    _check_against_fp32_ref(out, x, w13, w2, tw, ti, activation, limit)
+
+
+@pytest.mark.parametrize("path", ["grouped", "small"])
+def test_one_crowded_expert(path):
+    """65 rows all pick expert 3 first: 65 pairs in one expert (> the small path's 64 dot rows: it loops)."""
+    x, w13, w2, tw, ti = _case(8, 1, 65, torch.float32, skew=True)
+    assert bool((ti == 3).all())
+    with _cfg():
+        out = fused_moe_triton(x, w13, w2, tw, ti, pair_threshold=GROUPED if path == "grouped" else SMALL)
+    _check_against_fp32_ref(out, x, w13, w2, tw, ti)
+
+
+@pytest.mark.parametrize("path", ["grouped", "small"])
+@pytest.mark.parametrize("num_experts,top_k,rows", [(8, 2, 17), (128, 8, 3), (64, 1, 16)])
+def test_fp8(path, num_experts, top_k, rows):
+    x, w13, w2, tw, ti = _case(num_experts, top_k, rows, torch.bfloat16, seed=rows)
+    q13, s13 = _quantize_experts(w13)
+    q2, s2 = _quantize_experts(w2)
+    with _cfg(fp8=True):
+        out = fused_moe_triton(x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2,
+                               pair_threshold=GROUPED if path == "grouped" else SMALL)
+    twin = fused_moe_ref(x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2)
+    torch.testing.assert_close(out.float(), twin.float(), **FP8_TOL)
+    deq = fused_moe_grouped_ref(x.float(), _dequantize_experts(q13, s13), _dequantize_experts(q2, s2), tw, ti)
+    assert _nmse(out, deq) < FP8_NMSE
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_shared_expert_blend(gated):
+    x, w13, w2, tw, ti = _case(8, 2, 5, torch.float32)
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randn(5, H, generator=g).to(DEVICE)
+    gate = torch.randn(5, generator=g).to(DEVICE) if gated else None
+    routed = fused_moe_grouped_ref(x, w13, w2, tw, ti)
+    want = routed + (torch.sigmoid(gate)[:, None] if gated else 1.0) * shared
+    with _cfg():
+        for thr in (GROUPED, SMALL):
+            got = fused_moe_triton(x, w13, w2, tw, ti, shared_output=shared, shared_gate=gate, pair_threshold=thr)
+            torch.testing.assert_close(got, want, **TOL[torch.float32])
+    torch.testing.assert_close(fused_moe_ref(x, w13, w2, tw, ti, shared_output=shared, shared_gate=gate), want,
+                               **TOL[torch.float32])
+
+
+def test_dispatcher_picks_backend_and_path():
+    x, w13, w2, tw, ti = _case(8, 2, 40, torch.float32)  # P = 80
+    with backend("torch"):
+        assert torch.equal(fused_moe(x, w13, w2, tw, ti), fused_moe_grouped_ref(x, w13, w2, tw, ti))
+        assert torch.equal(fused_moe(x, w13, w2, tw, ti, pair_threshold=80), fused_moe_per_pair_ref(x, w13, w2, tw, ti))
+    with backend("triton"), _cfg():
+        torch.testing.assert_close(fused_moe(x[:1], w13, w2, tw[:1], ti[:1]),
+                                   fused_moe_grouped_ref(x[:1], w13, w2, tw[:1], ti[:1]), **TOL[torch.float32])
+    assert fused_moe_triton(x[:0], w13, w2, tw[:0], ti[:0]).shape == (0, H)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (lambda x, w13, w2, tw, ti: fused_moe_triton(x, w13[:, :, :-1], w2, tw, ti), "gate_up_proj"),
+        (lambda x, w13, w2, tw, ti: fused_moe_triton(x, w13, w2[:, :, :-1], tw, ti), "down_proj"),
+        (lambda x, w13, w2, tw, ti: fused_moe_triton(x, w13, w2, tw, ti.float()), "topk_ids"),
+        (lambda x, w13, w2, tw, ti: fused_moe_triton(x, w13, w2, tw[:, :1], ti), "topk_weights"),
+        (lambda x, w13, w2, tw, ti: fused_moe_triton(x, w13, w2, tw, ti, "relu"), "activation"),
+        (lambda x, w13, w2, tw, ti: fused_moe_triton(x, w13.bfloat16(), w2, tw, ti), "dtype"),
+        (lambda x, w13, w2, tw, ti: fused_moe_triton(x, w13, w2, tw, ti, w13_scale=torch.ones(1)), "w2_scale"),
+        (lambda x, w13, w2, tw, ti: fused_moe_triton(x, w13, w2, tw, ti, w13_scale=torch.ones(1, 1, 1),
+                                                     w2_scale=torch.ones(1, 1, 1)), "float8"),
+        (lambda x, w13, w2, tw, ti: fused_moe_triton(x, w13, w2, tw, ti, shared_gate=tw[:, 0]), "shared_output"),
+        (lambda x, w13, w2, tw, ti: fused_moe_ref(x, w13, w2, tw, ti, shared_output=x[:, :-1]), "shared_output"),
+        (lambda x, w13, w2, tw, ti: moe_align_triton(ti, 8, 24), "block_m"),
+    ],
+)
+def test_rejects(bad, match):
+    with pytest.raises(ValueError, match=match):
+        bad(*_case(8, 2, 3, torch.float32))
+
+
+def test_config_table_nearest_rows_and_forcing(tmp_path, monkeypatch):
+    a, b = MoeConfig(16, Tile(32, 256), Tile(64, 256)), MoeConfig(64, Tile(128, 64), Tile(128, 64))
+    path = moe_configs.config_file(8, H, I, False, "Fake GPU")
+    monkeypatch.setattr(moe_configs, "CONFIG_DIR", tmp_path)
+    path = tmp_path / path.name
+    path.write_text(json.dumps({"configs": {"1": a.to_json(), "256": b.to_json()}}))
+    moe_configs._load.cache_clear()
+    assert pick_config(3, 8, 8, H, I, True, False, "Fake GPU") == a
+    assert pick_config(200, 8, 8, H, I, False, False, "Fake GPU") == b
+    fp8_default = moe_configs.default_config(200, 1600, 8, False, True)
+    assert pick_config(200, 8, 8, H, I, False, True, "Fake GPU") == fp8_default  # no fp8 file: the heuristic
+    with forced_config(b):
+        assert pick_config(1, 8, 8, H, I, True, False, "Fake GPU") == b
+    moe_configs._load.cache_clear()
+
+
+def test_shipped_config_files_parse():
+    files = sorted(moe_configs.CONFIG_DIR.glob("*.json"))
+    assert files, "no tile-config data files shipped"
+    for f in files:
+        table = moe_configs._load(f)
+        assert table and all(c.block_m >= 16 for c in table.values())
+
+
+# ------------------------------------------------------------------------------------- GPU, real shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 17, 64, 65, 1024])
+@pytest.mark.parametrize("activation", ["gelu_pytorch_tanh", "silu"])
+def test_gpu_gemma4_shape(rows, fp8, activation):
+    x, w13, w2, tw, ti = _case(128, 8, rows, torch.bfloat16, hidden=2816, width=704, seed=rows)
+    if fp8:
+        q13, s13 = _quantize_experts(w13)
+        q2, s2 = _quantize_experts(w2)
+        out = fused_moe_triton(x, q13, q2, tw, ti, activation, w13_scale=s13, w2_scale=s2)
+        twin = fused_moe_ref(x, q13, q2, tw, ti, activation, w13_scale=s13, w2_scale=s2)
+        torch.testing.assert_close(out.float(), twin.float(), **FP8_TOL)
+        deq = fused_moe_grouped_ref(x.float(), _dequantize_experts(q13, s13), _dequantize_experts(q2, s2), tw, ti,
+                                    activation)
+        assert _nmse(out, deq) < FP8_NMSE
+    else:
+        out = fused_moe_triton(x, w13, w2, tw, ti, activation)
+        _check_against_fp32_ref(out, x, w13, w2, tw, ti, activation)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_experts,top_k", [(8, 2), (64, 1), (128, 8), (256, 8)])
+@pytest.mark.parametrize("rows", [1, 17, 65, 1024])
+@pytest.mark.parametrize("path", ["grouped", "small"])
+def test_gpu_paths_and_align(num_experts, top_k, rows, path):
+    if path == "small" and rows * top_k > SMALL_MAX_PAIRS:
+        pytest.skip("small path holds at most SMALL_MAX_PAIRS pairs")
+    x, w13, w2, tw, ti = _case(num_experts, top_k, rows, torch.bfloat16, hidden=1024, width=320, seed=rows)
+    out = fused_moe_triton(x, w13, w2, tw, ti, pair_threshold=GROUPED if path == "grouped" else SMALL)
+    _check_against_fp32_ref(out, x, w13, w2, tw, ti)
+    for g, w in zip(moe_align_triton(ti, num_experts, 64), moe_align_ref(ti, num_experts, 64)):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture():
+    """The whole small and grouped chains capture into a CUDA graph (no host sync) and replay correctly."""
+    for rows in (1, 64):
+        x, w13, w2, tw, ti = _case(128, 8, rows, torch.bfloat16, hidden=2816, width=704)
+        out = fused_moe_triton(x, w13, w2, tw, ti)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = fused_moe_triton(x, w13, w2, tw, ti)
+        _, new_ids = _routing(rows, 128, 8, seed=99)
+        ti.copy_(new_ids)
+        graph.replay()
+        torch.testing.assert_close(captured, fused_moe_triton(x, w13, w2, tw, ti), atol=0, rtol=0)
+        assert not torch.equal(captured, out)
+
+
+if __name__ == "__main__":
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
+    import moe_layer
+
+    moe_layer.main(sys.argv[1:])
