@@ -55,8 +55,8 @@ class Footprint:
     """What one decode step must read, apart from activations (bytes)."""
 
     weight_bytes: dict[str, int]
-    """Parameter bytes by group: 'dense' (every step reads it), 'lm_head', 'embedding' (rows only when the LM
-    head is untied), 'experts' (all of them; scaled by the hit fraction per step)."""
+    """Parameter bytes by group: 'dense' (every step reads it), 'lm_head', 'embedding' (a step gathers B rows;
+    when tied it is the LM head, read whole), 'experts' (all of them; scaled by the hit fraction per step)."""
     num_experts: int = 0
     """Routed experts per MoE layer (0: dense model)."""
     top_k: int = 0
@@ -85,11 +85,11 @@ class Footprint:
     def step_bytes(self, batch: int, context: float) -> dict[str, float]:
         """Bytes read by one decode step of ``batch`` sequences, by group, plus 'total'."""
         w = self.weight_bytes
-        out = {"dense": float(w.get("dense", 0)), "lm_head": float(w.get("lm_head", 0)),
+        lm_head = w.get("embedding", 0) if self.tied else w.get("lm_head", 0)
+        out = {"dense": float(w.get("dense", 0)), "lm_head": float(lm_head),
                "experts": w.get("experts", 0) * self.expert_hit_fraction(batch),
+               "embedding": float(batch * self.hidden * self.element_size),  # the rows gathered
                "kv": self.kv_bytes(batch, context)}
-        emb = w.get("embedding", 0)
-        out["embedding"] = float(emb) if self.tied else batch * self.hidden * self.element_size
         out["total"] = sum(out.values())
         return out
 
@@ -468,7 +468,7 @@ def shape_runners(name: str, s: Settings, engine_kw: dict, with_hf: bool, meta: 
         meta["sparrow_error"] = str(e)
         engine = None
     cuda = s.device.startswith("cuda")
-    park = engine is not None and cuda and _param_bytes(hf) > 0.25 * torch.cuda.get_device_properties(0).total_memory
+    park = engine is not None and cuda and _param_bytes(hf) > 0.25 * torch.cuda.get_device_properties(torch.device(s.device)).total_memory
     if park:
         print("weights too large to hold twice: transformers' copy waits in host memory", flush=True)
         hf.to("cpu")

@@ -162,6 +162,8 @@ def build_random_hf_model(cfg: dict, dtype: torch.dtype, device: str, seed: int 
 
     with torch.device(device), _no_init():
         model = AutoModelForCausalLM.from_config(hf_config(cfg), dtype=dtype)
+    if next(model.parameters()).device.type != torch.device(device).type:  # a transformers that ignores torch.device
+        model.to(device)
     model.tie_weights()  # skipped under no_init_weights; ties lm_head to the embedding where the config says so
     init_random_(model, seed=seed)
     return model.eval()
