@@ -201,10 +201,13 @@ class Fp8LinearMethod:
                              "FP8 quantization_config; load it without quantization='fp8' after adding one")
 
     @staticmethod
-    def _quantize_into(layer: nn.Module, w: torch.Tensor) -> None:
-        q, s = quantize_fp8_block_ref(w, GROUP)
-        layer.weight.data.copy_(q)
-        layer.weight_scale_inv.data.copy_(s)
+    def _quantize_into(layer: nn.Module, w: torch.Tensor, chunk_rows: int = 32 * GROUP) -> None:
+        """Quantize w [N, K] into the layer's e4m3 weight and scales, ``chunk_rows`` (a multiple of 128) rows
+        at a time so the fp32 temporaries stay small for wide layers."""
+        for r0 in range(0, w.shape[0], chunk_rows):
+            q, s = quantize_fp8_block_ref(w[r0:r0 + chunk_rows], GROUP)
+            layer.weight.data[r0:r0 + q.shape[0]].copy_(q)
+            layer.weight_scale_inv.data[r0 // GROUP:r0 // GROUP + s.shape[0]].copy_(s)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Check the on-load quantization finished; make the scales contiguous fp32 (the kernels' layout)."""
