@@ -104,8 +104,15 @@ def cmd_bench(args) -> int:
     return run_bench(args)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with sparrow's error format: one line, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"sparrow: error: {' '.join(message.split())}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparrow", description="sparrow: an LLM inference engine for MoE models")
+    parser = _Parser(prog="sparrow", description="sparrow: an LLM inference engine for MoE models")
     parser.add_argument("-v", "--verbose", action="store_true", help="log loading and engine details")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="stream the continuation of a prompt to stdout")
@@ -146,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except SparrowError as e:
-        print(f"sparrow: error: {e}", file=sys.stderr)
+        print(f"sparrow: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -393,7 +393,7 @@ class CacheConfig:
     """Blocks in the pool per layer; None sizes the pool from max_num_seqs x max_model_len (CPU) or free GPU memory."""
     gpu_memory_utilization: float = 0.85
     """Fraction of GPU memory the engine may use (weights + KV pool)."""
-    cpu_kv_cache_bytes: int = 2 << 30
+    cpu_kv_cache_bytes: int = 1 << 30
     """Bytes of the KV pool on CPU (the pool is still at least one max_model_len sequence)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""

@@ -38,7 +38,8 @@ def load_tokenizer(path: str | Path):
             return tok
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # transformers raises many types for a broken tokenizer
-        raise ModelLoadError(f"cannot load a tokenizer for {path}: {type(e).__name__}: {e}") from None
+        msg = " ".join(str(e).split())  # transformers' messages span lines; ours is one
+        raise ModelLoadError(f"cannot load a tokenizer for {path}: {type(e).__name__}: {msg}") from None
 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:

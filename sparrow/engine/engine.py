@@ -78,6 +78,8 @@ class Engine:
         if len(ids) >= limit:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens, longer than max_model_len={limit} allows (at most {limit - 1})")
+        if params.stop_strings and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this engine runs on token ids (use stop_token_ids)")
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use")

@@ -104,7 +104,8 @@ class GGUFCheckpoint:
         try:
             reader = gguf.GGUFReader(str(self.path))
         except Exception as e:  # truncated or not a GGUF file: gguf raises various types
-            raise ModelLoadError(f"cannot read GGUF file {self.path}: {type(e).__name__}: {e}") from None
+            raise ModelLoadError(f"cannot read GGUF file {self.path} (truncated or not a GGUF file): "
+                                 f"{type(e).__name__}: {' '.join(str(e).split())}") from None
         meta: dict[str, Any] = {}
         for key, f in reader.fields.items():
             if key in _TOKENIZER_ARRAYS:
