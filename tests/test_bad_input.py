@@ -105,8 +105,6 @@ def test_tokenizer_missing_for_text_model(tiny_model_dir):
         make_llm(tiny_model_dir, skip_tokenizer_init=False)
 
 
-@pytest.mark.xfail(strict=True, reason="sparrow/tokenizer.py load_tokenizer embeds transformers' multi-line "
-                                       "ValueError text in its ModelLoadError")
 def test_tokenizer_missing_message_is_one_line(tiny_model_dir):
     raises(ModelLoadError, lambda: make_llm(tiny_model_dir, skip_tokenizer_init=False), "tokenizer")
 
