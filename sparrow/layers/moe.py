@@ -115,6 +115,13 @@ class FusedMoE(nn.Module):
             torch.empty(num_experts, hidden_size, intermediate_size, dtype=params_dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        from sparrow.kernels import use_triton
+
+        if use_triton(x):  # Triton grouped GEMM / per-expert GEMV (sparrow/kernels/moe.py)
+            from sparrow.kernels.moe import fused_moe
+
+            return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.activation,
+                             pair_threshold=self.pair_threshold, swiglu_limit=self.swiglu_limit)
         path = fused_moe_grouped_ref if topk_ids.numel() > self.pair_threshold else fused_moe_per_pair_ref
         return path(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.activation,
                     self.swiglu_limit)

@@ -153,7 +153,7 @@ class Router(nn.Module):
         return F.linear(x.float(), self.weight.float())
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return select_experts(
+        return _selector(x)(
             self.logits(x), self.top_k, self.scoring, self.renormalize, self.e_score_correction_bias,
             self.n_group, self.topk_group, self.routed_scaling_factor,
         )
@@ -162,6 +162,17 @@ class Router(nn.Module):
         return (f"hidden={self.hidden_size}, experts={self.num_experts}, top_k={self.top_k}, "
                 f"scoring={self.scoring}, renormalize={self.renormalize}, n_group={self.n_group}, "
                 f"topk_group={self.topk_group}, routed_scaling_factor={self.routed_scaling_factor}")
+
+
+def _selector(x: torch.Tensor):
+    """select_experts, or its one-launch Triton kernel (sparrow/kernels/router.py) where use_triton(x)."""
+    from sparrow.kernels import use_triton
+
+    if use_triton(x):
+        from sparrow.kernels.router import fused_router
+
+        return fused_router
+    return select_experts
 
 
 class Gemma4Router(nn.Module):
@@ -190,8 +201,8 @@ class Gemma4Router(nn.Module):
         return F.linear(h, self.proj.weight.float())
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return select_experts(self.logits(x), self.top_k, "softmax", renormalize=True,
-                              per_expert_scale=self.per_expert_scale)
+        return _selector(x)(self.logits(x), self.top_k, "softmax", renormalize=True,
+                            per_expert_scale=self.per_expert_scale)
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden_size}, experts={self.num_experts}, top_k={self.top_k}, eps={self.eps}"
