@@ -1,7 +1,10 @@
 """The causal-LM skeleton every architecture shares: embedding -> decoder layers -> final norm -> LM head.
 
 A model file supplies its decoder layer class; this module holds the rest and the weight-name table
-(style.md 5): checkpoint names stay HF's, packed projections are declared in ``packed_modules``.
+(style.md 5): checkpoint names stay HF's, packed projections are declared in ``packed_modules``, per-expert
+tensors (``experts.N.gate_proj.weight`` / Mixtral's ``w1``/``w3``/``w2``) map onto the stacked
+``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I] by ``EXPERT_TENSORS`` (a fused 3-D
+checkpoint tensor of the same name loads whole), and ``renames`` maps older module names.
 Shapes: R = rows of the step, H = hidden, V = vocab, S' = rows whose logits are computed.
 """
 from __future__ import annotations
