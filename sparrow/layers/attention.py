@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sparrow.kernels.paged_attention import paged_attention_ref, write_kv_ref
+from sparrow.kernels import use_triton
+from sparrow.kernels.paged_attention import paged_attention_ref, write_kv
 
 
 @dataclass
@@ -74,8 +75,8 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache
-        write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
-        fn = _ATTENTION_IMPL["fn"] or (_default_attention() if q.is_cuda else paged_attention_ref)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        fn = _ATTENTION_IMPL["fn"] or (_default_attention() if use_triton(q) else paged_attention_ref)
         return fn(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                   self.scale, self.sliding_window, self.soft_cap)
 

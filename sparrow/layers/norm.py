@@ -54,6 +54,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(init(hidden_size, dtype=dtype), requires_grad=False) if with_scale else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        from sparrow.kernels import use_triton
+
+        if use_triton(x) and (residual is None or x.dim() == 2):
+            from sparrow.kernels.norm import rms_norm_triton
+
+            return rms_norm_triton(x, self.weight, self.eps, gemma=self.kind != "llama",
+                                   unit_offset=self.kind == "gemma", residual=residual)
         if residual is not None:
             x = x + residual
             return rms_norm_torch(x, self.weight, self.eps, kind=self.kind), x
