@@ -70,6 +70,7 @@ class RotaryEmbedding(nn.Module):
     def set_freq_factors(self, factors: torch.Tensor) -> None:
         """llama.cpp's per-frequency divisors (GGUF ``rope_freqs``): inv_freq / factors."""
         self.freq_factors = factors.float().cpu()
+        self.__dict__.pop("_tables", None)
 
     def _key(self, device) -> tuple:
         ff = None if self.freq_factors is None else tuple(self.freq_factors.tolist())
@@ -97,7 +98,11 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos_cache, sin_cache = _CACHES.get(self._key(q.device)) or self.prepare(self.max_position, q.device)
+        tables = self.__dict__.get("_tables")
+        if tables is None or tables[0].device != q.device:
+            tables = self.prepare(self.max_position, q.device)
+            self.__dict__["_tables"] = tables  # plain attribute: not a buffer, not in state_dict
+        cos_cache, sin_cache = tables
         cos = cos_cache[positions].to(q.dtype)[:, None, :]
         sin = sin_cache[positions].to(q.dtype)[:, None, :]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -43,7 +43,7 @@ def case(request, tmp_path_factory):
 
 
 def _run(path, ps, dtype, **kw):
-    llm = make_llm(path, device="cuda", dtype=dtype, max_model_len=128, **kw)
+    llm = make_llm(path, device="cuda", dtype=dtype, max_model_len=128, max_num_seqs=4, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=NEW, logprobs=1, ignore_eos=True)
     return llm.generate([{"prompt_token_ids": p} for p in ps], params)
 
