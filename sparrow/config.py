@@ -71,7 +71,8 @@ def _gemma4_layer_shape(cfg: dict, i: int, layer_type: str, n_kv: int, head_dim:
     ``global_head_dim`` (default 512) / ``num_global_key_value_heads`` of full-attention layers."""
     per_layer = cfg.get("per_layer_config")
     if isinstance(per_layer, dict) and per_layer:
-        over = per_layer.get(str(i)) or per_layer.get(i) or per_layer.get(layer_type) or {}
+        by_index = {int(k): v for k, v in per_layer.items() if str(k).isdigit()}  # keys may be "05"
+        over = by_index.get(i) or per_layer.get(layer_type) or {}
         return int(over.get("num_key_value_heads", n_kv)), int(over.get("head_dim", head_dim))
     if layer_type != "full_attention":
         return n_kv, head_dim
