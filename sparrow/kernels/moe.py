@@ -39,7 +39,16 @@ import torch
 from sparrow.kernels import use_triton
 from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, dequantize_fp8_block_ref, dequantize_fp8_per_group_ref, \
     quantize_fp8_per_group_ref
-from sparrow.kernels.moe_configs import MoeConfig, pick_config
+from sparrow.kernels.moe_configs import MoeConfig, Tile, pick_config
+
+
+def _fp32_config(cfg: MoeConfig) -> MoeConfig:
+    """The config scaled down for fp32 operands (twice the bytes of bf16 per tile)."""
+    def shrink(t: Tile) -> Tile:
+        return Tile(block_n=t.block_n, block_k=max(16, t.block_k // 2), num_warps=t.num_warps,
+                    num_stages=min(t.num_stages, 2))
+
+    return MoeConfig(cfg.block_m, shrink(cfg.gate_up), shrink(cfg.down))
 from sparrow.layers.moe import _gate_up_act, fused_moe_grouped_ref, fused_moe_per_pair_ref
 
 SMALL_MAX_PAIRS = 256  # the small path holds all pair ids of the batch in one program
@@ -239,6 +248,8 @@ def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activat
     fp8 = w13_scale is not None
     cfg = pick_config(rows, topk_ids.shape[1], num_experts, hidden, width, small, fp8,
                       torch.cuda.get_device_name(x.device) if x.is_cuda else None)
+    if x.dtype == torch.float32 and x.is_cuda:  # 4-byte tiles: halve K and the pipeline depth so the
+        cfg = _fp32_config(cfg)                 # stages fit in shared memory (228 KB on H100/H200)
     _check_config(cfg, fp8)
     x = x if x.stride(1) == 1 else x.contiguous()
     act = torch.empty(pairs, width, dtype=x.dtype, device=x.device)  # [P, I]

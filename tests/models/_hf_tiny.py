@@ -41,6 +41,8 @@ FAMILIES = {
         BASE, num_local_experts=4, num_experts_per_tok=1, intermediate_size=48, sliding_window=8)),
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
         BASE, num_local_experts=8, num_experts_per_tok=3, intermediate_size=32, head_dim=16, rotary_dim=8,
+        # transformers < 5.2x ignores the legacy rotary_dim field; say it in rope_parameters too
+        rope_parameters=dict(rope_type="default", rope_theta=5e6, partial_rotary_factor=0.5),
         bos_token_id=None, eos_token_id=None)),
     "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", _gemma4_text()),
 }

