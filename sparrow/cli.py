@@ -15,7 +15,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF checkpoint folder or .gguf file (default: the packaged Gemma 3 270M Q4_K_M)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: bf16 on GPU and on CPUs with native bf16, else fp32)")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens")
     p.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: quantize the linear layers to block-scaled FP8 at load (FP8 checkpoints load as FP8 "

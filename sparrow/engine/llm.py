@@ -28,10 +28,24 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16, read from /proc/cpuinfo), so that
+    bf16 weights halve the bytes of a matmul without a slow emulation."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
 def resolve_dtype(dtype: str, device: str) -> str:
-    """'auto' -> bfloat16 on CUDA, float32 on CPU."""
+    """'auto' -> bfloat16 on CUDA and on CPUs with native bf16 (decode reads half the bytes of fp32),
+    float32 on other CPUs."""
     if dtype == "auto":
-        return "bfloat16" if device.startswith("cuda") else "float32"
+        if device.startswith("cuda") or cpu_has_native_bf16():
+            return "bfloat16"
+        return "float32"
     if dtype not in _DTYPES:
         raise InvalidRequestError(f"unknown dtype {dtype!r} (use 'auto', 'float32', 'bfloat16' or 'float16')")
     return dtype
