@@ -78,6 +78,8 @@ def paged_attention_ref(
     """
     num_seqs = seq_lens.shape[0]
     r, hq, d = q.shape
+    if r == num_seqs and r > 1:  # all decode rows (one query each): one batched computation, no loop
+        return _decode_batched(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, soft_cap)
     hkv, block_size, dv = k_cache.shape[2], k_cache.shape[1], v_cache.shape[-1]
     group = hq // hkv
     out = torch.empty(r, hq, dv, dtype=q.dtype, device=q.device)
@@ -107,3 +109,29 @@ def paged_attention_ref(
         o = torch.bmm(probs, v).view(hkv, group, lq, dv).permute(2, 0, 1, 3).reshape(lq, hq, dv)
         out[q0:q1] = o.to(q.dtype)
     return out
+
+
+def _decode_batched(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, soft_cap):
+    """paged_attention_ref for S sequences of one query row each: K/V gathered for all sequences at once,
+    padded to the longest context and masked. q [S, Hq, D] -> [S, Hq, Dv]."""
+    s, hq, d = q.shape
+    hkv, block_size, dv = k_cache.shape[2], k_cache.shape[1], v_cache.shape[-1]
+    group = hq // hkv
+    max_len = int(seq_lens.max())
+    nblocks = (max_len + block_size - 1) // block_size
+    blocks = block_tables[:, :nblocks].long()  # [S, nb]
+    k = k_cache[blocks].reshape(s, -1, hkv, d)[:, :max_len].float()  # [S, L, Hkv, D]
+    v = v_cache[blocks].reshape(s, -1, hkv, dv)[:, :max_len].float()
+    qs = q.float().view(s, hkv, group, d)
+    scores = torch.einsum("shgd,slhd->shgl", qs, k) * scale  # [S, Hkv, G, L]
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    k_pos = torch.arange(max_len, device=q.device)[None, :]
+    q_pos = (seq_lens.long() - 1)[:, None]
+    visible = k_pos <= q_pos
+    if sliding_window is not None:
+        visible &= q_pos - k_pos < sliding_window
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("shgl,slhd->shgd", probs, v)
+    return out.reshape(s, hq, dv).to(q.dtype)
