@@ -43,6 +43,8 @@ class Settings:
     seed: int = 0
     enforce_eager: bool = False
     quantization: str | None = None
+    hf_dtype: str | None = None
+    """transformers' dtype when it differs from sparrow's (--hf-dtype, checkpoints only); None: the same."""
 
     @property
     def max_model_len(self) -> int:
@@ -429,7 +431,7 @@ def load_hf_pretrained(path: Path, s: Settings):
     """transformers' model from a .gguf file (dequantized to the dtype) or an HF folder, on the device."""
     from transformers import AutoModelForCausalLM
 
-    dtype = _DTYPES[s.dtype]
+    dtype = _DTYPES[s.hf_dtype or s.dtype]
     if path.is_file():
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     else:
@@ -585,7 +587,10 @@ def resolve_settings(args) -> Settings:
         decode_tokens=args.decode_tokens or (64 if gpu else 32),
         repeats=getattr(args, "repeats", 1) or 1, seed=getattr(args, "seed", 0) or 0,
         enforce_eager=bool(getattr(args, "enforce_eager", False)), quantization=getattr(args, "quantization", None),
+        hf_dtype=resolve_dtype(args.hf_dtype, device) if getattr(args, "hf_dtype", None) else None,
     )
+    if s.hf_dtype and args.model_shape:
+        raise InvalidRequestError("--hf-dtype works with --model only (a random-weight shape is shared in one dtype)")
     if s.quantization and args.model_shape:
         raise InvalidRequestError("--quantization works with --model only (random-weight shapes are built in the dtype)")
     if s.decode_tokens < 2:
@@ -636,6 +641,8 @@ def run_bench(args) -> int:
     report = {"meta": _meta(args, s), "results": [], "profiles": {}}
     bw = copy_bandwidth(s.device)
     report["meta"]["copy_bandwidth_GBps"] = bw / 1e9
+    if s.hf_dtype:
+        print(f"transformers runs in {s.hf_dtype}, sparrow in {s.dtype}")
     print(f"sparrow bench on {report['meta']['device_name']} ({s.device}, {s.dtype}); load average "
           f"{report['meta']['load_average_start'][0]:.2f}; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)",
           flush=True)

@@ -143,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=1, help="timed runs per point; the best is reported (default 1)")
     b.add_argument("--enforce-eager", action="store_true", help="sparrow without CUDA graphs")
     b.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default 0)")
+    b.add_argument("--hf-dtype", default=None,
+                   help="run transformers in this dtype instead of sparrow's (with --model; e.g. its float32 default)")
     b.set_defaults(func=cmd_bench)
     return parser
 
