@@ -14,13 +14,24 @@ Two torch paths with one signature (the twins of the Triton kernels), chosen by 
 - per-pair (P <= threshold, decode / speculative verify): gather each pair's expert weights, batched
   GEMVs, weighted sum over K; no sort.
 Matmuls run in x's dtype; the weighted reduce accumulates in fp32; the result is cast back to x's dtype.
+
+FP8 (on-load quantization, ``quantization="fp8"`` on a float checkpoint): after loading,
+``FusedMoE.quantize_fp8()`` turns each stacked weight into e4m3 with 128 x 128 block scales
+(``w13_scale`` [E, 2I/128, H/128], ``w2_scale`` [E, H/128, I/128] fp32, DeepSeek ``weight_scale_inv``
+layout), one expert slice at a time; forward then runs ``sparrow.kernels.moe.fused_moe`` with the scales
+(Triton) or its torch twin ``fused_moe_fp8_ref`` (W8A8: activations quantized per 128-column group).
+Layers whose H or I is not a multiple of 128 stay in the model dtype.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
 
 from sparrow.layers.activation import get_activation
+
+log = logging.getLogger(__name__)
 
 
 def _gate_up_act(h: torch.Tensor, activation: str, swiglu_limit: float | None) -> torch.Tensor:
@@ -113,6 +124,50 @@ class FusedMoE(nn.Module):
             torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=params_dtype), requires_grad=False)
         self.down_proj = nn.Parameter(
             torch.empty(num_experts, hidden_size, intermediate_size, dtype=params_dtype), requires_grad=False)
+        self.register_parameter("w13_scale", None)  # FP8 block scales [E, 2I/128, H/128], set by quantize_fp8()
+        self.register_parameter("w2_scale", None)  # [E, H/128, I/128]
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.w13_scale is not None
+
+    def fp8_supported(self) -> bool:
+        """Whether 128 x 128 block scales tile this layer's weights exactly (H and I multiples of 128)."""
+        from sparrow.kernels.fp8 import GROUP
+
+        return self.hidden_size % GROUP == 0 and self.intermediate_size % GROUP == 0
+
+    @torch.no_grad()
+    def quantize_fp8(self, name: str = "") -> bool:
+        """Quantize the loaded float experts in place to e4m3 + fp32 128 x 128 block scales (on-load FP8).
+        Each stacked weight is quantized one expert slice at a time into a new e4m3 tensor, then the float
+        tensor is dropped, so the extra memory is one e4m3 copy of one weight plus one expert's fp32
+        temporaries. Returns False (weights untouched, logged) when H or I is not a multiple of 128."""
+        from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, quantize_fp8_block_ref
+
+        if self.is_fp8:
+            return True
+        if not self.fp8_supported():
+            log.info("quantization='fp8': %s experts stay %s (hidden %d / expert width %d not multiples of %d)",
+                     name or "FusedMoE", self.gate_up_proj.dtype, self.hidden_size, self.intermediate_size, GROUP)
+            return False
+        scales = {}
+        for pname in ("gate_up_proj", "down_proj"):
+            w = getattr(self, pname)
+            e, n, k = w.shape
+            q = torch.empty(e, n, k, dtype=FP8_DTYPE, device=w.device)
+            s = torch.empty(e, n // GROUP, k // GROUP, dtype=torch.float32, device=w.device)
+            for i in range(e):
+                qi, si = quantize_fp8_block_ref(w.data[i], GROUP)
+                q[i].copy_(qi)
+                s[i].copy_(si)
+                del qi, si
+            setattr(self, pname, nn.Parameter(q, requires_grad=False))  # the float tensor is freed here
+            del w
+            scales[pname] = s
+        self.w13_scale = nn.Parameter(scales["gate_up_proj"], requires_grad=False)
+        self.w2_scale = nn.Parameter(scales["down_proj"], requires_grad=False)
+        return True
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         from sparrow.kernels import use_triton
@@ -121,7 +176,14 @@ class FusedMoE(nn.Module):
             from sparrow.kernels.moe import fused_moe
 
             return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.activation,
+                             w13_scale=self.w13_scale, w2_scale=self.w2_scale,
                              pair_threshold=self.pair_threshold, swiglu_limit=self.swiglu_limit)
+        if self.is_fp8:
+            from sparrow.kernels.moe import fused_moe_fp8_ref
+
+            return fused_moe_fp8_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
+                                     self.activation, self.swiglu_limit, w13_scale=self.w13_scale,
+                                     w2_scale=self.w2_scale)
         path = fused_moe_grouped_ref if topk_ids.numel() > self.pair_threshold else fused_moe_per_pair_ref
         return path(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.activation,
                     self.swiglu_limit)
@@ -129,7 +191,7 @@ class FusedMoE(nn.Module):
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, width={self.intermediate_size}, "
                 f"activation={self.activation}, pair_threshold={self.pair_threshold}, "
-                f"swiglu_limit={self.swiglu_limit}")
+                f"swiglu_limit={self.swiglu_limit}" + (", fp8" if self.is_fp8 else ""))
 
 
 class SharedExpert(nn.Module):

@@ -5,7 +5,10 @@ Quantization (design.md 4): an HF folder whose config.json has ``quantization_co
 checkpoint while it loads. Either way the model is built inside ``quant_config_scope`` so each
 ``sparrow.layers.linear.Linear`` takes the config's method, then ``bind_quant_config`` names the Linears and
 returns the ones the config skips (routers, ignored layers) to float weights, all before any tensor is read.
-After loading, every layer's ``quant_method.process_weights_after_loading`` runs."""
+After loading, every layer's ``quant_method.process_weights_after_loading`` runs, and with on-load FP8 the
+routed experts (``FusedMoE``) are quantized to e4m3 + 128 x 128 block scales layer by layer (layers whose
+hidden / expert width is not a multiple of 128 stay in the model dtype, logged). FP8 checkpoints of MoE
+models are rejected (no FP8 expert checkpoint loader yet)."""
 from __future__ import annotations
 
 import logging
@@ -109,6 +112,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         method = getattr(mod, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(mod)
+    if quant_config is not None and not quant_config.from_checkpoint:
+        _quantize_experts(model)
     if rope_freqs:
         for mod in model.modules():
             if hasattr(mod, "set_freq_factors"):
@@ -120,8 +125,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
 
 
 def _check_moe(model: torch.nn.Module, quant_config) -> None:
-    """Routed experts (FusedMoE) have no FP8 method yet: an FP8 checkpoint of an MoE model cannot load;
-    on-load quantization leaves the experts in the model dtype (logged)."""
+    """Routed experts (FusedMoE) have no FP8 checkpoint loader yet: an FP8 checkpoint of an MoE model cannot
+    load (on-load quantization of the experts is ``_quantize_experts``, after loading)."""
     from sparrow.layers.moe import FusedMoE
 
     if not any(isinstance(m, FusedMoE) for m in model.modules()):
@@ -129,5 +134,19 @@ def _check_moe(model: torch.nn.Module, quant_config) -> None:
     if quant_config.from_checkpoint:
         raise ModelLoadError("FP8 checkpoints of MoE models are not supported yet: the routed experts (FusedMoE) "
                              "have no FP8 weight format; load the bf16 checkpoint with quantization='fp8'")
-    log.warning("quantization='fp8': attention and dense MLP linears are FP8; routed experts stay in the "
-                "model dtype (no FP8 FusedMoE yet)")
+
+
+def _quantize_experts(model: torch.nn.Module) -> None:
+    """On-load FP8 of the routed experts: each FusedMoE, one layer (and one expert) at a time."""
+    from sparrow.layers.moe import FusedMoE
+
+    done = skipped = 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, FusedMoE):
+            if mod.quantize_fp8(name):
+                done += 1
+            else:
+                skipped += 1
+    if skipped:
+        log.warning("quantization='fp8': %d of %d MoE layers keep their routed experts in the model dtype "
+                    "(hidden size / expert width not multiples of 128)", skipped, done + skipped)
