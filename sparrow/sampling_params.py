@@ -1,9 +1,14 @@
 """SamplingParams: the per-request generation settings, with vLLM's field names and defaults."""
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from sparrow.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+"""Most log-probabilities returned per token (vLLM's default max_logprobs)."""
 
 
 @dataclass
@@ -55,6 +60,14 @@ class SamplingParams:
         def bad(name: str, why: str) -> InvalidRequestError:
             return InvalidRequestError(f"invalid SamplingParams.{name}={getattr(self, name)!r}: {why}")
 
+        def number(name: str) -> float:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise bad(name, "must be a finite number")
+            return v
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            number(name)
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
         if self.temperature < 0:
@@ -77,12 +90,12 @@ class SamplingParams:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise bad("logprobs", "must be an integer >= 0 or None")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
         if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
         ):
-            raise bad("prompt_logprobs", "must be an integer >= 0 or None")
+            raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer or None")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

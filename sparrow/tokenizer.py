@@ -49,6 +49,10 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
         raise InvalidRequestError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
     if prompt == "":
         raise InvalidRequestError("empty prompt: give at least one character or token")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # e.g. undecodable command-line bytes arrive as lone surrogates
+        raise InvalidRequestError(f"the prompt is not valid UTF-8 text (at character {e.start})") from None
     bos = tokenizer.bos_token
     has_bos = bool(bos) and prompt.startswith(bos)
     ids = tokenizer(prompt, add_special_tokens=not has_bos)["input_ids"]
@@ -61,5 +65,5 @@ def apply_chat_template(tokenizer, messages: list[dict]) -> str:
     """Render a conversation with the model's chat template, ending with the assistant turn's opening.
     Raises InvalidRequestError when the model has no chat template."""
     if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError("this model has no chat template; use a plain prompt (no --chat)")
+        raise InvalidRequestError("this model has no chat template: give it a plain prompt (sparrow generate without --chat)")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

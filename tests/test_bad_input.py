@@ -117,6 +117,8 @@ def test_tokenizer_missing_message_is_one_line(tiny_model_dir):
     (dict(max_model_len=1), "max_model_len=1"),
     (dict(num_kv_blocks=2), "num_kv_blocks=2"),
     (dict(quantization="int3"), "quantization='int3'"),
+    (dict(max_model_len="abc"), "max_model_len='abc'"),
+    (dict(dtype="float16"), "float16"),
 ])
 def test_bad_llm_arguments(tiny_model_dir, kw, needle):
     raises(InvalidRequestError, lambda: make_llm(tiny_model_dir, **kw), needle)
@@ -142,7 +144,8 @@ GOOD = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     ("top_p", 0.0), ("top_p", 1.5), ("temperature", -0.5), ("top_k", -2), ("n", 0), ("min_p", 2.0),
     ("max_tokens", 0), ("min_tokens", -1), ("repetition_penalty", 0.0), ("presence_penalty", 3.0),
     ("frequency_penalty", -2.5), ("logprobs", -1), ("prompt_logprobs", -1), ("stop", [""]),
-    ("stop_token_ids", ["a"]), ("seed", 1.5),
+    ("stop_token_ids", ["a"]), ("seed", 1.5), ("temperature", float("nan")), ("temperature", float("inf")),
+    ("repetition_penalty", float("nan")), ("temperature", "0.5"), ("logprobs", 21), ("prompt_logprobs", 10**6),
 ])
 def test_invalid_sampling_values(field, value):
     raises(InvalidRequestError, lambda: SamplingParams(**{field: value}), f"SamplingParams.{field}=")
@@ -169,6 +172,17 @@ def test_bad_prompts_then_a_good_one(llm, prompt, needles):
     (p,) = random_prompts([10], seed=1)
     out = llm.generate(ids_prompt(p), GOOD)[0]
     assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+
+
+def test_sampling_params_of_the_wrong_type(llm):
+    raises(InvalidRequestError, lambda: llm.generate({"prompt_token_ids": [1, 2]}, {"temperature": 0}),
+           "SamplingParams")
+
+
+def test_prompt_that_is_not_utf8_text():
+    from sparrow.tokenizer import encode_prompt
+
+    raises(InvalidRequestError, lambda: encode_prompt(None, "bad \udcff bytes"), "UTF-8")
 
 
 def test_longest_allowed_prompt(llm):

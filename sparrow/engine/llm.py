@@ -75,11 +75,17 @@ class LLM:
         if quantization is not None and quantization not in SUPPORTED_QUANTIZATION:
             raise InvalidRequestError(f"quantization={quantization!r} is not supported "
                                       f"(supported: None, {', '.join(map(repr, SUPPORTED_QUANTIZATION))})")
+        for name, val in (("max_model_len", max_model_len), ("block_size", block_size), ("max_num_seqs", max_num_seqs),
+                          ("max_num_batched_tokens", max_num_batched_tokens), ("num_kv_blocks", num_kv_blocks)):
+            if val is not None and (isinstance(val, bool) or not isinstance(val, int)):
+                raise InvalidRequestError(f"{name}={val!r} must be an integer")
         if block_size < 1 or block_size & (block_size - 1):
             raise InvalidRequestError(f"block_size={block_size} must be a power of two")
         path = model if model is not None else default_model_path()
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
+        if dtype == "float16" and device == "cpu":
+            raise InvalidRequestError("dtype='float16' is not supported on the CPU (use 'float32' or 'bfloat16')")
         torch.manual_seed(seed)
         loaded = load_model(path, _DTYPES[dtype], device, quantization=quantization)
         mcfg = loaded.config
@@ -124,6 +130,8 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         sampling_params = list(sampling_params)
+        if any(not isinstance(sp, SamplingParams) for sp in sampling_params):
+            raise InvalidRequestError("sampling_params must be a SamplingParams or a list of them")
         if len(sampling_params) != len(prompts):
             raise InvalidRequestError(
                 f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts (give one, or one per prompt)")
