@@ -8,6 +8,15 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site:$PWD
 fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# GGUF files larger than one call carries travel as parts (`split -b 50000000 -d F .models/F.part`), one or
+# two per call on a warm machine (an ignored folder stays between calls); join whatever is complete.
+if ls .models/*.part00 >/dev/null 2>&1; then
+  mkdir -p /tmp/gguf
+  for first in .models/*.part00; do
+    name=$(basename "${first%.part00}"); cat .models/"$name".part* > /tmp/gguf/"$name"
+  done
+  export SPARROW_GGUF_DIR=/tmp/gguf
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
 timeout "${T_TESTS:-220}" python3 -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
