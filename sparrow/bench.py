@@ -25,7 +25,7 @@ import torch
 
 from sparrow.errors import InvalidRequestError, UnsupportedArchitectureError
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from sparrow.config import TORCH_DTYPES as _DTYPES
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _TOP_K_KEYS = ("num_experts_per_tok", "top_k_experts", "moe_top_k")
 

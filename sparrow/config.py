@@ -9,7 +9,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from sparrow.errors import ModelLoadError, UnsupportedArchitectureError
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""EngineConfig.dtype name -> torch dtype."""
 
 # GGUF general.architecture -> HF architecture name.
 GGUF_ARCHITECTURES = {

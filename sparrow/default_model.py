@@ -4,9 +4,9 @@ are joined into the user cache (with a progress bar) and checked against the pac
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
+from sparrow.cache import cache_dir
 from sparrow.errors import ModelNotFoundError
 
 
@@ -21,7 +21,7 @@ def default_model_path() -> Path:
         ) from None
     from tqdm import tqdm
 
-    root = Path(os.environ.get("SPARROW_CACHE", Path.home() / ".cache" / "sparrow")) / "models"
+    root = cache_dir("models")
     target = root / pkg.MODEL_NAME
     marker = target.with_suffix(".sha256")
     if target.is_file() and marker.is_file() and marker.read_text().strip() == pkg.EXPECTED_SHA256:

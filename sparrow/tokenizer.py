@@ -2,18 +2,13 @@
 vocabulary), chat templates, and the BOS rule: a prompt never gets a second BOS."""
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 from pathlib import Path
 
+from sparrow.cache import cache_dir, file_key
 from sparrow.errors import InvalidRequestError, ModelLoadError
 
 log = logging.getLogger(__name__)
-
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("SPARROW_CACHE", Path.home() / ".cache" / "sparrow"))
 
 
 def load_tokenizer(path: str | Path):
@@ -25,9 +20,7 @@ def load_tokenizer(path: str | Path):
     path = Path(path)
     try:
         if path.is_file():
-            st = path.stat()
-            key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-            cached = _cache_root() / "tokenizers" / f"{path.stem}-{key}"
+            cached = cache_dir("tokenizers", f"{path.stem}-{file_key(path)}")
             if (cached / "tokenizer_config.json").is_file():
                 return AutoTokenizer.from_pretrained(str(cached))
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

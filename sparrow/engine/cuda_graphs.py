@@ -33,11 +33,12 @@ class DecodeGraphs:
         self.pad_block = pad_block
         self.max_blocks = max_blocks_per_seq
         self.block_size = block_size
-        self.input_ids = torch.zeros(bmax, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(bmax, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((bmax,), self.pad_slot, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(bmax, dtype=torch.int32, device=device)
-        self.block_tables = torch.full((bmax, max_blocks_per_seq), pad_block, dtype=torch.int32, device=device)
+        self.input_ids = torch.empty(bmax, dtype=torch.int64, device=device)
+        self.positions = torch.empty(bmax, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.empty(bmax, dtype=torch.int64, device=device)
+        self.seq_lens = torch.empty(bmax, dtype=torch.int32, device=device)
+        self.block_tables = torch.empty(bmax, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self._reset_inputs()  # every row a padding row until a step fills it
         self.query_start_loc = torch.arange(bmax + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -60,7 +61,6 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket, largest first (smaller graphs reuse the memory pool). A bucket whose
         capture fails (an op that syncs with the host) is left to eager execution, with a log line."""
-        self._reset_inputs()
         stream = torch.cuda.Stream(self.device)
         for i, bs in enumerate(reversed(self.buckets)):
             print(f"\rcapturing CUDA graphs: {i + 1}/{len(self.buckets)} (batch {bs})   ", end="", file=sys.stderr)
@@ -79,7 +79,6 @@ class DecodeGraphs:
                 log.warning("CUDA graph capture failed for batch %d (runs eagerly): %s", bs, str(e).splitlines()[0])
                 torch.cuda.synchronize(self.device)
         print(file=sys.stderr)
-        self._reset_inputs()
 
     def _reset_inputs(self) -> None:
         self.input_ids.zero_()

@@ -14,7 +14,7 @@ from sparrow.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from sparrow.config import TORCH_DTYPES as _DTYPES
 
 
 def resolve_device(device: str) -> str:

@@ -16,7 +16,7 @@ from sparrow.layers.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from sparrow.config import TORCH_DTYPES as _DTYPES
 
 
 def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
@@ -108,20 +108,13 @@ class ModelRunner:
                     prompt_rows.append((i, row0, m))
             if item.samples:
                 sample_rows.append(len(input_ids) - 1)
-        width = max(len(t) for t in tables)
         dev = self.device
-        bt = torch.full((len(tables), width), self.pad_block, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        cpu = dict(positions=torch.tensor(positions, dtype=torch.int64),
-                   slot_mapping=torch.tensor(slots, dtype=torch.int64),
-                   seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=bt)
         meta = AttentionMetadata(
-            positions=cpu["positions"].to(dev, non_blocking=True),
-            slot_mapping=cpu["slot_mapping"].to(dev, non_blocking=True),
+            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
-            seq_lens=cpu["seq_lens"].to(dev, non_blocking=True),
-            block_tables=bt.to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=self._block_tables(tables).to(dev, non_blocking=True),
             max_query_len=max(s.num_new_tokens for s in scheduled),
             max_seq_len=max(seq_lens),
             logits_indices=torch.tensor(sample_rows, dtype=torch.int64).to(dev, non_blocking=True),
@@ -130,6 +123,13 @@ class ModelRunner:
         soft = torch.stack(soft_vecs).to(dev) if soft_vecs else None
         mask = torch.tensor(soft_mask, dtype=torch.bool, device=dev) if soft_vecs else None
         return ids, meta, soft, mask, sample_rows, prompt_rows
+
+    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
+        """[S, M] int32 CPU tensor of the sequences' blocks, padded with the pad block."""
+        bt = torch.full((len(tables), max(len(t) for t in tables)), self.pad_block, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        return bt
 
     @staticmethod
     def _states(scheduled: list[ScheduledSeq]) -> list[SamplingState]:
@@ -143,12 +143,9 @@ class ModelRunner:
         pos = [s.num_computed_tokens for s in seqs]
         ids = torch.tensor([s.token_at(p) for s, p in zip(seqs, pos)], dtype=torch.int64)
         slots = torch.tensor([s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)], dtype=torch.int64)
-        width = max(len(s.block_table) for s in seqs)
-        bt = torch.full((len(seqs), width), self.pad_block, dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            bt[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
         logits = self.graphs.run(len(seqs), ids, torch.tensor(pos, dtype=torch.int64), slots,
-                                 torch.tensor([p + 1 for p in pos], dtype=torch.int32), bt)
+                                 torch.tensor([p + 1 for p in pos], dtype=torch.int32),
+                                 self._block_tables([s.block_table for s in seqs]))
         return self.sampler(logits, self._states(scheduled))
 
     @torch.inference_mode()

@@ -41,24 +41,6 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
-_ATTENTION_IMPL = {"fn": None}
-
-
-def set_attention_impl(fn) -> None:
-    """Route every attention layer through ``fn`` (paged_attention_ref's signature); None restores the default
-    (Triton kernels on CUDA when available, the torch reference elsewhere)."""
-    _ATTENTION_IMPL["fn"] = fn
-
-
-def _default_attention():
-    try:
-        from sparrow.kernels.attention import paged_attention
-
-        return paged_attention
-    except ImportError:  # Triton missing: torch reference everywhere
-        return paged_attention_ref
-
-
 class Attention(nn.Module):
     """Writes this step's K/V into the layer's paged cache, then attends (q [R, Hq, D] -> [R, Hq, Dv]).
 
@@ -76,7 +58,10 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        fn = _ATTENTION_IMPL["fn"] or (_default_attention() if use_triton(q) else paged_attention_ref)
+        if use_triton(q):  # the Triton dispatcher: split-K decode or varlen prefill kernel
+            from sparrow.kernels.attention import paged_attention as fn
+        else:
+            fn = paged_attention_ref
         return fn(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                   self.scale, self.sliding_window, self.soft_cap)
 

@@ -10,10 +10,8 @@ Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md, read with the
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 import re
 from dataclasses import dataclass
 import warnings
@@ -23,6 +21,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from sparrow.cache import cache_dir, file_key
 from sparrow.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -73,8 +72,7 @@ class GGUFCheckpoint:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         st = self.path.stat()
-        key = hashlib.sha256(f"{self.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:20]
-        cache = Path(os.environ.get("SPARROW_CACHE", Path.home() / ".cache" / "sparrow")) / "gguf-index" / f"{key}.json"
+        cache = cache_dir("gguf-index", f"{file_key(self.path, 20)}.json")
         index = None
         if cache.is_file():
             try:
