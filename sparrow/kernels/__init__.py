@@ -50,3 +50,19 @@ def use_triton(x: torch.Tensor) -> bool:
     if _BACKEND is not None:
         return _BACKEND == "triton"
     return x.is_cuda
+
+
+class ForcedConfig:
+    """A tile config that overrides a kernel's heuristic inside a ``with`` block (tests, tuning):
+    ``with forced_config(cfg): ...``; the launcher reads ``.value`` (None outside the block)."""
+
+    def __init__(self) -> None:
+        self.value = None
+
+    @contextlib.contextmanager
+    def __call__(self, config):
+        previous, self.value = self.value, config
+        try:
+            yield config
+        finally:
+            self.value = previous

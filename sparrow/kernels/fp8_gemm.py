@@ -20,11 +20,12 @@ yet tuned on the H200.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 
 import torch
+
+from sparrow.kernels import ForcedConfig
 
 from sparrow.kernels.fp8 import (
     FP8_DTYPE,
@@ -63,24 +64,14 @@ FP8_GEMM_CONFIGS: tuple[tuple[int, Fp8GemmConfig], ...] = (
     (1 << 62, Fp8GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=3)),
 )
 
-_FORCED: Fp8GemmConfig | None = None
+forced_config = ForcedConfig()  # ``with forced_config(Fp8GemmConfig(...)):`` overrides the heuristic
 
-
-@contextlib.contextmanager
-def forced_config(config: Fp8GemmConfig):
-    """Use ``config`` for every FP8 GEMM launch inside the ``with`` block (tests, tuning)."""
-    global _FORCED
-    previous, _FORCED = _FORCED, config
-    try:
-        yield config
-    finally:
-        _FORCED = previous
 
 
 def pick_config(rows: int) -> Fp8GemmConfig:
     """The forced config, else the first table entry whose row bound covers ``rows``."""
-    if _FORCED is not None:
-        return _FORCED
+    if forced_config.value is not None:
+        return forced_config.value
     return next(c for bound, c in FP8_GEMM_CONFIGS if rows <= bound)
 
 

@@ -17,11 +17,12 @@ programs (all SMs busy). Tests force a config with ``with forced_config(GemvConf
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
 import torch.nn.functional as F
+
+from sparrow.kernels import ForcedConfig
 
 from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, dequantize_fp8_block_ref
 
@@ -53,25 +54,15 @@ GEMV_CONFIGS: tuple[tuple[int, GemvConfig], ...] = (
 )
 MIN_PROGRAMS = 132  # one program per SM of an H100 / H200 before BLOCK_N narrows
 
-_FORCED: GemvConfig | None = None
+forced_config = ForcedConfig()  # ``with forced_config(GemvConfig(...)):`` overrides the heuristic
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-
-@contextlib.contextmanager
-def forced_config(config: GemvConfig):
-    """Use ``config`` for every GEMV launch inside the ``with`` block (tests, tuning)."""
-    global _FORCED
-    previous, _FORCED = _FORCED, config
-    try:
-        yield config
-    finally:
-        _FORCED = previous
 
 
 def pick_config(rows: int, n: int, fp8: bool) -> GemvConfig:
     """The forced config, else the table's entry for ``rows`` with BLOCK_N narrowed to fill the GPU."""
-    if _FORCED is not None:
-        return _FORCED
+    if forced_config.value is not None:
+        return forced_config.value
     config = next(c for bound, c in GEMV_CONFIGS if rows <= bound)
     block_n = config.block_n
     while block_n > 16 and -(-n // block_n) < MIN_PROGRAMS:

@@ -10,12 +10,12 @@ spaces as underscores), written by ``benchmarks/moe_layer.py --tune``; else ``de
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
 import pathlib
-from typing import Iterator
+
+from sparrow.kernels import ForcedConfig
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "configs"
 
@@ -45,18 +45,8 @@ class MoeConfig:
         return cls(int(d["block_m"]), Tile(**d["gate_up"]), Tile(**d["down"]))
 
 
-_FORCED: MoeConfig | None = None
+forced_config = ForcedConfig()  # ``with forced_config(MoeConfig(...)):`` overrides the heuristic
 
-
-@contextlib.contextmanager
-def forced_config(config: MoeConfig) -> Iterator[MoeConfig]:
-    """Use ``config`` for every fused-MoE launch inside the ``with`` block."""
-    global _FORCED
-    previous, _FORCED = _FORCED, config
-    try:
-        yield config
-    finally:
-        _FORCED = previous
 
 
 def default_config(rows: int, pairs: int, num_experts: int, small: bool, fp8: bool) -> MoeConfig:
@@ -96,8 +86,8 @@ def pick_config(rows: int, top_k: int, num_experts: int, hidden: int, width: int
                 device_name: str | None) -> MoeConfig:
     """The forced config, else the tuned entry of the nearest row count, else ``default_config``.
     A tuned entry is used on either path (its block_m only matters on the grouped one)."""
-    if _FORCED is not None:
-        return _FORCED
+    if forced_config.value is not None:
+        return forced_config.value
     if device_name is not None:
         table = tuned_configs(num_experts, hidden, width, fp8, device_name)
         if table:
