@@ -58,6 +58,11 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, meta)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention over the cache alone: this step's K/V must already be written at ``meta.slot_mapping``."""
+        k_cache, v_cache = self.kv_cache
         if use_triton(q):  # the Triton dispatcher: split-K decode or varlen prefill kernel
             from sparrow.kernels.attention import paged_attention as fn
         else:
@@ -117,10 +122,30 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None and not self.per_head_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.view(r, self.hq, self.d), k.view(r, self.hkv, self.d), v.view(r, self.hkv, self.d)
-        if self.q_norm is not None and self.per_head_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.v_norm is not None:
-            v = self.v_norm(v)
-        q, k = self.rotary(meta.positions, q, k)
-        out = self.attn(q, k, v, meta)
+        if use_triton(q) and (self.q_norm is None or self.per_head_norm):
+            out = self._fused_norm_rope_write(q, k, None if self.k_eq_v else v, meta)
+        else:
+            if self.q_norm is not None and self.per_head_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.v_norm is not None:
+                v = self.v_norm(v)
+            q, k = self.rotary(meta.positions, q, k)
+            out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(r, self.hq * self.d))
+
+    def _fused_norm_rope_write(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        """Triton path: per-head q/k norm, RoPE, v-norm and the K/V cache write in one kernel, then attention.
+        v is None on K=V layers (the kernel takes V from the raw k)."""
+        from sparrow.kernels.rope import qk_norm_rope_kv_write
+
+        k_cache, v_cache = self.attn.kv_cache
+        norm = self.q_norm
+        kind = norm.kind if norm is not None else "llama"
+        eps = norm.eps if norm is not None else (self.v_norm.eps if self.v_norm is not None else 1e-6)
+        q, _ = qk_norm_rope_kv_write(
+            q, k, v, meta.positions, self.rotary.cos_sin_cache(q.device), self.rotary.rotary_dim,
+            None if norm is None else norm.weight, None if norm is None else self.k_norm.weight, eps,
+            gemma_norm=kind != "llama", v_norm=self.v_norm is not None, k_eq_v=v is None,
+            k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping,
+            norm_offset=1.0 if kind == "gemma" else 0.0)
+        return self.attn.attend(q, meta)

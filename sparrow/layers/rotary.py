@@ -97,12 +97,30 @@ class RotaryEmbedding(nn.Module):
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def _device_tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         tables = self.__dict__.get("_tables")
-        if tables is None or tables[0].device != q.device:
-            tables = self.prepare(self.max_position, q.device)
+        if tables is None or tables[0].device != device:
+            tables = self.prepare(self.max_position, device)
             self.__dict__["_tables"] = tables  # plain attribute: not a buffer, not in state_dict
-        cos_cache, sin_cache = tables
+        return tables
+
+    def cos_sin_cache(self, device) -> torch.Tensor:
+        """[P, Dr] fp32 ``[cos | sin]`` (each Dr/2 wide), the table layout of the fused Triton kernel
+        ``sparrow.kernels.rope.qk_norm_rope_kv_write``; built once per device and rope parameters."""
+        cache = self.__dict__.get("_kernel_cache")
+        if cache is None or cache.device != torch.device(device):
+            cos, sin = self._device_tables(device)
+            key = ("kernel",) + self._key(device)
+            cache = _CACHES.get(key)
+            if cache is None or cache.shape[0] != cos.shape[0]:
+                half = self.rotary_dim // 2
+                cache = torch.cat([cos[:, :half], sin[:, :half]], dim=-1).contiguous()
+                _CACHES[key] = cache
+            self.__dict__["_kernel_cache"] = cache
+        return cache
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos_cache, sin_cache = self._device_tables(q.device)
         cos = cos_cache[positions].to(q.dtype)[:, None, :]
         sin = sin_cache[positions].to(q.dtype)[:, None, :]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -9,7 +9,8 @@ from sparrow.kernels import backend
 from tests.helpers import make_llm
 from tests.models._hf_tiny import DENSE, FAMILIES, build, compare, hf_greedy, prompts
 
-CASES = {"gemma3": (DENSE, dict(head_dim=64, hidden_size=128)),
+CASES = {"llama": (DENSE, dict(head_dim=64, hidden_size=128)),
+         "gemma3": (DENSE, dict(head_dim=64, hidden_size=128)),
          "qwen3_moe": (FAMILIES, dict(head_dim=64, hidden_size=128)),
          "gemma4": (FAMILIES, dict(head_dim=64, global_head_dim=128, hidden_size=128))}
 
