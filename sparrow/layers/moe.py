@@ -20,7 +20,8 @@ FP8 (on-load quantization, ``quantization="fp8"`` on a float checkpoint): after 
 (``w13_scale`` [E, 2I/128, H/128], ``w2_scale`` [E, H/128, I/128] fp32, DeepSeek ``weight_scale_inv``
 layout), one expert slice at a time; forward then runs ``sparrow.kernels.moe.fused_moe`` with the scales
 (Triton) or its torch twin ``fused_moe_fp8_ref`` (W8A8: activations quantized per 128-column group).
-Layers whose H or I is not a multiple of 128 stay in the model dtype.
+Layers whose H or I is not a multiple of 128 stay in the model dtype. FP8 checkpoints fill the same
+parameters directly (``create_fp8_weights``, then the loader).
 """
 from __future__ import annotations
 
@@ -136,6 +137,25 @@ class FusedMoE(nn.Module):
         from sparrow.kernels.fp8 import GROUP
 
         return self.hidden_size % GROUP == 0 and self.intermediate_size % GROUP == 0
+
+    def create_fp8_weights(self) -> None:
+        """Replace the float expert weights by uninitialized e4m3 ones plus fp32 128 x 128 block scales,
+        to be filled from an FP8 checkpoint (``weight`` e4m3 + ``weight_scale_inv``, per expert or fused).
+        Raises ModelLoadError when H or I is not a multiple of 128 (the scales would straddle gate and up)."""
+        from sparrow.errors import ModelLoadError
+        from sparrow.kernels.fp8 import FP8_DTYPE, GROUP
+
+        if not self.fp8_supported():
+            raise ModelLoadError(f"FP8 checkpoint: routed experts with hidden size {self.hidden_size} and expert "
+                                 f"width {self.intermediate_size} are not tiled by {GROUP} x {GROUP} scale blocks")
+        e, h, i, dev = self.num_experts, self.hidden_size, self.intermediate_size, self.gate_up_proj.device
+
+        def param(*shape, dtype):
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=dev), requires_grad=False)
+
+        self.gate_up_proj, self.down_proj = param(e, 2 * i, h, dtype=FP8_DTYPE), param(e, h, i, dtype=FP8_DTYPE)
+        self.w13_scale = param(e, 2 * i // GROUP, h // GROUP, dtype=torch.float32)
+        self.w2_scale = param(e, h // GROUP, i // GROUP, dtype=torch.float32)
 
     @torch.no_grad()
     def quantize_fp8(self, name: str = "") -> bool:

@@ -7,8 +7,10 @@ checkpoint while it loads. Either way the model is built inside ``quant_config_s
 returns the ones the config skips (routers, ignored layers) to float weights, all before any tensor is read.
 After loading, every layer's ``quant_method.process_weights_after_loading`` runs, and with on-load FP8 the
 routed experts (``FusedMoE``) are quantized to e4m3 + 128 x 128 block scales layer by layer (layers whose
-hidden / expert width is not a multiple of 128 stay in the model dtype, logged). FP8 checkpoints of MoE
-models are rejected (no FP8 expert checkpoint loader yet)."""
+hidden / expert width is not a multiple of 128 stay in the model dtype, logged). In an FP8 checkpoint the
+experts are e4m3 too: each FusedMoE is given e4m3 weights and fp32 scale parameters before loading, filled
+per expert (``experts.N.gate_proj.weight`` + ``.weight_scale_inv``) or fused (``experts.gate_up_proj`` +
+``experts.gate_up_proj_scale_inv``)."""
 from __future__ import annotations
 
 import logging
@@ -90,8 +92,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     with torch.device(device), quant_config_scope(quant_config):  # parameters allocated (uninitialized) in place
         model = cls(config, dtype=dtype)
         bind_quant_config(model, quant_config)
-    if quant_config is not None:
-        _check_moe(model, quant_config)
+    if quant_config is not None and quant_config.from_checkpoint:
+        _fp8_checkpoint_experts(model, quant_config)
     if is_gguf:
         tensors = ckpt.tensors(device="cpu")
     else:
@@ -113,7 +115,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(mod)
     if quant_config is not None and not quant_config.from_checkpoint:
-        _quantize_experts(model)
+        _quantize_experts(model, quant_config)
     if rope_freqs:
         for mod in model.modules():
             if hasattr(mod, "set_freq_factors"):
@@ -124,25 +126,28 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     return LoadedModel(model, config, path, is_gguf, ckpt.metadata if is_gguf else None, quant_config)
 
 
-def _check_moe(model: torch.nn.Module, quant_config) -> None:
-    """Routed experts (FusedMoE) have no FP8 checkpoint loader yet: an FP8 checkpoint of an MoE model cannot
-    load (on-load quantization of the experts is ``_quantize_experts``, after loading)."""
+def _fp8_checkpoint_experts(model: torch.nn.Module, quant_config) -> None:
+    """FP8 checkpoint of an MoE model: each quantized FusedMoE gets e4m3 expert weights and fp32 block
+    scales (``w13_scale`` / ``w2_scale``), loaded per expert (``experts.N.gate_proj.weight_scale_inv``) or
+    fused (``experts.gate_up_proj_scale_inv``, transformers 5's FP8 experts) like the weights."""
     from sparrow.layers.moe import FusedMoE
+    from sparrow.loader.weights import bind_expert_loaders
 
-    if not any(isinstance(m, FusedMoE) for m in model.modules()):
-        return
-    if quant_config.from_checkpoint:
-        raise ModelLoadError("FP8 checkpoints of MoE models are not supported yet: the routed experts (FusedMoE) "
-                             "have no FP8 weight format; load the bf16 checkpoint with quantization='fp8'")
+    for name, mod in model.named_modules():
+        if isinstance(mod, FusedMoE) and quant_config.quantizes(name):
+            mod.create_fp8_weights()
+            for pname, blocks in (("gate_up_proj", 2), ("down_proj", 1), ("w13_scale", 2), ("w2_scale", 1)):
+                bind_expert_loaders(getattr(mod, pname), blocks)
 
 
-def _quantize_experts(model: torch.nn.Module) -> None:
-    """On-load FP8 of the routed experts: each FusedMoE, one layer (and one expert) at a time."""
+def _quantize_experts(model: torch.nn.Module, quant_config) -> None:
+    """On-load FP8 of the routed experts: each FusedMoE the config quantizes, one layer (and one expert)
+    at a time."""
     from sparrow.layers.moe import FusedMoE
 
     done = skipped = 0
     for name, mod in model.named_modules():
-        if isinstance(mod, FusedMoE):
+        if isinstance(mod, FusedMoE) and quant_config.quantizes(name):
             if mod.quantize_fp8(name):
                 done += 1
             else:

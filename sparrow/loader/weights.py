@@ -31,6 +31,9 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id, n
 
 
 def _expert_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id, name: str) -> None:
+    if (param.dtype == torch.float8_e4m3fn) != (loaded.dtype == torch.float8_e4m3fn):
+        raise ModelLoadError(f"tensor {name!r} is {loaded.dtype}, but the FP8 checkpoint's experts need "
+                             f"{param.dtype} (weights e4m3 with fp32 weight_scale_inv)")
     if shard_id is None:
         return default_weight_loader(param, loaded, None, name)
     expert, block = shard_id

@@ -29,7 +29,11 @@ EXPERT_TENSORS: dict[str, tuple[str, int]] = {
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
     "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", 0),  # Mixtral / MiniMax names
 }
-_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+# FP8 checkpoints: the block scales of a stacked parameter (``.weight_scale_inv`` per expert, or the fused
+# ``experts.<param>_scale_inv`` of transformers 5) -> FusedMoE's scale parameter
+EXPERT_SCALES = {"gate_up_proj": "w13_scale", "down_proj": "w2_scale"}
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale_inv)$")
+_FUSED_SCALE = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)_scale_inv$")
 
 
 def make_experts(config: ModelConfig, dtype: torch.dtype) -> FusedMoE:
@@ -129,7 +133,12 @@ class CausalLM(nn.Module):
         m = _PER_EXPERT.match(name)
         if m and m.group(3) in EXPERT_TENSORS:  # experts.N.gate_proj.weight -> experts.gate_up_proj[N, :I]
             param, block = EXPERT_TENSORS[m.group(3)]
+            if m.group(4) == "weight_scale_inv":
+                param = EXPERT_SCALES[param]
             return f"{m.group(1)}.{param}", (int(m.group(2)), block)
+        m = _FUSED_SCALE.match(name)
+        if m:
+            return f"{m.group(1)}.{EXPERT_SCALES[m.group(2)]}", None
         parts = name.split(".")
         for i, part in enumerate(parts):
             if part in self.packed_modules:
@@ -145,8 +154,10 @@ class CausalLM(nn.Module):
         if hasattr(param, "expert_blocks"):  # stacked experts: name the per-expert tensor and the fused one
             expert, block = shard
             rows = param.shape[1] // param.expert_blocks
-            part = {("gate_up_proj", 0): "gate_proj", ("gate_up_proj", 1): "up_proj"}.get((leaf, block), leaf)
-            return (f"{module_name + f'.{expert}.{part}.weight'!r} (or the fused {pname!r} {tuple(param.shape)})",
+            part = {("gate_up_proj", 0): "gate_proj", ("gate_up_proj", 1): "up_proj", ("w13_scale", 0): "gate_proj",
+                    ("w13_scale", 1): "up_proj", ("w2_scale", 0): "down_proj"}.get((leaf, block), leaf)
+            suffix = "weight_scale_inv" if leaf in EXPERT_SCALES.values() else "weight"
+            return (f"{module_name + f'.{expert}.{part}.{suffix}'!r} (or the fused {pname!r} {tuple(param.shape)})",
                     (rows, param.shape[2]))
         module = self.get_submodule(module_name)
         sizes = getattr(module, "output_sizes", None)

@@ -7,6 +7,10 @@ Per layer (x the residual stream [R, H]):
     m   = post_feedforward_layernorm_2(experts(pre_feedforward_layernorm_2(h), router(h)))   MoE branch
     out = (h + post_feedforward_layernorm(d + m)) * layer_scalar
 (without ``enable_moe_block``: out = (h + post_feedforward_layernorm(mlp(...))) * layer_scalar).
+Decode overlap (design §2): while a CUDA graph is being captured, the dense branch d runs on a second CUDA
+stream, concurrent with router + experts on the capturing stream, and joins before the sum; the graph
+keeps the fork/join, so every replay overlaps them. Eager steps (prefill) run the branches in order.
+``DUAL_STREAM = False`` turns the overlap off (set it before the LLM captures its graphs).
 Attention (layers/attention.py): q/k norms, scale-free v_norm, scale 1.0; full layers have their own
 head dim / KV heads, "proportional" RoPE, and with ``attention_k_eq_v`` no v_proj. Norms multiply by w
 (Gemma4RMSNorm), not 1 + w. The embedding is scaled by sqrt(H); final logits are soft-capped.
@@ -22,6 +26,21 @@ from sparrow.layers.mlp import GatedMLP
 from sparrow.layers.norm import RMSNorm
 from sparrow.layers.router import Gemma4Router
 from sparrow.models.base import CausalLM, make_experts
+
+DUAL_STREAM = True
+"""Overlap the dense MLP with the MoE branch on a side stream inside captured decode graphs."""
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_stream(x: torch.Tensor) -> "torch.cuda.Stream | None":
+    """The side stream of x's device when the dense branch should overlap (CUDA, capturing, enabled)."""
+    if not (DUAL_STREAM and x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    stream = _SIDE_STREAMS.get(x.device)
+    if stream is None:
+        stream = _SIDE_STREAMS[x.device] = torch.cuda.Stream(x.device)
+    return stream
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -50,12 +69,29 @@ class Gemma4DecoderLayer(nn.Module):
     def forward(self, x, residual, meta):
         # the layer ends with x * layer_scalar, so it hands the whole stream on (residual is always None)
         h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), meta))
-        out = self.mlp(self.pre_feedforward_layernorm(h))
-        if self.moe:
-            weights, ids = self.router(h)  # the router reads the raw residual
-            moe = self.experts(self.pre_feedforward_layernorm_2(h), weights, ids)
-            out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(moe)
+        if not self.moe:
+            out = self.mlp(self.pre_feedforward_layernorm(h))
+        else:
+            stream = side_stream(h)
+            if stream is None:
+                dense = self._dense(h)
+                out = dense + self._moe(h)
+            else:  # fork: dense branch on the side stream; join before the sum
+                main = torch.cuda.current_stream(h.device)
+                stream.wait_stream(main)
+                with torch.cuda.stream(stream):
+                    dense = self._dense(h)
+                moe = self._moe(h)
+                main.wait_stream(stream)
+                out = dense + moe
         return (h + self.post_feedforward_layernorm(out)) * self.layer_scalar, None
+
+    def _dense(self, h: torch.Tensor) -> torch.Tensor:
+        return self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
+
+    def _moe(self, h: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.router(h)  # the router reads the raw residual
+        return self.post_feedforward_layernorm_2(self.experts(self.pre_feedforward_layernorm_2(h), weights, ids))
 
 
 class Gemma4ForCausalLM(CausalLM):

@@ -74,3 +74,23 @@ def test_bf16_matches_transformers_bf16(case):
     outs = _run(path, ps, "bfloat16")
     compared = sum(compare(ids, logits, o.outputs[0], tie_gap=0.2, atol=0.1) for (ids, logits), o in zip(ref, outs))
     assert compared >= NEW * len(ps) // 4, f"{family}: only {compared} steps compared"
+
+
+def test_gemma4_dual_stream_decode_equals_single_stream(tmp_path, monkeypatch):
+    """The dense branch on a side stream inside the captured decode graphs (models/gemma4.py) computes
+    the same kernels on the same inputs, so ids and logprobs equal the one-stream graphs (bf16)."""
+    from sparrow.models import gemma4
+
+    path = tmp_path / "gemma4"
+    build(FAMILIES, "gemma4", path, **_overrides("gemma4"))
+    ps = prompts()
+    gemma4._SIDE_STREAMS.clear()
+    overlapped = _run(path, ps, "bfloat16")
+    assert gemma4._SIDE_STREAMS, "no side stream was used during graph capture"
+    monkeypatch.setattr(gemma4, "DUAL_STREAM", False)
+    single = _run(path, ps, "bfloat16")
+    for a, b in zip(overlapped, single):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            assert all(abs(la[t].logprob - lb[t].logprob) <= 1e-6 for t in la)

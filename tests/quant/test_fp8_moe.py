@@ -152,3 +152,77 @@ def test_unaligned_expert_width_stays_in_model_dtype(tmp_path, caplog):
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
                        __import__("sparrow").SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 2
+
+
+def _fuse_experts(ckpt: Path) -> None:
+    """Rewrite per-expert FP8 tensors as transformers 5's fused ones: ``experts.gate_up_proj`` [E, 2I, H]
+    e4m3 + ``experts.gate_up_proj_scale_inv`` [E, 2I/128, H/128], ``experts.down_proj`` (+ scale)."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    f = ckpt / "model.safetensors"
+    tensors, per = load_file(str(f)), {}
+    for name in list(tensors):
+        m = re.match(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$", name)
+        if m:
+            per.setdefault((m.group(1), m.group(4)), {})[(int(m.group(2)), m.group(3))] = tensors.pop(name)
+    for (prefix, kind), parts in per.items():
+        n = 1 + max(e for e, _ in parts)
+        suffix = "" if kind == "weight" else "_scale_inv"
+        tensors[f"{prefix}.gate_up_proj{suffix}"] = torch.stack(
+            [torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]]) for e in range(n)])
+        tensors[f"{prefix}.down_proj{suffix}"] = torch.stack([parts[(e, "down_proj")] for e in range(n)])
+    save_file(tensors, str(f))
+
+
+@pytest.fixture(scope="module")
+def aligned_dir(tmp_path_factory) -> Path:
+    """Head dim 64: q / k / v are 256 / 128 / 128 rows, so each checkpoint shard has whole scale blocks."""
+    return _save_qwen3_moe(tmp_path_factory.mktemp("fp8_moe_aligned") / "qwen3_moe", head_dim=64)
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_fp8_checkpoint_equals_on_load_quantization(aligned_dir, tmp_path, layout):
+    """An FP8 checkpoint (e4m3 weights + 128 x 128 ``weight_scale_inv``, experts included) written by the test
+    loads into the same parameters as on-load quantization of the float checkpoint, bit for bit, and
+    generates the same tokens and logprobs."""
+    from sparrow import SamplingParams
+    from tests.quant.test_fp8 import write_fp8_checkpoint
+
+    on_load = make_llm(aligned_dir, max_model_len=128, quantization="fp8")
+    ckpt = write_fp8_checkpoint(aligned_dir, tmp_path / f"fp8_{layout}")
+    if layout == "fused":
+        _fuse_experts(ckpt)
+    loaded = make_llm(ckpt, max_model_len=128)
+    got = dict(loaded.engine.runner.model.named_parameters())
+    want = dict(on_load.engine.runner.model.named_parameters())
+    assert got.keys() == want.keys()
+    for name, p in got.items():
+        assert p.dtype == want[name].dtype, name
+        assert torch.equal(p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p,
+                           want[name].view(torch.uint8) if p.dtype == torch.float8_e4m3fn else want[name]), name
+    assert all(m.is_fp8 for _, m in _experts(loaded))
+    prompts = [{"prompt_token_ids": [5, 9, 17, 33]}, {"prompt_token_ids": list(range(3, 40))}]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    for a, b in zip(loaded.generate(prompts, sp), on_load.generate(prompts, sp)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [{t: lp.logprob for t, lp in d.items()} for d in a.outputs[0].logprobs] == \
+               [{t: lp.logprob for t, lp in d.items()} for d in b.outputs[0].logprobs]
+
+
+def test_fp8_checkpoint_with_float_experts_is_a_clear_error(aligned_dir, tmp_path):
+    """A checkpoint that declares FP8 but keeps the experts in float names the tensor and the dtypes."""
+    from sparrow.errors import ModelLoadError
+    from tests.quant.test_fp8 import _LINEAR_RE, write_fp8_checkpoint
+
+    import tests.quant.test_fp8 as t
+
+    original = t._LINEAR_RE
+    t._LINEAR_RE = tuple(n for n in _LINEAR_RE if n not in ("gate_proj", "up_proj", "down_proj"))
+    try:
+        ckpt = write_fp8_checkpoint(aligned_dir, tmp_path / "fp8_float_experts")
+    finally:
+        t._LINEAR_RE = original
+    with pytest.raises(ModelLoadError, match=r"experts\.0\.\w+_proj\.weight.*float32.*float8_e4m3fn"):
+        make_llm(ckpt, max_model_len=64)
