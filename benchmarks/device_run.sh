@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# One full call on the H200 (device tool): GPU tests, then the benchmarks; logs and JSON under $OUT.
-# The device image lacks `gguf`: its wheel travels in .whl (see ../.library/device/README.md).
+# GPU tests and benchmarks in one call on the H200 (device tool); logs and JSON under $OUT.
+#   bash benchmarks/device_run.sh [STAGE ...]     stages: tests packaged profile moe tune bench fp8 eager
+# (no stage: tests bench eager). Each stage has its own time limit (T_<STAGE> seconds). GPU_TESTS picks the
+# test files of the `tests` stage. The device image lacks `gguf`: its wheel travels in .whl (see
+# ../.library/device/README.md).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -8,8 +11,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site:$PWD
 fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-# GGUF files larger than one call carries travel as parts (`split -b 50000000 -d F .models/F.part`), one or
-# two per call on a warm machine (an ignored folder stays between calls); join whatever is complete.
+# GGUF files larger than one call carries travel as parts (`split -b 60000000 -d F .models/F.part`), one per
+# call on a warm machine (an ignored folder stays between calls); join whatever is complete.
 if ls .models/*.part00 >/dev/null 2>&1; then
   mkdir -p /tmp/gguf
   for first in .models/*.part00; do
@@ -17,12 +20,37 @@ if ls .models/*.part00 >/dev/null 2>&1; then
   done
   export SPARROW_GGUF_DIR=/tmp/gguf
 fi
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
-timeout "${T_TESTS:-220}" python3 -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
-timeout "${T_G4:-200}" python3 -m sparrow bench --model-shape gemma4-26b-a4b --device cuda --batch-sizes 1,8 \
-  --prompt-len 128 --decode-tokens 32 --out "$OUT/gemma4.json" 2>&1 | tee "$OUT/bench_gemma4.log" | tail -30
-timeout "${T_LL:-120}" python3 -m sparrow bench --model-shape llama3-8b --device cuda --batch-sizes 1,8 \
-  --prompt-len 128 --decode-tokens 64 --out "$OUT/llama.json" 2>&1 | tee "$OUT/bench_llama.log" | tail -20
-timeout "${T_EAGER:-60}" python3 -m sparrow bench --model-shape llama3-8b --device cuda --batch-sizes 1 --no-hf \
-  --enforce-eager --prompt-len 128 --decode-tokens 64 --out "$OUT/llama_eager.json" 2>&1 | tee "$OUT/bench_llama_eager.log" | tail -12
+
+bench() {  # name, time limit, sparrow bench arguments...
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m sparrow bench --device cuda --out "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.log" | tail -40
+}
+
+for stage in ${@:-tests bench eager}; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    tests) timeout "${T_TESTS:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS:-tests} 2>&1 \
+             | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    packaged) timeout "${T_PACKAGED:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+             tests/models/test_packaged_models_gpu.py 2>&1 | tee "$OUT/packaged_tests.log" | tail -20 ;;
+    profile) bench profile_gemma4 "${T_PROFILE:-120}" --model-shape gemma4-26b-a4b --batch-sizes 1 --prompt-len 128 \
+               --decode-tokens 16 --no-hf --profile
+             bench profile_llama "${T_PROFILE:-120}" --model-shape llama3-8b --batch-sizes 1 --prompt-len 128 \
+               --decode-tokens 32 --no-hf --profile ;;
+    moe) timeout "${T_MOE:-120}" python3 benchmarks/moe_layer.py --rows 1 8 64 1024 --out "$OUT/moe_layer.json" 2>&1 \
+           | tee "$OUT/moe_layer.log" ;;
+    tune) timeout "${T_TUNE:-300}" python3 benchmarks/moe_layer.py --tune --rows ${TUNE_ROWS:-1 8 64 1024} 2>&1 \
+            | tee "$OUT/moe_tune.log" | grep -v skip; cp sparrow/kernels/configs/*H200*.json "$OUT/" ;;
+    bench) bench gemma4 "${T_G4:-400}" --model-shape gemma4-26b-a4b --batch-sizes ${G4_BATCHES:-1,8,64} \
+             --prompt-len ${G4_PROMPTS:-128,2048} --decode-tokens 32 --profile
+           bench llama "${T_LL:-200}" --model-shape llama3-8b --batch-sizes ${LL_BATCHES:-1,8,64} \
+             --prompt-len ${LL_PROMPTS:-128,2048} --decode-tokens 64 ;;
+    fp8) bench gemma4_fp8 "${T_FP8:-200}" --model-shape gemma4-26b-a4b --quantization fp8 --batch-sizes 1,8,64 \
+           --prompt-len 128,2048 --decode-tokens 32 --no-hf --profile ;;
+    eager) bench llama_eager "${T_EAGER:-60}" --model-shape llama3-8b --batch-sizes 1 --no-hf --enforce-eager \
+             --prompt-len 128 --decode-tokens 64 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done

@@ -412,17 +412,19 @@ def sparrow_from_hf(hf_model, full_cfg: dict, s: Settings, engine_kw: dict):
     """sparrow's model for ``full_cfg`` on the device, filled from the transformers model's state dict (the
     same weights), wrapped in an Engine. Raises UnsupportedArchitectureError if sparrow lacks the architecture."""
     from sparrow.config import ModelConfig
+    from sparrow.loader.model_loader import build_model, finish_loading
     from sparrow.loader.weights import load_weights
     from sparrow.models.registry import get_model_class
 
     mcfg = ModelConfig.from_hf(full_cfg)
-    cls = get_model_class(mcfg.architecture)
-    with torch.device(s.device):
-        model = cls(mcfg, dtype=_DTYPES[s.dtype])
+    quant_config = None
+    if s.quantization:  # on-load quantization of the random bf16 weights (the CLI allows only "fp8")
+        from sparrow.quant.fp8 import Fp8Config
+
+        quant_config = Fp8Config(from_checkpoint=False)
+    model = build_model(get_model_class(mcfg.architecture), mcfg, _DTYPES[s.dtype], s.device, quant_config)
     load_weights(model, hf_model.state_dict().items())
-    if hasattr(model, "process_weights_after_loading"):
-        model.process_weights_after_loading()
-    model.eval()
+    finish_loading(model, quant_config)
     kw = {k: v for k, v in engine_kw.items() if k != "skip_tokenizer_init"}
     return engine_from_model(model, mcfg, s, **kw)
 
@@ -591,8 +593,6 @@ def resolve_settings(args) -> Settings:
     )
     if s.hf_dtype and args.model_shape:
         raise InvalidRequestError("--hf-dtype works with --model only (a random-weight shape is shared in one dtype)")
-    if s.quantization and args.model_shape:
-        raise InvalidRequestError("--quantization works with --model only (random-weight shapes are built in the dtype)")
     if s.decode_tokens < 2:
         raise InvalidRequestError("--decode-tokens must be at least 2 (decode speed needs a second token)")
     return s

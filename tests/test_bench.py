@@ -120,3 +120,16 @@ def test_sparrow_and_transformers_run_the_same_weights(name):
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, 20:]
     assert ids[-1] == ref.tolist()
+
+
+def test_fp8_shape_bench_quantizes_at_load(tmp_path):
+    """``--quantization fp8`` on a named shape: sparrow's linears become e4m3, so a step reads fewer bytes."""
+    base = _bench(tmp_path, "--model-shape", "tiny-moe", "--no-hf")
+    fp8 = _bench(tmp_path, "--model-shape", "tiny-moe", "--no-hf", "--quantization", "fp8")
+    for r in fp8["results"]:
+        assert "error" not in r, r
+        for f in FIELDS:
+            assert r[f] > 0, (f, r)
+    wb, wb8 = base["meta"]["bytes_model"]["weight_bytes"], fp8["meta"]["bytes_model"]["weight_bytes"]
+    assert sum(wb8.values()) < sum(wb.values())
+    assert wb8["dense"] < wb["dense"]

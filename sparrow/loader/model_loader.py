@@ -83,17 +83,11 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     (quantize a float checkpoint's Linear weights at load; FP8 checkpoints are recognized from config.json).
     Errors name the problem (missing path, unsupported architecture or quantization, missing/misshaped/
     unused tensor, truncated file)."""
-    from sparrow.layers.linear import bind_quant_config, quant_config_scope
-
     path = Path(path).expanduser()
     config, is_gguf, ckpt = read_model_config(path)
     quant_config = resolve_quant_config(path, is_gguf, quantization)
     cls = get_model_class(config.architecture)
-    with torch.device(device), quant_config_scope(quant_config):  # parameters allocated (uninitialized) in place
-        model = cls(config, dtype=dtype)
-        bind_quant_config(model, quant_config)
-    if quant_config is not None and quant_config.from_checkpoint:
-        _fp8_checkpoint_experts(model, quant_config)
+    model = build_model(cls, config, dtype, device, quant_config)
     if is_gguf:
         tensors = ckpt.tensors(device="cpu")
     else:
@@ -110,20 +104,39 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
             yield name, t
 
     load_weights(model, filtered())
+    if rope_freqs:
+        for mod in model.modules():
+            if hasattr(mod, "set_freq_factors"):
+                mod.set_freq_factors(rope_freqs[0])
+    finish_loading(model, quant_config)
+    return LoadedModel(model, config, path, is_gguf, ckpt.metadata if is_gguf else None, quant_config)
+
+
+def build_model(cls, config, dtype: torch.dtype, device, quant_config) -> torch.nn.Module:
+    """Instantiate ``cls(config)`` on ``device`` with uninitialized weights in the formats ``quant_config``
+    (None, or an Fp8Config) gives each Linear and routed-expert layer; fill it, then ``finish_loading``."""
+    from sparrow.layers.linear import bind_quant_config, quant_config_scope
+
+    with torch.device(device), quant_config_scope(quant_config):  # parameters allocated (uninitialized) in place
+        model = cls(config, dtype=dtype)
+        bind_quant_config(model, quant_config)
+    if quant_config is not None and quant_config.from_checkpoint:
+        _fp8_checkpoint_experts(model, quant_config)
+    return model
+
+
+def finish_loading(model: torch.nn.Module, quant_config) -> None:
+    """After every tensor is loaded: each Linear's ``process_weights_after_loading`` (on-load FP8 quantizes
+    here), on-load FP8 of the routed experts, the model's own post-processing, eval mode."""
     for mod in model.modules():
         method = getattr(mod, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(mod)
     if quant_config is not None and not quant_config.from_checkpoint:
         _quantize_experts(model, quant_config)
-    if rope_freqs:
-        for mod in model.modules():
-            if hasattr(mod, "set_freq_factors"):
-                mod.set_freq_factors(rope_freqs[0])
     if hasattr(model, "process_weights_after_loading"):
         model.process_weights_after_loading()
     model.eval()
-    return LoadedModel(model, config, path, is_gguf, ckpt.metadata if is_gguf else None, quant_config)
 
 
 def _fp8_checkpoint_experts(model: torch.nn.Module, quant_config) -> None:
