@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call on the H200 (device tool); logs and JSON under $OUT.
-#   bash benchmarks/device_run.sh [STAGE ...]     stages: tests packaged profile moe tune bench fp8 eager
-# (no stage: tests bench eager). Each stage has its own time limit (T_<STAGE> seconds). GPU_TESTS picks the
-# test files of the `tests` stage. The device image lacks `gguf`: its wheel travels in .whl (see
+#   bash benchmarks/device_run.sh [STAGE ...]   stages: tests packaged profile moe tune gemma4 llama fp8 eager
+# (no stage: tests gemma4 llama eager). Each stage has its own time limit (T_<STAGE> seconds). GPU_TESTS picks
+# the test files of the `tests` stage and TEST_ARGS adds pytest options (e.g. "-k 'bf16 and mixtral'");
+# PACKAGED_ARGS likewise for the packaged-model stage. The device image lacks `gguf`: its wheel travels in .whl (see
 # ../.library/device/README.md).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -11,7 +12,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site:$PWD
 fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-# GGUF files larger than one call carries travel as parts (`split -b 60000000 -d F .models/F.part`), one per
+# GGUF files larger than one call carries travel as parts (`split -b 50000000 -d F .models/F.part`, named
+# after the file: .models/NAME.gguf.part00 ...), one per
 # call on a warm machine (an ignored folder stays between calls); join whatever is complete.
 if ls .models/*.part00 >/dev/null 2>&1; then
   mkdir -p /tmp/gguf
@@ -28,13 +30,13 @@ bench() {  # name, time limit, sparrow bench arguments...
   timeout "$limit" python3 -m sparrow bench --device cuda --out "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.log" | tail -40
 }
 
-for stage in ${@:-tests bench eager}; do
+for stage in ${@:-tests gemma4 llama eager}; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    tests) timeout "${T_TESTS:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS:-tests} 2>&1 \
-             | tee "$OUT/gpu_tests.log" | tail -40 ;;
-    packaged) timeout "${T_PACKAGED:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider \
-             tests/models/test_packaged_models_gpu.py 2>&1 | tee "$OUT/packaged_tests.log" | tail -20 ;;
+    tests) eval timeout "${T_TESTS:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short -rf \
+             "${TEST_ARGS:-}" ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -60 ;;
+    packaged) eval timeout "${T_PACKAGED:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short -rf \
+             "${PACKAGED_ARGS:-}" tests/models/test_packaged_models_gpu.py 2>&1 | tee "$OUT/packaged_tests.log" | tail -30 ;;
     profile) bench profile_gemma4 "${T_PROFILE:-120}" --model-shape gemma4-26b-a4b --batch-sizes 1 --prompt-len 128 \
                --decode-tokens 16 --no-hf --profile
              bench profile_llama "${T_PROFILE:-120}" --model-shape llama3-8b --batch-sizes 1 --prompt-len 128 \
@@ -43,12 +45,12 @@ for stage in ${@:-tests bench eager}; do
            | tee "$OUT/moe_layer.log" ;;
     tune) timeout "${T_TUNE:-300}" python3 benchmarks/moe_layer.py --tune --rows ${TUNE_ROWS:-1 8 64 1024} 2>&1 \
             | tee "$OUT/moe_tune.log" | grep -v skip; cp sparrow/kernels/configs/*H200*.json "$OUT/" ;;
-    bench) bench gemma4 "${T_G4:-400}" --model-shape gemma4-26b-a4b --batch-sizes ${G4_BATCHES:-1,8,64} \
-             --prompt-len ${G4_PROMPTS:-128,2048} --decode-tokens 32 --profile
-           bench llama "${T_LL:-200}" --model-shape llama3-8b --batch-sizes ${LL_BATCHES:-1,8,64} \
+    gemma4) bench gemma4 "${T_G4:-400}" --model-shape gemma4-26b-a4b --batch-sizes ${G4_BATCHES:-1,8,64} \
+             --prompt-len ${G4_PROMPTS:-128,2048} --decode-tokens 32 ;;
+    llama) bench llama "${T_LL:-200}" --model-shape llama3-8b --batch-sizes ${LL_BATCHES:-1,8,64} \
              --prompt-len ${LL_PROMPTS:-128,2048} --decode-tokens 64 ;;
-    fp8) bench gemma4_fp8 "${T_FP8:-200}" --model-shape gemma4-26b-a4b --quantization fp8 --batch-sizes 1,8,64 \
-           --prompt-len 128,2048 --decode-tokens 32 --no-hf --profile ;;
+    fp8) bench gemma4_fp8 "${T_FP8:-200}" --model-shape gemma4-26b-a4b --quantization fp8 \
+           --batch-sizes ${FP8_BATCHES:-1,8,64} --prompt-len ${FP8_PROMPTS:-128,2048} --decode-tokens 32 --no-hf ;;
     eager) bench llama_eager "${T_EAGER:-60}" --model-shape llama3-8b --batch-sizes 1 --no-hf --enforce-eager \
              --prompt-len 128 --decode-tokens 64 ;;
     *) echo "unknown stage $stage" ;;
