@@ -20,8 +20,8 @@ FP8 (on-load quantization, ``quantization="fp8"`` on a float checkpoint): after 
 (``w13_scale`` [E, 2I/128, H/128], ``w2_scale`` [E, H/128, I/128] fp32, DeepSeek ``weight_scale_inv``
 layout), one expert slice at a time; forward then runs ``sparrow.kernels.moe.fused_moe`` with the scales
 (Triton) or its torch twin ``fused_moe_fp8_ref`` (W8A8: activations quantized per 128-column group).
-Layers whose H or I is not a multiple of 128 stay in the model dtype. FP8 checkpoints fill the same
-parameters directly (``create_fp8_weights``, then the loader).
+Widths that are not multiples of 128 get partial last blocks. FP8 checkpoints fill the same parameters
+directly (``create_fp8_weights``, then the loader; per-expert tensors need H and I multiples of 128).
 """
 from __future__ import annotations
 
@@ -132,8 +132,11 @@ class FusedMoE(nn.Module):
     def is_fp8(self) -> bool:
         return self.w13_scale is not None
 
-    def fp8_supported(self) -> bool:
-        """Whether 128 x 128 block scales tile this layer's weights exactly (H and I multiples of 128)."""
+    def fp8_checkpoint_aligned(self) -> bool:
+        """Whether 128 x 128 block scales tile each checkpoint tensor exactly (H and I multiples of 128), which
+        per-expert FP8 checkpoints need: a gate block and an up block must not share a scale row. On-load
+        quantization has no such need: it scales the packed [2I, H] / [H, I] weights with ceil-sized blocks
+        (the last row / column block partial), which the kernels and the torch twin read as such."""
         from sparrow.kernels.fp8 import GROUP
 
         return self.hidden_size % GROUP == 0 and self.intermediate_size % GROUP == 0
@@ -145,7 +148,7 @@ class FusedMoE(nn.Module):
         from sparrow.errors import ModelLoadError
         from sparrow.kernels.fp8 import FP8_DTYPE, GROUP
 
-        if not self.fp8_supported():
+        if not self.fp8_checkpoint_aligned():
             raise ModelLoadError(f"FP8 checkpoint: routed experts with hidden size {self.hidden_size} and expert "
                                  f"width {self.intermediate_size} are not tiled by {GROUP} x {GROUP} scale blocks")
         e, h, i, dev = self.num_experts, self.hidden_size, self.intermediate_size, self.gate_up_proj.device
@@ -158,25 +161,22 @@ class FusedMoE(nn.Module):
         self.w2_scale = param(e, h // GROUP, i // GROUP, dtype=torch.float32)
 
     @torch.no_grad()
-    def quantize_fp8(self, name: str = "") -> bool:
-        """Quantize the loaded float experts in place to e4m3 + fp32 128 x 128 block scales (on-load FP8).
-        Each stacked weight is quantized one expert slice at a time into a new e4m3 tensor, then the float
-        tensor is dropped, so the extra memory is one e4m3 copy of one weight plus one expert's fp32
-        temporaries. Returns False (weights untouched, logged) when H or I is not a multiple of 128."""
+    def quantize_fp8(self, name: str = "") -> None:
+        """Quantize the loaded float experts in place to e4m3 + fp32 128 x 128 block scales (on-load FP8;
+        scales [E, ceil(2I/128), ceil(H/128)] and [E, ceil(H/128), ceil(I/128)]: with I = 704, as Gemma 4
+        26B-A4B, one gate|up scale block spans the last gate rows and the first up rows). Each stacked weight
+        is quantized one expert slice at a time into a new e4m3 tensor, then the float tensor is dropped, so
+        the extra memory is one e4m3 copy of one weight plus one expert's fp32 temporaries."""
         from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, quantize_fp8_block_ref
 
         if self.is_fp8:
-            return True
-        if not self.fp8_supported():
-            log.info("quantization='fp8': %s experts stay %s (hidden %d / expert width %d not multiples of %d)",
-                     name or "FusedMoE", self.gate_up_proj.dtype, self.hidden_size, self.intermediate_size, GROUP)
-            return False
+            return
         scales = {}
         for pname in ("gate_up_proj", "down_proj"):
             w = getattr(self, pname)
             e, n, k = w.shape
             q = torch.empty(e, n, k, dtype=FP8_DTYPE, device=w.device)
-            s = torch.empty(e, n // GROUP, k // GROUP, dtype=torch.float32, device=w.device)
+            s = torch.empty(e, -(-n // GROUP), -(-k // GROUP), dtype=torch.float32, device=w.device)
             for i in range(e):
                 qi, si = quantize_fp8_block_ref(w.data[i], GROUP)
                 q[i].copy_(qi)
@@ -187,7 +187,6 @@ class FusedMoE(nn.Module):
             scales[pname] = s
         self.w13_scale = nn.Parameter(scales["gate_up_proj"], requires_grad=False)
         self.w2_scale = nn.Parameter(scales["down_proj"], requires_grad=False)
-        return True
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         from sparrow.kernels import use_triton

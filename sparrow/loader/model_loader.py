@@ -6,8 +6,7 @@ checkpoint while it loads. Either way the model is built inside ``quant_config_s
 ``sparrow.layers.linear.Linear`` takes the config's method, then ``bind_quant_config`` names the Linears and
 returns the ones the config skips (routers, ignored layers) to float weights, all before any tensor is read.
 After loading, every layer's ``quant_method.process_weights_after_loading`` runs, and with on-load FP8 the
-routed experts (``FusedMoE``) are quantized to e4m3 + 128 x 128 block scales layer by layer (layers whose
-hidden / expert width is not a multiple of 128 stay in the model dtype, logged). In an FP8 checkpoint the
+routed experts (``FusedMoE``) are quantized to e4m3 + 128 x 128 block scales layer by layer. In an FP8 checkpoint the
 experts are e4m3 too: each FusedMoE is given e4m3 weights and fp32 scale parameters before loading, filled
 per expert (``experts.N.gate_proj.weight`` + ``.weight_scale_inv``) or fused (``experts.gate_up_proj`` +
 ``experts.gate_up_proj_scale_inv``)."""
@@ -158,13 +157,6 @@ def _quantize_experts(model: torch.nn.Module, quant_config) -> None:
     at a time."""
     from sparrow.layers.moe import FusedMoE
 
-    done = skipped = 0
     for name, mod in model.named_modules():
         if isinstance(mod, FusedMoE) and quant_config.quantizes(name):
-            if mod.quantize_fp8(name):
-                done += 1
-            else:
-                skipped += 1
-    if skipped:
-        log.warning("quantization='fp8': %d of %d MoE layers keep their routed experts in the model dtype "
-                    "(hidden size / expert width not multiples of 128)", skipped, done + skipped)
+            mod.quantize_fp8(name)

@@ -1,11 +1,12 @@
 """bf16 on the CPU (sparrow's default dtype on CPUs with native bf16): the same judgement as the GPU bf16 test
-(tests/models/test_gpu_models.py ``bf16_agreement``): against transformers fp32, sparrow's bf16 logprob error
+(tests/models/_bf16.py ``bf16_agreement``): against transformers fp32, sparrow's bf16 logprob error
 on the fp32 greedy continuation stays within transformers' own bf16 error on the same ids, and free-running
 greedy ids equal transformers bf16 up to its first near-tie."""
 import pytest
 
 from tests.models._hf_tiny import build, hf_greedy, prompts
-from tests.models.test_gpu_models import ALL, NEW, _overrides, bf16_agreement
+from tests.models._bf16 import bf16_agreement
+from tests.models.test_gpu_models import ALL, NEW, _overrides
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_moe", "gemma4"])

@@ -1,8 +1,9 @@
 """The packaged real models on the GPU in bf16 against transformers in bf16 on the same GGUF file.
 
-Tolerance: ids equal up to the first step where transformers' top-2 logit gap is < 0.2, logprobs within
-0.1 (both engines round to bf16 at different points; on the H200 the logprob differences of the tiny
-models measured 0.002-0.05). The Triton path with CUDA graphs is also checked against sparrow's torch
+Tolerance (tests/models/_bf16.py): judged by transformers fp32 on the same GGUF, sparrow's bf16 logprob error
+(teacher forced) is within 1.5x (mean) / 2x (90th percentile) of transformers' own bf16 error, and free-running
+greedy ids equal transformers bf16 up to its first near-tie. (A fixed 0.1 logprob tolerance against
+transformers bf16 failed once on SmolLM2 at step 10 with 0.13: both engines drift from fp32.) The Triton path with CUDA graphs is also checked against sparrow's torch
 path on the same GPU, with the same rule on sparrow's own top-2 gap.
 
 The GGUF files are larger than one device call carries (64 MiB): set SPARROW_GGUF_DIR to a folder holding
@@ -20,6 +21,8 @@ import torch
 
 from sparrow import LLM, SamplingParams
 from sparrow.kernels import backend
+from tests.models._bf16 import bf16_agreement
+from tests.models._hf_tiny import hf_greedy
 from tests.models.test_packaged_models import NEW_TOKENS, PROMPTS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -44,36 +47,21 @@ def gguf(request) -> Path:
     return p
 
 
-def _compare(ref_ids, ref_logits, out, gap=0.2, atol=0.1) -> int:
-    n = 0
-    for step, want in enumerate(ref_ids):
-        top2 = ref_logits[step].topk(2).values
-        if float(top2[0] - top2[1]) < gap:
-            break
-        assert out.token_ids[step] == want, (step, out.token_ids, ref_ids)
-        ref = float(torch.log_softmax(ref_logits[step], -1)[want])
-        assert abs(out.logprobs[step][want].logprob - ref) < atol, (step, out.logprobs[step][want], ref)
-        n += 1
-    return n
-
-
 def test_bf16_matches_transformers_bf16(gguf):
+    stats = packaged_bf16_agreement(gguf, "cuda")
+    print(gguf.name, stats)
+
+
+def packaged_bf16_agreement(gguf: Path, device: str) -> dict:
+    """tests/models/_bf16.py's judgement on a packaged GGUF: transformers fp32 on the CPU is the oracle."""
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(str(gguf), device="cuda", dtype="bfloat16", max_model_len=256)
-    tok = llm.get_tokenizer()
+    tok = LLM(str(gguf), device="cpu", max_model_len=256).get_tokenizer()
     ids = [tok(p)["input_ids"] for p in PROMPTS]
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=1)
-    outs = llm.generate([{"prompt_token_ids": i} for i in ids], params)
-    del llm
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16).cuda().eval()
-    compared = 0
-    with torch.inference_mode():
-        for p, o in zip(ids, outs):
-            r = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=NEW_TOKENS, do_sample=False,
-                            output_logits=True, return_dict_in_generate=True, pad_token_id=hf.config.eos_token_id)
-            compared += _compare(r.sequences[0, len(p):].tolist(), torch.cat(r.logits, 0).float().cpu(), o.outputs[0])
-    assert compared >= NEW_TOKENS * len(PROMPTS) // 4, f"only {compared} steps compared"
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    ref = [hf_greedy(hf, p, NEW_TOKENS) for p in ids]
+    return bf16_agreement(hf, gguf, ids, ref, device, new_tokens=NEW_TOKENS,
+                          make=lambda path: LLM(str(path), device=device, dtype="bfloat16", max_model_len=256))
 
 
 def test_triton_path_matches_torch_path(gguf):

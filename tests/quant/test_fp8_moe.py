@@ -5,7 +5,6 @@ Triton path (interpreter on CPU) matches the torch path; layers whose widths are
 in the model dtype."""
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
@@ -112,7 +111,8 @@ def test_greedy_agreement_with_unquantized(moe_dir, llms, capsys):
     base, fp8 = llms
     experts_only = make_llm(moe_dir, max_model_len=128)
     for name, m in _experts(experts_only):
-        assert m.quantize_fp8(name)
+        m.quantize_fp8(name)
+        assert m.is_fp8
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 5, 9, 17, 30, 12)]
     per_step, prefix = greedy_agreement(base, fp8, prompts, steps=24)
@@ -141,16 +141,30 @@ def test_triton_path_end_to_end_matches_torch_path(moe_dir, llms):
         assert abs(a.outputs[0].logprobs[0][ta].logprob - b.outputs[0].logprobs[0][tb].logprob) < 1e-2
 
 
-def test_unaligned_expert_width_stays_in_model_dtype(tmp_path, caplog):
+def test_unaligned_expert_width_quantizes_with_partial_blocks(tmp_path):
+    """I = 96 (Gemma 4 26B-A4B has 704): the packed gate|up weight [2I, H] gets ceil(2I/128) scale rows, one
+    of them spanning gate and up rows, the down weight a partial K block; the layer equals the FP8 twin, the
+    Triton path (interpreter) matches it, and the dequantized weights are the float ones up to e4m3 rounding."""
+    from sparrow import SamplingParams
+
     path = _save_qwen3_moe(tmp_path / "qwen3_moe_96", moe_intermediate_size=96)
-    with caplog.at_level(logging.INFO):
-        llm = make_llm(path, max_model_len=64, quantization="fp8")
-    layers = _experts(llm)
-    assert layers and all(m.w13_scale is None and m.gate_up_proj.dtype == torch.float32 for _, m in layers)
-    assert llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
-    assert "not multiples of 128" in caplog.text
-    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
-                       __import__("sparrow").SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    base, llm = make_llm(path, max_model_len=64), make_llm(path, max_model_len=64, quantization="fp8")
+    ref = dict(_experts(base))
+    e = TINY_MOE["num_experts"]
+    x, w, ids = _routing(5, seed=3)
+    for name, m in _experts(llm):
+        assert m.is_fp8 and m.gate_up_proj.dtype == torch.float8_e4m3fn
+        assert tuple(m.w13_scale.shape) == (e, 2, 1) and tuple(m.w2_scale.shape) == (e, 1, 1)
+        for k in range(e):
+            dq = dequantize_fp8_block_ref(m.gate_up_proj[k], m.w13_scale[k])
+            wf = ref[name].gate_up_proj[k]
+            assert torch.all((dq - wf).abs() <= wf.abs() * 2 ** -4 + m.w13_scale[k].max() * 2 ** -9), name
+        want = fused_moe_fp8_ref(x, m.gate_up_proj, m.down_proj, w, ids, m.activation, m.swiglu_limit,
+                                 w13_scale=m.w13_scale, w2_scale=m.w2_scale)
+        assert torch.equal(m(x, w, ids), want)
+        with backend("triton"):
+            torch.testing.assert_close(m(x, w, ids), want, atol=TRITON_ATOL, rtol=0)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 2
 
 
