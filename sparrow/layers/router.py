@@ -193,12 +193,21 @@ class Gemma4Router(nn.Module):
         self.scale = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
         self.per_expert_scale = nn.Parameter(torch.ones(num_experts, dtype=params_dtype), requires_grad=False)
 
+    def folded_weight(self) -> torch.Tensor:
+        """proj.weight x scale x H^-0.5 in fp32 [E, H] (the pre-projection scaling folded into the weight, so
+        a step runs no per-step scaling or weight cast); rebuilt whenever either parameter changes."""
+        key = (self.proj.weight._version, self.scale._version, self.proj.weight.device, self.proj.weight.data_ptr())
+        cached = self.__dict__.get("_folded")
+        if cached is None or cached[0] != key:
+            w = self.proj.weight.float() * (self.scale.float() * self.hidden_size**-0.5)[None, :]
+            self.__dict__["_folded"] = cached = (key, w)  # plain attribute: not a parameter or buffer
+        return cached[1]
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits [R, E] fp32 of the raw residual x [R, H]."""
         h = x.float()
         h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)  # Gemma4RMSNorm(with_scale=False)
-        h = h * self.scale.float() * self.hidden_size**-0.5
-        return F.linear(h, self.proj.weight.float())
+        return F.linear(h, self.folded_weight())
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _selector(x)(self.logits(x), self.top_k, "softmax", renormalize=True,

@@ -209,3 +209,23 @@ def test_errors_name_the_problem():
         select_experts(logits, K, n_group=3, topk_group=1)
     with pytest.raises(ValueError, match="topk_group"):
         select_experts(logits, K, n_group=4)
+
+
+def test_gemma4_router_folded_weight_follows_parameter_changes():
+    """The fp32 weight with scale x H^-0.5 folded in is rebuilt when proj.weight or scale change in place."""
+    torch.manual_seed(0)
+    r = Gemma4Router(16, 4, 2)
+    with torch.no_grad():
+        r.proj.weight.normal_()
+        r.scale.normal_()
+    x = torch.randn(3, 16)
+
+    def unfolded():
+        h = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + r.eps, -0.5)
+        return (h * r.scale * 16**-0.5) @ r.proj.weight.t()
+
+    torch.testing.assert_close(r.logits(x), unfolded(), rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        r.scale.mul_(3.0)
+        r.proj.weight.add_(1.0)
+    torch.testing.assert_close(r.logits(x), unfolded(), rtol=1e-6, atol=1e-6)
