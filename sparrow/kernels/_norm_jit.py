@@ -16,6 +16,8 @@ def rms_norm_kernel(
     y_ptr,  # [R, nH, H] contiguous: x's dtype, or e4m3 when FP8_OUT
     res_out_ptr,  # [R, H] contiguous x + residual in x's dtype, or dummy
     scale_ptr,  # [R, G] fp32 contiguous, or dummy when not FP8_OUT
+    post_add_ptr,  # [R, H] contiguous, x's dtype, or dummy when not HAS_POST_ADD
+    post_scale_ptr,  # [1] float, or dummy when not HAS_POST_SCALE
     H,
     NUM_HEADS,
     stride_xr,
@@ -26,6 +28,8 @@ def rms_norm_kernel(
     GEMMA: tl.constexpr,  # fp32 multiply then cast (Gemma) vs cast then multiply (Llama)
     UNIT_OFFSET: tl.constexpr,  # with GEMMA: multiply by (1 + w) (Gemma 1-3) instead of w (Gemma 4)
     FP8_OUT: tl.constexpr,
+    HAS_POST_ADD: tl.constexpr,  # y = post_add + y (rounded), the post-norm residual add (Gemma 2-4)
+    HAS_POST_SCALE: tl.constexpr,  # y = y * post_scale (rounded), Gemma 4's layer_scalar
     BLOCK_G: tl.constexpr,
     GROUP: tl.constexpr,
 ):
@@ -58,6 +62,12 @@ def rms_norm_kernel(
             y = (xhat.to(dt).to(tl.float32) * w).to(dt)
     else:
         y = xhat.to(dt)
+
+    if HAS_POST_ADD:
+        b = tl.load(post_add_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) + b).to(dt)
+    if HAS_POST_SCALE:
+        y = (y.to(tl.float32) * tl.load(post_scale_ptr).to(tl.float32)).to(dt)
 
     out_row = row * NUM_HEADS + head
     if FP8_OUT:

@@ -41,9 +41,11 @@ def rms_norm_ref(
     unit_offset: bool = True,
     residual: torch.Tensor | None = None,
     fp8_out: bool = False,
+    post_add: torch.Tensor | None = None,
+    post_scale: torch.Tensor | None = None,
 ):
     """Torch twin of ``rms_norm``; see the module doc for the formulas and ``rms_norm`` for the returns."""
-    _check(x, weight, residual, fp8_out)
+    _check(x, weight, residual, fp8_out, post_add, post_scale)
     dtype = x.dtype
     new_residual = None
     if residual is not None:
@@ -58,6 +60,10 @@ def rms_norm_ref(
         y = (xhat * (1.0 + w if unit_offset else w)).to(dtype)
     else:
         y = (weight.float() * xhat.to(dtype).float()).to(dtype)
+    if post_add is not None:
+        y = (post_add.float() + y.float()).to(dtype)
+    if post_scale is not None:
+        y = (y.float() * post_scale.float()).to(dtype)
     outs: tuple = quantize_fp8_per_group_ref(y, GROUP) if fp8_out else (y,)
     if new_residual is not None:
         outs = outs + (new_residual,)
@@ -73,11 +79,13 @@ def rms_norm_triton(
     unit_offset: bool = True,
     residual: torch.Tensor | None = None,
     fp8_out: bool = False,
+    post_add: torch.Tensor | None = None,
+    post_scale: torch.Tensor | None = None,
 ):
     """Triton launcher of ``rms_norm`` (same signature and returns); one program per (row, head)."""
     from sparrow.kernels._norm_jit import rms_norm_kernel
 
-    _check(x, weight, residual, fp8_out)
+    _check(x, weight, residual, fp8_out, post_add, post_scale)
     hidden = x.shape[-1]
     rows = x.shape[0]
     heads = x.shape[1] if x.dim() == 3 else 1
@@ -101,6 +109,8 @@ def rms_norm_triton(
             y,
             new_residual if new_residual is not None else x,
             scales,
+            post_add if post_add is not None else x,
+            post_scale if post_scale is not None else x,
             hidden,
             heads,
             x.stride(0),
@@ -111,6 +121,8 @@ def rms_norm_triton(
             GEMMA=bool(gemma),
             UNIT_OFFSET=bool(unit_offset),
             FP8_OUT=bool(fp8_out),
+            HAS_POST_ADD=post_add is not None,
+            HAS_POST_SCALE=post_scale is not None,
             BLOCK_G=block_g,
             GROUP=group,
             num_warps=num_warps,
@@ -130,6 +142,8 @@ def rms_norm(
     unit_offset: bool = True,
     residual: torch.Tensor | None = None,
     fp8_out: bool = False,
+    post_add: torch.Tensor | None = None,
+    post_scale: torch.Tensor | None = None,
 ):
     """RMSNorm of x over its last dim; Triton on CUDA (or with ``FORCE_TRITON``), the torch twin otherwise.
 
@@ -138,20 +152,24 @@ def rms_norm(
     gemma / unit_offset: the convention (module doc). residual: [R, H] of x's dtype and shape (2-D x only):
     x + residual is rounded to x's dtype, normalized, and returned as the new residual.
     fp8_out (2-D x only): quantize the output per 128-column group as ``fp8.quantize_fp8_per_group_ref``.
+    post_add [R, H] of x's dtype and shape (2-D x only, not with residual / fp8_out): the post-norm residual
+    add of Gemma-style sandwich norms, ``y = (post_add + y)`` rounded to x's dtype; post_scale [1] (with or
+    without post_add): ``y = y * post_scale`` rounded (Gemma 4's layer_scalar). Both as HF computes them.
 
     Returns ``y`` [R, H] in x's dtype, or with fp8_out ``(q e4m3 [R, H], scales fp32 [R, G])``, with
     ``new_residual`` [R, H] appended when residual is given: ``(y, new_residual)`` / ``(q, scales, new_residual)``.
     Raises ValueError naming the bad shape, dtype or stride.
     """
     fn = rms_norm_triton if (x.is_cuda or FORCE_TRITON) else rms_norm_ref
-    return fn(x, weight, eps, gemma=gemma, unit_offset=unit_offset, residual=residual, fp8_out=fp8_out)
+    return fn(x, weight, eps, gemma=gemma, unit_offset=unit_offset, residual=residual, fp8_out=fp8_out,
+              post_add=post_add, post_scale=post_scale)
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _check(x, weight, residual, fp8_out) -> None:
+def _check(x, weight, residual, fp8_out, post_add=None, post_scale=None) -> None:
     if x.dim() not in (2, 3):
         raise ValueError(f"rms_norm: x must be [R, H] or [R, nH, D], got shape {tuple(x.shape)}")
     if x.dtype not in _FLOAT_DTYPES:
@@ -179,3 +197,14 @@ def _check(x, weight, residual, fp8_out) -> None:
             raise ValueError(f"rms_norm: residual must be contiguous, got strides {residual.stride()}")
     if fp8_out and x.dim() != 2:
         raise ValueError("rms_norm: fp8_out needs a 2-D x [R, H]")
+    if post_add is not None:
+        if x.dim() != 2 or residual is not None or fp8_out:
+            raise ValueError("rms_norm: post_add needs a 2-D x [R, H] and neither residual nor fp8_out")
+        if post_add.shape != x.shape or post_add.dtype != x.dtype or not post_add.is_contiguous():
+            raise ValueError(f"rms_norm: post_add {tuple(post_add.shape)} {post_add.dtype} must be a contiguous "
+                             f"tensor like x {tuple(x.shape)} {x.dtype}")
+    if post_scale is not None:
+        if x.dim() != 2 or fp8_out or post_scale.numel() != 1 or not post_scale.is_floating_point():
+            raise ValueError("rms_norm: post_scale must be a one-element float tensor, with a 2-D x and no fp8_out")
+        if post_scale.device != x.device:
+            raise ValueError(f"rms_norm: post_scale on {post_scale.device}, x on {x.device}")

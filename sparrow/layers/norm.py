@@ -65,3 +65,17 @@ class RMSNorm(nn.Module):
             x = x + residual
             return rms_norm_torch(x, self.weight, self.eps, kind=self.kind), x
         return rms_norm_torch(x, self.weight, self.eps, kind=self.kind)
+
+    def norm_add(self, x: torch.Tensor, add: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """``(add + norm(x)) * scale`` for x, add [R, H] and scale [1] or None: the post-norm residual add of
+        Gemma-style sandwich norms (and Gemma 4's layer_scalar), each step rounded to x's dtype as
+        transformers computes it; one kernel on the Triton path."""
+        from sparrow.kernels import use_triton
+
+        if use_triton(x) and x.dim() == 2:
+            from sparrow.kernels.norm import rms_norm_triton
+
+            return rms_norm_triton(x, self.weight, self.eps, gemma=self.kind != "llama",
+                                   unit_offset=self.kind == "gemma", post_add=add.contiguous(), post_scale=scale)
+        y = add + self(x)
+        return y if scale is None else y * scale

@@ -67,15 +67,16 @@ class Gemma4DecoderLayer(nn.Module):
             self.post_feedforward_layernorm_2 = norm()
 
     def forward(self, x, residual, meta):
-        # the layer ends with x * layer_scalar, so it hands the whole stream on (residual is always None)
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), meta))
+        # the layer ends with x * layer_scalar, so it hands the whole stream on (residual is always None);
+        # each "a + norm(b)" (and the final * layer_scalar) is one fused kernel on the Triton path
+        h = self.post_attention_layernorm.norm_add(self.self_attn(self.input_layernorm(x), meta), x)
         if not self.moe:
             out = self.mlp(self.pre_feedforward_layernorm(h))
         else:
             stream = side_stream(h)
             if stream is None:
                 dense = self._dense(h)
-                out = dense + self._moe(h)
+                out = self.post_feedforward_layernorm_2.norm_add(self._moe(h), dense)
             else:  # fork: dense branch on the side stream; join before the sum
                 main = torch.cuda.current_stream(h.device)
                 stream.wait_stream(main)
@@ -83,15 +84,16 @@ class Gemma4DecoderLayer(nn.Module):
                     dense = self._dense(h)
                 moe = self._moe(h)
                 main.wait_stream(stream)
-                out = dense + moe
-        return (h + self.post_feedforward_layernorm(out)) * self.layer_scalar, None
+                out = self.post_feedforward_layernorm_2.norm_add(moe, dense)
+        return self.post_feedforward_layernorm.norm_add(out, h, self.layer_scalar), None
 
     def _dense(self, h: torch.Tensor) -> torch.Tensor:
         return self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
 
     def _moe(self, h: torch.Tensor) -> torch.Tensor:
+        """The experts' output before post_feedforward_layernorm_2 (fused with the sum in forward)."""
         weights, ids = self.router(h)  # the router reads the raw residual
-        return self.post_feedforward_layernorm_2(self.experts(self.pre_feedforward_layernorm_2(h), weights, ids))
+        return self.experts(self.pre_feedforward_layernorm_2(h), weights, ids)
 
 
 class Gemma4ForCausalLM(CausalLM):

@@ -105,6 +105,19 @@ def test_twin_residual_matches_hf_add_then_norm():
     torch.testing.assert_close(y, rms_norm_ref(x + r, w, 1e-6), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_twin_post_add_and_scale_match_the_sandwich_norm_ops(dtype):
+    """``post_add`` / ``post_scale`` equal transformers' ``b + norm(x)`` then ``* layer_scalar`` in x's dtype."""
+    x, w = _inputs(4, 40, dtype)
+    b, _ = _inputs(4, 40, dtype, seed=1)
+    s = torch.tensor([0.37], dtype=dtype)
+    kw = CONVENTIONS["gemma4"]
+    y = rms_norm_ref(x, w, 1e-6, **kw)
+    torch.testing.assert_close(rms_norm_ref(x, w, 1e-6, post_add=b, **kw), b + y, atol=0, rtol=0)
+    torch.testing.assert_close(rms_norm_ref(x, w, 1e-6, post_add=b, post_scale=s, **kw), (b + y) * s, atol=0, rtol=0)
+    torch.testing.assert_close(rms_norm_ref(x, w, 1e-6, post_scale=s, **kw), y * s, atol=0, rtol=0)
+
+
 # ---- the Triton kernel against the twin --------------------------------------------------------------
 
 
@@ -143,6 +156,18 @@ def test_kernel_residual(rows, hidden, convention, dtype):
     y_ref, new_res_ref = rms_norm_ref(x, w, 1e-6, residual=r, **kw)
     torch.testing.assert_close(new_res, new_res_ref, atol=0, rtol=0)  # one rounding of an fp32 sum
     torch.testing.assert_close(y, y_ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_scale", [False, True])
+@pytest.mark.parametrize("rows,hidden", [(1, 136), (3, 1000), (17, 40)])
+def test_kernel_post_add_and_scale(rows, hidden, with_scale, dtype):
+    x, w = _inputs(rows, hidden, dtype)
+    b, _ = _inputs(rows, hidden, dtype, seed=1)
+    s = torch.tensor([1.7], dtype=dtype, device=DEVICE) if with_scale else None
+    kw = CONVENTIONS["gemma4"]
+    got = rms_norm_triton(x, w, 1e-6, post_add=b, post_scale=s, **kw)
+    torch.testing.assert_close(got, rms_norm_ref(x, w, 1e-6, post_add=b, post_scale=s, **kw), **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -196,6 +221,9 @@ def test_dispatcher_and_force(monkeypatch):
         lambda x, w: rms_norm_triton(x.int(), w, 1e-6),  # dtype
         lambda x, w: rms_norm_triton(x, w, 1e-6, residual=x[:1]),  # residual shape
         lambda x, w: rms_norm_triton(x.view(2, 2, 20), w[:20], 1e-6, fp8_out=True),  # fp8 on 3-D
+        lambda x, w: rms_norm_triton(x, w, 1e-6, residual=x, post_add=x),  # post_add with residual
+        lambda x, w: rms_norm_triton(x, w, 1e-6, post_add=x[:1]),  # post_add shape
+        lambda x, w: rms_norm_triton(x, w, 1e-6, post_scale=w[:2]),  # post_scale of two elements
     ],
 )
 def test_launcher_rejects(bad):
@@ -221,6 +249,17 @@ def test_gpu_real_shapes(rows, hidden, fp8_out):
     else:
         torch.testing.assert_close(got[0], ref[0], **TOL[torch.bfloat16])
     torch.testing.assert_close(got[-1], ref[-1], atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 64])
+def test_gpu_post_add_and_scale(rows):
+    x, w = _inputs(rows, 2816, torch.bfloat16)
+    b = _inputs(rows, 2816, torch.bfloat16, seed=1)[0]
+    s = torch.tensor([0.8], dtype=torch.bfloat16, device=DEVICE)
+    kw = CONVENTIONS["gemma4"]
+    torch.testing.assert_close(rms_norm_triton(x, w, 1e-6, post_add=b, post_scale=s, **kw),
+                               rms_norm_ref(x, w, 1e-6, post_add=b, post_scale=s, **kw), **TOL[torch.bfloat16])
 
 
 if __name__ == "__main__":

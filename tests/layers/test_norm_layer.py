@@ -1,0 +1,25 @@
+"""RMSNorm module: ``norm_add`` (the post-norm residual add, Gemma 4's layer_scalar) equals the unfused ops
+on the torch path bit for bit, and the fused Triton kernel (interpreter on CPU) matches it."""
+import pytest
+import torch
+
+from sparrow.kernels import backend
+from sparrow.layers.norm import RMSNorm
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma", "gemma4"])
+@pytest.mark.parametrize("with_scale", [False, True])
+def test_norm_add(kind, with_scale):
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(48, 1e-6, kind=kind)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48, generator=g))
+    x, add = torch.randn(5, 48, generator=g) * 3, torch.randn(5, 48, generator=g)
+    scale = torch.tensor([0.6]) if with_scale else None
+    want = add + norm(x)
+    if scale is not None:
+        want = want * scale
+    with backend("torch"):
+        torch.testing.assert_close(norm.norm_add(x, add, scale), want, atol=0, rtol=0)
+    with backend("triton"):
+        torch.testing.assert_close(norm.norm_add(x, add, scale), want, atol=1e-5, rtol=1e-5)
