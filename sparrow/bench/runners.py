@@ -1,0 +1,147 @@
+"""Building what is measured: sparrow's engine and transformers' model, from a named shape (random weights,
+shared) or from a checkpoint."""
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import torch
+
+from sparrow.errors import InvalidRequestError, UnsupportedArchitectureError
+from sparrow.config import TORCH_DTYPES as _DTYPES
+
+from sparrow.bench.footprint import footprint
+from sparrow.bench.settings import Settings
+from sparrow.bench.timing import HFRunner, SparrowRunner
+
+
+def engine_from_model(model: torch.nn.Module, model_config, s: Settings, **engine_kw):
+    """sparrow's ``Engine`` around an already-built model (what ``LLM`` does after loading from a path;
+    LLM has no constructor for a built model). ``engine_kw``: LLM's engine arguments (max_model_len,
+    num_kv_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, enforce_eager)."""
+    from sparrow.config import CacheConfig, EngineConfig, SchedulerConfig
+    from sparrow.engine.engine import Engine
+
+    config = EngineConfig(
+        model=model_config, device=s.device, dtype=s.dtype, max_model_len=engine_kw["max_model_len"],
+        cache=CacheConfig(block_size=engine_kw.get("block_size", 16), num_blocks=engine_kw["num_kv_blocks"],
+                          enable_prefix_caching=engine_kw["enable_prefix_caching"]),
+        scheduler=SchedulerConfig(max_num_seqs=engine_kw["max_num_seqs"],
+                                  max_num_batched_tokens=engine_kw["max_num_batched_tokens"]),
+        enforce_eager=engine_kw["enforce_eager"],
+    )
+    return Engine(config, model, tokenizer=None)
+
+
+def engine_kwargs(s: Settings, max_model_len: int | None) -> dict:
+    """LLM arguments for the benchmark: a KV pool that holds every sequence of the largest batch at once,
+    no prefix caching (each run uses fresh prompts anyway), a step budget that prefills one prompt whole."""
+    mml = max_model_len or s.max_model_len
+    if mml < s.max_model_len:
+        raise InvalidRequestError(f"--max-model-len {mml} is shorter than prompt + decode tokens ({s.max_model_len})")
+    block, top = 16, max(s.batch_sizes)
+    return dict(max_model_len=mml, num_kv_blocks=top * -(-mml // block) + top, max_num_seqs=max(top, 1),
+                max_num_batched_tokens=max(8192 if s.device.startswith("cuda") else 2048, max(s.prompt_lens)),
+                enable_prefix_caching=False, enforce_eager=s.enforce_eager, skip_tokenizer_init=True)
+
+
+def sparrow_from_hf(hf_model, full_cfg: dict, s: Settings, engine_kw: dict):
+    """sparrow's model for ``full_cfg`` on the device, filled from the transformers model's state dict (the
+    same weights), wrapped in an Engine. Raises UnsupportedArchitectureError if sparrow lacks the architecture."""
+    from sparrow.config import ModelConfig
+    from sparrow.loader.model_loader import build_model, finish_loading
+    from sparrow.loader.weights import load_weights
+    from sparrow.models.registry import get_model_class
+
+    mcfg = ModelConfig.from_hf(full_cfg)
+    quant_config = None
+    if s.quantization:  # on-load quantization of the random bf16 weights (the CLI allows only "fp8")
+        from sparrow.quant.fp8 import Fp8Config
+
+        quant_config = Fp8Config(from_checkpoint=False)
+    model = build_model(get_model_class(mcfg.architecture), mcfg, _DTYPES[s.dtype], s.device, quant_config)
+    load_weights(model, hf_model.state_dict().items())
+    finish_loading(model, quant_config)
+    kw = {k: v for k, v in engine_kw.items() if k != "skip_tokenizer_init"}
+    return engine_from_model(model, mcfg, s, **kw)
+
+
+def load_hf_pretrained(path: Path, s: Settings):
+    """transformers' model from a .gguf file (dequantized to the dtype) or an HF folder, on the device."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = _DTYPES[s.hf_dtype or s.dtype]
+    if path.is_file():
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    return model.to(s.device).eval()
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def _param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def shape_runners(name: str, s: Settings, engine_kw: dict, with_hf: bool, meta: dict):
+    """Yield (runner, footprint, vocab) for sparrow, then transformers, on one random-weight model of a
+    named shape. transformers' model is built first (random init on the device) and sparrow's is filled
+    from it; when the weights would not fit twice beside the KV pools (> 1/4 of GPU memory) the HF copy
+    waits in host memory while sparrow runs, and sparrow is freed before HF runs."""
+    from sparrow.model_shapes import build_random_hf_model, full_config_dict, shape_config
+
+    cfg = shape_config(name)
+    full = full_config_dict(cfg)
+    tied, hidden, vocab = bool(full.get("tie_word_embeddings")), int(full["hidden_size"]), int(full["vocab_size"])
+    print(f"building random-weight {name} ({s.dtype}) on {s.device} ...", flush=True)
+    hf = build_random_hf_model(cfg, _DTYPES[s.dtype], s.device, seed=s.seed)
+    meta["params"] = sum(p.numel() for p in hf.parameters())
+    fp = footprint(hf, full, tied, hidden)
+    try:
+        engine = sparrow_from_hf(hf, full, s, engine_kw)
+    except UnsupportedArchitectureError as e:
+        print(f"sparrow cannot run {name} yet ({e}); measuring transformers only", flush=True)
+        meta["sparrow_error"] = str(e)
+        engine = None
+    cuda = s.device.startswith("cuda")
+    park = engine is not None and cuda and _param_bytes(hf) > 0.25 * torch.cuda.get_device_properties(torch.device(s.device)).total_memory
+    if park:
+        print("weights too large to hold twice: transformers' copy waits in host memory", flush=True)
+        hf.to("cpu")
+        _free(s.device)
+    if engine is not None:
+        fp = footprint(engine.runner.model, full, tied, hidden)
+        yield SparrowRunner(engine), fp, vocab
+        del engine
+        _free(s.device)
+    if with_hf:
+        if park:
+            hf.to(s.device)
+        yield HFRunner(hf, s.device), fp, vocab
+
+
+def path_runners(path: Path, s: Settings, engine_kw: dict, with_hf: bool, meta: dict):
+    """Yield (runner, footprint, vocab) for sparrow's LLM on a checkpoint, then (after freeing it) for
+    transformers' model loaded from the same file."""
+    from sparrow.engine.llm import LLM
+
+    print(f"loading {path} with sparrow ({s.dtype}, {s.device}) ...", flush=True)
+    quant = {"quantization": s.quantization} if s.quantization else {}
+    engine = LLM(str(path), device=s.device, dtype=s.dtype, **quant, **engine_kw).engine
+    mcfg = engine.config.model
+    fp = footprint(engine.runner.model, mcfg.raw, mcfg.tie_word_embeddings, mcfg.hidden_size)
+    meta["params"] = sum(p.numel() for p in engine.runner.model.parameters())
+    yield SparrowRunner(engine), fp, mcfg.vocab_size
+    del engine
+    _free(s.device)
+    if with_hf:
+        print(f"loading {path} with transformers ...", flush=True)
+        yield HFRunner(load_hf_pretrained(path, s), s.device), fp, mcfg.vocab_size
+
+
+# ---------------------------------------------------------------------------------------------- report

@@ -1,0 +1,61 @@
+"""The resolved settings of one ``sparrow bench`` run, from the command line."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+from sparrow.errors import InvalidRequestError
+
+@dataclass
+class Settings:
+    """The resolved benchmark settings."""
+
+    device: str
+    dtype: str
+    batch_sizes: list[int]
+    prompt_lens: list[int]
+    decode_tokens: int
+    repeats: int = 1
+    seed: int = 0
+    enforce_eager: bool = False
+    quantization: str | None = None
+    hf_dtype: str | None = None
+    """transformers' dtype when it differs from sparrow's (--hf-dtype, checkpoints only); None: the same."""
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence a run needs (+1 spare position)."""
+        return max(self.prompt_lens) + self.decode_tokens + 1
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        out = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise InvalidRequestError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not out or any(v < 1 for v in out):
+        raise InvalidRequestError(f"{flag} needs positive integers, got {text!r}")
+    return out
+
+
+def resolve_settings(args) -> Settings:
+    """Settings from the CLI flags; unset sizes default by device (GPU: batches 1,8,64, prompts 128,2048,
+    64 new tokens; CPU: batches 1,8, prompt 128, 32 new tokens)."""
+    from sparrow.engine.llm import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    gpu = device.startswith("cuda")
+    s = Settings(
+        device=device, dtype=resolve_dtype(args.dtype, device),
+        batch_sizes=_int_list(args.batch_sizes or ("1,8,64" if gpu else "1,8"), "--batch-sizes"),
+        prompt_lens=_int_list(args.prompt_len or ("128,2048" if gpu else "128"), "--prompt-len"),
+        decode_tokens=args.decode_tokens or (64 if gpu else 32),
+        repeats=getattr(args, "repeats", 1) or 1, seed=getattr(args, "seed", 0) or 0,
+        enforce_eager=bool(getattr(args, "enforce_eager", False)), quantization=getattr(args, "quantization", None),
+        hf_dtype=resolve_dtype(args.hf_dtype, device) if getattr(args, "hf_dtype", None) else None,
+    )
+    if s.hf_dtype and args.model_shape:
+        raise InvalidRequestError("--hf-dtype works with --model only (a random-weight shape is shared in one dtype)")
+    if s.decode_tokens < 2:
+        raise InvalidRequestError("--decode-tokens must be at least 2 (decode speed needs a second token)")
+    return s

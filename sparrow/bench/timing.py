@@ -1,0 +1,250 @@
+"""Timed runs: the copy bandwidth, random prompts, the sparrow and transformers runners, one measured point
+and the profiler table of one decode step."""
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+
+from sparrow.bench.footprint import Footprint
+from sparrow.bench.settings import Settings
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _timed(fn, device: str) -> float:
+    """Wall seconds of fn(), synchronized on CUDA."""
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s of a large same-device tensor copy (bytes read + bytes written per second), best of
+    several: 1 GiB on CUDA (less when memory is short; timed with CUDA events over 10 back-to-back copies),
+    256 MiB on CPU."""
+    cuda = device.startswith("cuda")
+    nbytes = min(1 << 30, torch.cuda.mem_get_info()[0] // 8) if cuda else 256 << 20
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(5):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / 10)
+        else:
+            times.append(_timed(lambda: dst.copy_(src), device))
+    del src, dst
+    return 2 * nbytes / min(times)
+
+
+def random_prompts(batch: int, length: int, vocab: int, gen: torch.Generator) -> list[list[int]]:
+    """``batch`` prompts of ``length`` random token ids in [4, vocab) (ids 0-3 are usually special)."""
+    return torch.randint(4, vocab, (batch, length), generator=gen).tolist()
+
+
+@dataclass
+class Timing:
+    """One generate run, split at the moment every sequence has its first token."""
+
+    ttft_s: float
+    """Seconds from the start until every sequence of the batch has its first token (prefill + 1 token)."""
+    decode_s: float
+    """Seconds from then until the last token."""
+    decode_tokens: int
+    """Tokens generated after the first-token moment, all sequences together."""
+    decode_steps: int
+    """Forward steps after the first-token moment."""
+    total_tokens: int
+    """Tokens generated, all sequences together."""
+
+
+class SparrowRunner:
+    """Drives sparrow's ``Engine`` step by step (token-id prompts, greedy, ignore_eos), timing each step."""
+
+    name = "sparrow"
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def run(self, prompts: list[list[int]], new_tokens: int) -> Timing:
+        """Generate ``new_tokens`` per prompt. (Each step's sampled ids reach the host, so the step's
+        end time needs no extra synchronization.)"""
+        from sparrow.sampling_params import SamplingParams
+
+        eng = self.engine
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        t0 = time.perf_counter()
+        rids = [eng.add_request({"prompt_token_ids": p}, params) for p in prompts]
+        counts = dict.fromkeys(rids, 0)
+        t_first, after, steps, now, idle = None, 0, 0, t0, 0
+        try:
+            while eng.has_unfinished_requests():
+                outs = eng.step()
+                now = time.perf_counter()
+                idle = 0 if outs else idle + 1
+                if idle > 1000:
+                    raise RuntimeError("sparrow's scheduler made no progress for 1000 steps")
+                new = 0
+                for o in outs:
+                    c = len(o.outputs[0].token_ids)
+                    new, counts[o.request_id] = new + c - counts[o.request_id], c
+                if t_first is not None:
+                    after, steps = after + new, steps + 1
+                elif all(counts.values()):
+                    t_first = now
+        except BaseException:
+            for rid in rids:  # leave no half-run request behind
+                eng.abort(rid)
+            raise
+        t_first = now if t_first is None else t_first
+        return Timing(t_first - t0, now - t_first, after, steps, sum(counts.values()))
+
+    def decode_stepper(self, prompt: list[int]):
+        """(one decode step of batch 1, cleanup): the prompt is prefilled and two steps are warmed first."""
+        from sparrow.sampling_params import SamplingParams
+
+        eng = self.engine
+        rid = eng.add_request({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+        produced = 0
+        while produced < 3:  # prefill (maybe several chunks) + two decode steps
+            produced = max([len(o.outputs[0].token_ids) for o in eng.step()] or [produced])
+        return eng.step, lambda: eng.abort(rid)
+
+
+class _StepClock:
+    """A transformers streamer that only records when each step's tokens are ready (the first call is
+    the prompt, before prefill)."""
+
+    def __init__(self, device: str):
+        self.device, self.times = device, []
+
+    def put(self, value) -> None:
+        _sync(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+class HFRunner:
+    """Runs batches through transformers' ``generate`` (left-padded batch with attention mask, greedy,
+    min_new_tokens = max_new_tokens so it never stops early), timing each step with a streamer."""
+
+    name = "transformers"
+
+    def __init__(self, model, device: str):
+        self.model, self.device = model, device
+        pad = getattr(model.generation_config, "pad_token_id", None)
+        self.pad_id = pad if isinstance(pad, int) else 0
+
+    def _batch(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    @torch.inference_mode()
+    def run(self, prompts: list[list[int]], new_tokens: int) -> Timing:
+        """Generate ``new_tokens`` per prompt."""
+        ids, mask = self._batch(prompts)
+        clock = _StepClock(self.device)
+        _sync(self.device)
+        t0 = time.perf_counter()
+        out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=self.pad_id,
+                                  streamer=clock)
+        _sync(self.device)
+        end = time.perf_counter()
+        ticks = clock.times[1:]  # one per generated token
+        first = ticks[0] if ticks else end
+        steps = max(len(ticks) - 1, 0)
+        return Timing(first - t0, (ticks[-1] if ticks else end) - first, steps * len(prompts), steps,
+                      (out.shape[1] - ids.shape[1]) * len(prompts))
+
+    @torch.inference_mode()
+    def decode_stepper(self, prompt: list[int]):
+        """(one decode step of batch 1 with the KV cache, cleanup)."""
+        out = self.model(input_ids=torch.tensor([prompt], device=self.device), use_cache=True)
+        state = {"past": out.past_key_values, "next": out.logits[:, -1:].argmax(-1)}
+
+        @torch.inference_mode()
+        def step():
+            with warnings.catch_warnings():  # transformers >= 5.2x renames past_key_values to cache
+                warnings.simplefilter("ignore", FutureWarning)
+                o = self.model(input_ids=state["next"], past_key_values=state["past"], use_cache=True)
+            state["past"], state["next"] = o.past_key_values, o.logits[:, -1:].argmax(-1)
+
+        step()
+        step()
+        return step, state.clear
+
+
+def measure(runner, s: Settings, batch: int, prompt_len: int, vocab: int, fp: Footprint, bandwidth: float,
+            gen: torch.Generator) -> dict:
+    """One row of the table: times in seconds, rates in tokens/s, bytes per decode step. A short warm-up
+    run first (CUDA graphs, autotuning, allocator); then ``s.repeats`` timed runs, the best reported (other
+    work on the machine only ever slows a run down)."""
+    n = s.decode_tokens
+    runner.run(random_prompts(batch, prompt_len, vocab, gen), 2)
+    runs = [runner.run(random_prompts(batch, prompt_len, vocab, gen), n) for _ in range(s.repeats)]
+    for t in runs:
+        if t.total_tokens != batch * n or t.decode_steps < 1:
+            raise RuntimeError(f"{runner.name} generated {t.total_tokens} tokens in {t.decode_steps + 1} steps, "
+                               f"expected {batch * n} in {n}")
+    ttft = min(t.ttft_s for t in runs)
+    step = min(t.decode_s / t.decode_steps for t in runs)
+    rate = max(t.decode_tokens / t.decode_s for t in runs)
+    nbytes = fp.step_bytes(batch, prompt_len + n / 2)
+    return {
+        "engine": runner.name, "batch": batch, "prompt_len": prompt_len, "decode_tokens": n,
+        "ttft_s": ttft, "prefill_tok_s": batch * prompt_len / ttft, "decode_step_s": step,
+        "decode_tok_s_per_seq": rate / batch, "decode_tok_s": rate,
+        "bytes_per_step": nbytes["total"], "bytes_per_step_by_group": nbytes,
+        "bound_step_s": nbytes["total"] / bandwidth, "pct_of_bound": 100.0 * nbytes["total"] / bandwidth / step,
+    }
+
+
+def profile_step(runner, prompt: list[int], device: str, rows: int = 20) -> str:
+    """torch.profiler table of one batch-1 decode step: the top ``rows`` ops by self device time (CUDA)
+    or self CPU time (CPU), with the step's wall time on top."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step, cleanup = runner.decode_stepper(prompt)
+    cuda = device.startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    try:
+        wall = _timed(step, device)
+        with profile(activities=acts) as prof:
+            step()
+            _sync(device)
+    finally:
+        cleanup()
+    avg = prof.key_averages()
+    for key in (["self_device_time_total", "self_cuda_time_total"] if cuda else []) + ["self_cpu_time_total"]:
+        try:
+            table = avg.table(sort_by=key, row_limit=rows)
+            break
+        except (AttributeError, KeyError, ValueError):
+            continue
+    return f"{runner.name}: one decode step at batch 1, prompt {len(prompt)}: {wall * 1e3:.2f} ms wall\n{table}"
+
+
+# ---------------------------------------------------------------------------------------------- models
