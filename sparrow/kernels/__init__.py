@@ -22,12 +22,6 @@ def set_backend(name: str | None) -> None:
     if name not in (None, "torch", "triton"):
         raise ValueError(f"unknown kernel backend {name!r}; expected 'torch', 'triton' or None")
     _BACKEND = name
-    try:
-        from sparrow.kernels import attention
-
-        attention._backend = name
-    except ImportError:  # no Triton installed: only the torch twins exist
-        pass
 
 
 def get_backend() -> str | None:

@@ -7,7 +7,7 @@ y [R, I] in x's dtype.
     gelu_tanh_and_mul(x)  act = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))  (Gemma: gelu_pytorch_tanh)
 
 Each has a torch twin (``*_ref``, the CPU path and the oracle), a Triton launcher (``*_triton``) with the
-same signature, and a dispatcher: Triton for CUDA tensors or when ``FORCE_TRITON`` is set, else the twin.
+same signature, and a dispatcher: Triton for CUDA tensors or under ``sparrow.kernels.backend("triton")``, else the twin.
 Unlike HF's ``act(gate) * up`` in bf16 (two roundings), these round once, as vLLM's kernels do.
 """
 from __future__ import annotations
@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sparrow.kernels import use_triton
+
 # Set by tests to run the Triton launcher on CPU tensors under TRITON_INTERPRET=1.
-FORCE_TRITON = False
 
 # (largest I, BLOCK_I, num_warps): one program per (row, BLOCK_I outputs).
 ACT_CONFIGS: tuple[tuple[int, int, int], ...] = ((512, 512, 2), (2048, 1024, 4), (1 << 62, 2048, 8))
@@ -51,13 +52,13 @@ def gelu_tanh_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of x [R, 2I] -> [R, I]; Triton on CUDA (or with FORCE_TRITON), else the twin."""
-    return silu_and_mul_triton(x) if (x.is_cuda or FORCE_TRITON) else silu_and_mul_ref(x)
+    """silu(gate) * up of x [R, 2I] -> [R, I]; Triton by use_triton (CUDA, or forced), else the twin."""
+    return silu_and_mul_triton(x) if use_triton(x) else silu_and_mul_ref(x)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh(gate) * up of x [R, 2I] -> [R, I]; Triton on CUDA (or with FORCE_TRITON), else the twin."""
-    return gelu_tanh_and_mul_triton(x) if (x.is_cuda or FORCE_TRITON) else gelu_tanh_and_mul_ref(x)
+    """gelu_tanh(gate) * up of x [R, 2I] -> [R, I]; Triton by use_triton (CUDA, or forced), else the twin."""
+    return gelu_tanh_and_mul_triton(x) if use_triton(x) else gelu_tanh_and_mul_ref(x)
 
 
 def _split(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,20 +6,18 @@ P = decode splits. Semantics (positions, window, soft-cap, cache layout) are tho
 ``paged_attention_ref`` in paged_attention.py, the torch twin and oracle of every function here.
 
 Tile configs are data (style.md 9): ``DECODE_CONFIGS`` / ``PREFILL_CONFIGS`` keyed by the padded head dim;
-pass ``config=`` to force one. ``force_backend("triton")`` makes the dispatcher run the kernels even on CPU
+pass ``config=`` to force one. ``sparrow.kernels.backend("triton")`` makes the dispatcher run the kernels even on CPU
 (under TRITON_INTERPRET=1), for tests.
 """
 from __future__ import annotations
 
-import contextlib
-import math
 import os
-from typing import Iterator
 
 import torch
 import triton
 
 from sparrow.kernels._attention_jit import paged_decode_kernel, paged_decode_reduce_kernel, paged_prefill_kernel
+from sparrow.kernels import use_triton
 from sparrow.kernels.paged_attention import paged_attention_ref
 
 # head dim (padded to a power of two) -> tile config. BLOCK_D chunks the q.k product so D = 512 fits.
@@ -38,25 +36,6 @@ PREFILL_CONFIGS: dict[int, dict[str, int]] = {
 MAX_SPLITS = 64  # decode partitions per row; bounds the reduce's work and the partial buffers
 _DEFAULT_SMS = 132  # H100/H200 SM count, used when the device is not CUDA (interpreter)
 
-_backend: str | None = None  # None: triton on CUDA, torch otherwise
-
-
-@contextlib.contextmanager
-def force_backend(name: str | None) -> Iterator[None]:
-    """Make ``paged_attention`` use ``"triton"`` or ``"torch"`` (None: by device) inside the block."""
-    global _backend
-    if name not in (None, "triton", "torch"):
-        raise ValueError(f"unknown attention backend {name!r}; expected 'triton', 'torch' or None")
-    old, _backend = _backend, name
-    try:
-        yield
-    finally:
-        _backend = old
-
-
-def use_triton(t: torch.Tensor) -> bool:
-    """Whether kernels dispatched on tensor t run Triton: on CUDA, or when forced by ``force_backend``."""
-    return _backend == "triton" if _backend else t.is_cuda
 
 
 def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sliding_window, soft_cap):
@@ -246,7 +225,7 @@ def paged_attention(
     soft_cap: float | None = None,
 ) -> torch.Tensor:
     """``paged_attention_ref``'s contract, run by the fastest path: on CUDA (or under
-    ``force_backend("triton")``) the split-K decode kernel when R == S (one row per sequence: the caller
+    ``sparrow.kernels.backend("triton")``) the split-K decode kernel when R == S (one row per sequence: the caller
     guarantees query_start_loc == arange(S + 1), i.e. no zero-length sequence), else the prefill kernel;
     on CPU the torch reference."""
     if not use_triton(q):

@@ -11,7 +11,7 @@ with ``x_scale`` [M, G] fp32. w = w_e4m3 * w_scale[n // 128, k // 128] (DeepSeek
 ``weight_scale_inv``). Accumulation is fp32; y is rounded once to ``out_dtype`` (default: x's dtype, bf16
 for e4m3 x). ``fp8_gemm_ref`` is the torch twin (CPU path and oracle: dequantize both operands, fp32
 matmul), ``fp8_gemm_triton`` the launcher with the same signature, ``fp8_gemm`` the dispatcher (Triton for
-CUDA tensors or when ``FORCE_TRITON`` is set, else the twin).
+CUDA tensors or under ``sparrow.kernels.backend("triton")``, else the twin).
 
 Tile configs are data (style.md 9): ``FP8_GEMM_CONFIGS`` maps a row bound to a config, the first bound
 covering M wins; tests force one with ``with forced_config(Fp8GemmConfig(...)):``. The entries are a
@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from sparrow.kernels import ForcedConfig
+from sparrow.kernels import ForcedConfig, use_triton
 
 from sparrow.kernels.fp8 import (
     FP8_DTYPE,
@@ -36,7 +36,6 @@ from sparrow.kernels.fp8 import (
 )
 
 # Set by tests to run the Triton launcher on CPU tensors under TRITON_INTERPRET=1.
-FORCE_TRITON = False
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -129,7 +128,7 @@ def fp8_gemm_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, x_s
 def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor | None = None,
              out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = x @ dequant(w, w_scale).T, W8A8; see the module doc for the contract and the dispatch."""
-    if x.is_cuda or FORCE_TRITON:
+    if use_triton(x):
         return fp8_gemm_triton(x, w, w_scale, x_scale, out_dtype)
     return fp8_gemm_ref(x, w, w_scale, x_scale, out_dtype)
 

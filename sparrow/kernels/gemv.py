@@ -8,7 +8,7 @@ Shapes: R = rows (<= MAX_ROWS = 16), K = input width, N = output width.
 
 Accumulation is fp32; y is rounded once to x's dtype. ``*_ref`` are the torch twins (CPU path and
 oracle), ``*_triton`` the launchers (same signatures), ``gemv`` / ``gemv_fp8`` the dispatchers: Triton for
-CUDA tensors with R <= MAX_ROWS (or anywhere when ``FORCE_TRITON`` is set), otherwise the twin (on CUDA,
+CUDA tensors with R <= MAX_ROWS (or anywhere under ``sparrow.kernels.backend("triton")``), otherwise the twin (on CUDA,
 ``gemv`` with R > MAX_ROWS goes to cuBLAS through ``F.linear``; larger R is a GEMM's job).
 
 Tile configs are data (style.md 9): ``GEMV_CONFIGS`` maps a row bound to a ``GemvConfig``; the launcher
@@ -22,12 +22,11 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from sparrow.kernels import ForcedConfig
+from sparrow.kernels import ForcedConfig, use_triton
 
 from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, dequantize_fp8_block_ref
 
 # Set by tests to run the Triton launcher on CPU tensors under TRITON_INTERPRET=1.
-FORCE_TRITON = False
 MAX_ROWS = 16
 
 
@@ -96,7 +95,7 @@ def gemv_fp8_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> 
 
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """y = x @ w.T for x [R, K], w [N, K] of x's dtype -> [R, N]; see the module doc for the dispatch."""
-    if x.shape[0] <= MAX_ROWS and (x.is_cuda or FORCE_TRITON):
+    if x.shape[0] <= MAX_ROWS and use_triton(x):
         return gemv_triton(x, w)
     if x.is_cuda:
         _check(x, w, "gemv", max_rows=None)
@@ -106,7 +105,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def gemv_fp8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """y = x @ dequant(w, w_scale).T for e4m3 block-scaled w; see the module doc for the dispatch."""
-    if x.shape[0] <= MAX_ROWS and (x.is_cuda or FORCE_TRITON):
+    if x.shape[0] <= MAX_ROWS and use_triton(x):
         return gemv_fp8_triton(x, w, w_scale)
     return gemv_fp8_ref(x, w, w_scale)
 

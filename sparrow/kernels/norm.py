@@ -5,7 +5,7 @@ Shapes: R = rows, H = hidden, nH = heads, D = head dim, G = ceil(H / 128) fp8 gr
     rms_norm(x [R, H] | [R, nH, D], weight [H] | [D] | None, eps, *, gemma, unit_offset, residual, fp8_out)
 
 ``rms_norm_ref`` is the torch twin (CPU path and oracle), ``rms_norm_triton`` the launcher with the same
-signature, ``rms_norm`` the dispatcher: Triton for CUDA tensors (or anywhere when ``FORCE_TRITON`` is set,
+signature, ``rms_norm`` the dispatcher: Triton for CUDA tensors (or anywhere under ``sparrow.kernels.backend("triton")``,
 as the tests do under ``TRITON_INTERPRET=1``), the twin otherwise.
 
 Conventions (each matches its transformers module exactly when the weight has x's dtype):
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from sparrow.kernels import use_triton
 from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, quantize_fp8_per_group_ref
 
 # Set by tests to run the Triton launcher on CPU tensors under TRITON_INTERPRET=1.
-FORCE_TRITON = False
 
 MAX_HIDDEN = 65536  # one program holds a whole row in registers
 # (largest tile elements, num_warps): one (row, head) per program, warps grow with the row width.
@@ -145,7 +145,7 @@ def rms_norm(
     post_add: torch.Tensor | None = None,
     post_scale: torch.Tensor | None = None,
 ):
-    """RMSNorm of x over its last dim; Triton on CUDA (or with ``FORCE_TRITON``), the torch twin otherwise.
+    """RMSNorm of x over its last dim; Triton by ``sparrow.kernels.use_triton`` (CUDA, or forced), the torch twin otherwise.
 
     x: [R, H] or per-head [R, nH, D] (q_norm / k_norm; any row / head strides, unit stride on the last
     dim), fp32 / bf16 / fp16. weight: [H] (any float dtype) or None for scale-free. eps: float.
@@ -160,7 +160,7 @@ def rms_norm(
     ``new_residual`` [R, H] appended when residual is given: ``(y, new_residual)`` / ``(q, scales, new_residual)``.
     Raises ValueError naming the bad shape, dtype or stride.
     """
-    fn = rms_norm_triton if (x.is_cuda or FORCE_TRITON) else rms_norm_ref
+    fn = rms_norm_triton if use_triton(x) else rms_norm_ref
     return fn(x, weight, eps, gemma=gemma, unit_offset=unit_offset, residual=residual, fp8_out=fp8_out,
               post_add=post_add, post_scale=post_scale)
 

@@ -29,7 +29,7 @@ import torch
 import triton
 
 from sparrow.kernels._rope_jit import qk_norm_rope_kv_write_kernel
-from sparrow.kernels.attention import use_triton
+from sparrow.kernels import use_triton
 from sparrow.kernels.paged_attention import write_kv_ref
 
 
@@ -175,7 +175,7 @@ def qk_norm_rope_kv_write(
     raw k (before k-norm and RoPE), then v-norm. k_cache [N, B, Hkv, D], v_cache [N, B, Hkv, Dv] receive
     the final K and V at slot_mapping [R] int64 (rows with slot < 0 are not written), cast to the cache dtype.
     Returns (q_out [R, Hq, D], k_out [R, Hkv, D]) in q's dtype. Runs the Triton kernel on CUDA (or under
-    ``attention.force_backend("triton")``), else the torch twin. Raises ValueError on bad shapes/dtypes.
+    ``sparrow.kernels.backend("triton")``), else the torch twin. Raises ValueError on bad shapes/dtypes.
     """
     args = (q, k, v, positions, cos_sin_cache, rotary_dim, q_norm_weight, k_norm_weight, eps, gemma_norm,
             v_norm, k_eq_v, k_cache, v_cache, slot_mapping)

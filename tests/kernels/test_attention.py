@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from sparrow.kernels.attention import (
-    force_backend, paged_attention, paged_decode_attention, paged_prefill_attention,
+    paged_attention, paged_decode_attention, paged_prefill_attention,
 )
+from sparrow.kernels import backend
 from sparrow.kernels.paged_attention import paged_attention_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the small tests also run on a GPU machine
@@ -105,7 +106,7 @@ def test_dispatcher():
         ref = paged_attention_ref(*batch, 0.125, None, None)
         if DEV == "cpu":
             torch.testing.assert_close(paged_attention(*batch, 0.125), ref, atol=0, rtol=0)  # the twin
-        with force_backend("triton"):
+        with backend("triton"):
             torch.testing.assert_close(paged_attention(*batch, 0.125), ref, **TOL[torch.float32])
 
 

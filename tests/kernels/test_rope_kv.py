@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparrow.kernels.attention import force_backend
+from sparrow.kernels import backend
 from sparrow.kernels.rope import build_cos_sin_cache, qk_norm_rope_kv_write, qk_norm_rope_kv_write_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the small tests also run on a GPU machine
@@ -53,7 +53,7 @@ def test_kernel_matches_twin(rows, hq, hkv, d, rd, dtype, gemma, offset, v_norm,
     args = (q, k, v, pos, cache, rd, qw, kw, 1e-6, gemma, v_norm, k_eq_v)
     kc2, vc2 = kc.clone(), vc.clone()
     want = qk_norm_rope_kv_write_ref(*args, kc, vc, slots, norm_offset=offset)
-    with force_backend("triton"):
+    with backend("triton"):
         got = qk_norm_rope_kv_write(*args, kc2, vc2, slots, norm_offset=offset)
     for a, b in zip(got + (kc2, vc2), want + (kc, vc)):
         torch.testing.assert_close(a, b, **TOL[dtype])
