@@ -78,7 +78,9 @@ class SelfAttention(nn.Module):
     x [R, H] -> [R, H]. HF names: qkv_proj packs q_proj | k_proj | v_proj; q_norm, k_norm, o_proj.
     Config flags read here: ``qk_norm`` / ``qk_norm_per_head`` (MiniMax-M2 norms the whole [Hq*D] / [Hkv*D]
     projection), ``attention_k_eq_v`` (Gemma 4 full layers: no v_proj, V = the raw K projection), Gemma 4's
-    scale-free v_norm, per-layer head dim / KV heads / window / rope / rotary dim from ``config.layers``."""
+    scale-free v_norm, per-layer head dim / KV heads / window / rope / rotary dim from ``config.layers``.
+    On the Triton path the per-head q/k norms, v_norm, RoPE and the K/V cache write are one kernel
+    (``sparrow.kernels.rope.qk_norm_rope_kv_write``); MiniMax-M2's whole-projection norms stay separate."""
 
     def __init__(self, config, layer_idx: int, dtype: torch.dtype):
         super().__init__()

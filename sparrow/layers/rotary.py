@@ -71,6 +71,7 @@ class RotaryEmbedding(nn.Module):
         """llama.cpp's per-frequency divisors (GGUF ``rope_freqs``): inv_freq / factors."""
         self.freq_factors = factors.float().cpu()
         self.__dict__.pop("_tables", None)
+        self.__dict__.pop("_kernel_cache", None)
 
     def _key(self, device) -> tuple:
         ff = None if self.freq_factors is None else tuple(self.freq_factors.tolist())
