@@ -205,8 +205,9 @@ class Gemma4Router(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits [R, E] fp32 of the raw residual x [R, H]."""
-        h = x.float()
-        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)  # Gemma4RMSNorm(with_scale=False)
+        # Gemma4RMSNorm(with_scale=False) in fp32; F.rms_norm is one fused kernel on CUDA (rsqrt where HF uses
+        # pow(-0.5): the same value up to an fp32 ulp)
+        h = F.rms_norm(x.float(), (self.hidden_size,), eps=self.eps)
         return F.linear(h, self.folded_weight())
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

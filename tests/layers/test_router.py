@@ -224,8 +224,8 @@ def test_gemma4_router_folded_weight_follows_parameter_changes():
         h = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + r.eps, -0.5)
         return (h * r.scale * 16**-0.5) @ r.proj.weight.t()
 
-    torch.testing.assert_close(r.logits(x), unfolded(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(r.logits(x), unfolded(), rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         r.scale.mul_(3.0)
         r.proj.weight.add_(1.0)
-    torch.testing.assert_close(r.logits(x), unfolded(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(r.logits(x), unfolded(), rtol=1e-5, atol=1e-5)
