@@ -76,8 +76,10 @@ def bytes_bound(rows: int, fp8: bool, routings) -> float:
     return experts * per_expert + rows * H * 2 * 2 + rows * K * 8
 
 
-def bench_one(rows: int, fp8: bool, layer, peak: float, with_torch: bool = False) -> dict:
-    from sparrow.kernels.moe import fused_moe_ref, fused_moe_triton
+def make_call(rows: int, layer):
+    """(x [rows, H] bf16, the routings, call): each ``call()`` runs ``fused_moe_triton`` on the next of the
+    N_ROUTINGS routings, so a captured sequence of calls reads the experts from HBM, not L2."""
+    from sparrow.kernels.moe import fused_moe_triton
 
     x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
     routings = make_routings(rows)
@@ -88,6 +90,13 @@ def bench_one(rows: int, fp8: bool, layer, peak: float, with_torch: bool = False
         w, ids = routings[state["i"]]
         return fused_moe_triton(x, topk_weights=w, topk_ids=ids, **layer)
 
+    return x, routings, call
+
+
+def bench_one(rows: int, fp8: bool, layer, peak: float, with_torch: bool = False) -> dict:
+    from sparrow.kernels.moe import fused_moe_ref
+
+    x, routings, call = make_call(rows, layer)
     call()  # compile outside the capture
     t = _time_s(call)
     nbytes = bytes_bound(rows, fp8, routings)
@@ -106,20 +115,11 @@ def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path) -> pathlib.Path:
     """Coordinate search per rows: BLOCK_M, then the gate|up tile, then the down tile (18 tiles each, 12 for FP8 grouped).
     Writes the data file ``pick_config`` reads for this shape and device."""
     from sparrow.kernels import moe_configs
-    from sparrow.kernels.moe import fused_moe_triton
     from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config
 
     table = {}
     for rows in rows_list:
-        x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
-        routings = make_routings(rows)
-        state = {"i": 0}
-
-        def call():
-            state["i"] = (state["i"] + 1) % N_ROUTINGS
-            w, ids = routings[state["i"]]
-            return fused_moe_triton(x, topk_weights=w, topk_ids=ids, **layer)
-
+        _, _, call = make_call(rows, layer)
         small = rows * K <= 64
         best = moe_configs.default_config(rows, rows * K, E, small, fp8)
         ks = (128, 256, 512) if small else ((128,) if fp8 else (32, 64, 128))

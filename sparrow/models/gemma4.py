@@ -18,6 +18,8 @@ Per-layer embeddings (PLE) and KV sharing are refused by the config (ModelConfig
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -73,18 +75,15 @@ class Gemma4DecoderLayer(nn.Module):
         if not self.moe:
             out = self.mlp(self.pre_feedforward_layernorm(h))
         else:
-            stream = side_stream(h)
-            if stream is None:
+            stream = side_stream(h)  # fork: the dense branch on the side stream, joined before the sum
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream(h.device))
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 dense = self._dense(h)
-                out = self.post_feedforward_layernorm_2.norm_add(self._moe(h), dense)
-            else:  # fork: dense branch on the side stream; join before the sum
-                main = torch.cuda.current_stream(h.device)
-                stream.wait_stream(main)
-                with torch.cuda.stream(stream):
-                    dense = self._dense(h)
-                moe = self._moe(h)
-                main.wait_stream(stream)
-                out = self.post_feedforward_layernorm_2.norm_add(moe, dense)
+            moe = self._moe(h)
+            if stream is not None:
+                torch.cuda.current_stream(h.device).wait_stream(stream)
+            out = self.post_feedforward_layernorm_2.norm_add(moe, dense)
         return self.post_feedforward_layernorm.norm_add(out, h, self.layer_scalar), None
 
     def _dense(self, h: torch.Tensor) -> torch.Tensor:

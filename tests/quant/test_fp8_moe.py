@@ -225,18 +225,12 @@ def test_fp8_checkpoint_equals_on_load_quantization(aligned_dir, tmp_path, layou
                [{t: lp.logprob for t, lp in d.items()} for d in b.outputs[0].logprobs]
 
 
-def test_fp8_checkpoint_with_float_experts_is_a_clear_error(aligned_dir, tmp_path):
+def test_fp8_checkpoint_with_float_experts_is_a_clear_error(aligned_dir, tmp_path, monkeypatch):
     """A checkpoint that declares FP8 but keeps the experts in float names the tensor and the dtypes."""
-    from sparrow.errors import ModelLoadError
-    from tests.quant.test_fp8 import _LINEAR_RE, write_fp8_checkpoint
-
     import tests.quant.test_fp8 as t
+    from sparrow.errors import ModelLoadError
 
-    original = t._LINEAR_RE
-    t._LINEAR_RE = tuple(n for n in _LINEAR_RE if n not in ("gate_proj", "up_proj", "down_proj"))
-    try:
-        ckpt = write_fp8_checkpoint(aligned_dir, tmp_path / "fp8_float_experts")
-    finally:
-        t._LINEAR_RE = original
+    monkeypatch.setattr(t, "_LINEAR_RE", tuple(n for n in t._LINEAR_RE if n not in ("gate_proj", "up_proj", "down_proj")))
+    ckpt = t.write_fp8_checkpoint(aligned_dir, tmp_path / "fp8_float_experts")
     with pytest.raises(ModelLoadError, match=r"experts\.0\.\w+_proj\.weight.*float32.*float8_e4m3fn"):
         make_llm(ckpt, max_model_len=64)
