@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call on the H200 (device tool); logs and JSON under $OUT.
-#   bash benchmarks/device_run.sh [STAGE ...]   stages: tests packaged profile moe tune gemma4 llama fp8 eager
+#   bash benchmarks/device_run.sh [STAGE ...]   stages: tests packaged profile prefill attn gemv moe tune
+#   gemma4 llama fp8 eager
 # (no stage: tests gemma4 llama eager). Each stage has its own time limit (T_<STAGE> seconds). GPU_TESTS picks
 # the test files of the `tests` stage and TEST_ARGS adds pytest options (e.g. "-k 'bf16 and mixtral'");
 # PACKAGED_ARGS likewise for the packaged-model stage. The device image lacks `gguf`: its wheel travels in .whl (see
@@ -41,9 +42,15 @@ for stage in ${@:-tests gemma4 llama eager}; do
                --decode-tokens 16 --no-hf --profile
              bench profile_llama "${T_PROFILE:-120}" --model-shape llama3-8b --batch-sizes 1 --prompt-len 128 \
                --decode-tokens 32 --no-hf --profile ;;
+    prefill) bench prefill_gemma4 "${T_PREFILL:-200}" --model-shape gemma4-26b-a4b --batch-sizes 8 --prompt-len 2048 \
+               --decode-tokens 4 --no-hf --profile-prefill ${PREFILL_ARGS:-} ;;
+    attn) timeout "${T_ATTN:-200}" python3 benchmarks/attention_prefill.py ${ATTN_ARGS:---tune} 2>&1 \
+            | tee "$OUT/attention_prefill.log" ;;
+    gemv) timeout "${T_GEMV:-150}" python3 benchmarks/kernels_micro.py ${GEMV_ARGS:-tune_gemv_fp8} 2>&1 \
+            | tee "$OUT/kernels_micro.log" ;;
     moe) timeout "${T_MOE:-120}" python3 benchmarks/moe_layer.py --rows 1 8 64 1024 --out "$OUT/moe_layer.json" 2>&1 \
            | tee "$OUT/moe_layer.log" ;;
-    tune) timeout "${T_TUNE:-300}" python3 benchmarks/moe_layer.py --tune --rows ${TUNE_ROWS:-1 8 64 1024} 2>&1 \
+    tune) timeout "${T_TUNE:-300}" python3 benchmarks/moe_layer.py --tune --rows ${TUNE_ROWS:-1 8 64 1024} --dtypes ${TUNE_DTYPES:-bf16 fp8} 2>&1 \
             | tee "$OUT/moe_tune.log" | grep -v skip; cp sparrow/kernels/configs/*H200*.json "$OUT/" ;;
     gemma4) bench gemma4 "${T_G4:-400}" --model-shape gemma4-26b-a4b --batch-sizes ${G4_BATCHES:-1,8,64} \
              --prompt-len ${G4_PROMPTS:-128,2048} --decode-tokens 32 ;;

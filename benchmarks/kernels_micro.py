@@ -2,6 +2,7 @@
 
     python benchmarks/kernels_micro.py [norm] [act] [gemv]      (all three without arguments)
     python benchmarks/kernels_micro.py tune_gemv                 (sweep GemvConfig for GEMV_CONFIGS)
+    python benchmarks/kernels_micro.py tune_gemv_fp8             (the same, FP8 weights only)
 
 Each line: kernel, shape, time per call (CUDA-graph replay, so launch overhead is excluded), bytes moved
 (each input read once + each output written once), GB/s and % of the device-to-device copy bandwidth
@@ -110,14 +111,15 @@ def bench_gemv(peak: float) -> None:
 GEMV_SHAPES = ((2816, 8192), (4096, 2816), (2816, 4224), (2112, 2816), (2816, 262144))
 
 
-def tune_gemv(peak: float) -> None:
-    """Sweep GemvConfig per row count on two shapes; print the best few (to fill GEMV_CONFIGS)."""
+def tune_gemv(peak: float, dtypes=(False, True)) -> None:
+    """Sweep GemvConfig per row count (bf16 and / or FP8 weights); print the best few (to fill GEMV_CONFIGS
+    / FP8_GEMV_CONFIGS)."""
     import itertools
 
     from sparrow.kernels.fp8 import quantize_fp8_block_ref
     from sparrow.kernels.gemv import GemvConfig, forced_config, gemv_fp8_triton, gemv_triton
 
-    for (k, n), fp8 in itertools.product(((2816, 8192),), (False, True)):
+    for (k, n), fp8 in itertools.product(((2816, 8192),), dtypes):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         nxt = _rotating(lambda: quantize_fp8_block_ref(w), n * k) if fp8 else _rotating(lambda: (w.clone(),), 2 * n * k)
         fn = gemv_fp8_triton if fp8 else gemv_triton
@@ -126,7 +128,7 @@ def tune_gemv(peak: float) -> None:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             results = []
             for use_dot, bn, bk, warps, stages in itertools.product(
-                (True,), (16, 32, 64), (128, 256, 512), (4, 8), (3, 4)
+                (True,), (16, 32, 64), (256, 512, 1024) if fp8 else (128, 256, 512), (4, 8), (3, 4)
             ):
                 if not use_dot and rows * bn * bk > 32768:
                     continue
@@ -151,7 +153,8 @@ def main(which: list[str]) -> None:
     peak = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: measured copy bandwidth {peak / 1e9:.0f} GB/s")
     for name in which:
-        {"norm": bench_norm, "act": bench_act, "gemv": bench_gemv, "tune_gemv": tune_gemv}[name](peak)
+        {"norm": bench_norm, "act": bench_act, "gemv": bench_gemv, "tune_gemv": tune_gemv,
+         "tune_gemv_fp8": lambda p: tune_gemv(p, (True,))}[name](peak)
 
 
 if __name__ == "__main__":

@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(gemma4-26b-a4b, qwen3-30b-a3b, llama3-8b, gemma3-270m, tiny-moe, tiny-gemma4, tiny-dense)")
     b.add_argument("--profile", action="store_true",
                    help="print torch.profiler's top ops for one batch-1 decode step of each engine")
+    b.add_argument("--profile-prefill", action="store_true",
+                   help="print torch.profiler's top ops for sparrow's prefill of the largest batch x longest prompt")
     b.add_argument("--out", default=None, help="also write every number to this JSON file")
     b.add_argument("--repeats", type=int, default=1, help="timed runs per point; the best is reported (default 1)")
     b.add_argument("--enforce-eager", action="store_true", help="sparrow without CUDA graphs")

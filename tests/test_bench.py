@@ -54,7 +54,7 @@ def test_kv_bytes_respect_the_sliding_window():
 
 
 def test_tiny_dense_bench_table_and_json(tmp_path, capsys):
-    report = _bench(tmp_path, "--model-shape", "tiny-dense", "--profile")
+    report = _bench(tmp_path, "--model-shape", "tiny-dense", "--profile", "--profile-prefill")
     rows = report["results"]
     assert {(r["engine"], r["batch"]) for r in rows} == {(e, b) for e in ("sparrow", "transformers") for b in (1, 3)}
     for r in rows:
@@ -63,7 +63,8 @@ def test_tiny_dense_bench_table_and_json(tmp_path, capsys):
             assert r[f] > 0, (f, r)
         assert r["bytes_per_step_by_group"]["kv"] > 0
     assert report["meta"]["copy_bandwidth_GBps"] > 0
-    assert set(report["profiles"]) == {"sparrow", "transformers"}
+    assert set(report["profiles"]) == {"sparrow", "transformers", "sparrow prefill"}
+    assert "prefill of 3 x 9 tokens" in report["profiles"]["sparrow prefill"]
     text = capsys.readouterr().out
     assert "speedup" in text and "% of bound" in text and "one decode step at batch 1" in text
 

@@ -14,7 +14,7 @@ from sparrow.errors import InvalidRequestError
 from sparrow.bench.report import _progress, _write_json, format_table
 from sparrow.bench.runners import _free, engine_kwargs, path_runners, shape_runners
 from sparrow.bench.settings import Settings, resolve_settings
-from sparrow.bench.timing import HFRunner, copy_bandwidth, measure, profile_step, random_prompts
+from sparrow.bench.timing import HFRunner, SparrowRunner, copy_bandwidth, measure, profile_prefill, profile_step, random_prompts
 
 
 def _cpu_name() -> str:
@@ -98,6 +98,11 @@ def run_bench(args) -> int:
             text = profile_step(runner, random_prompts(1, s.prompt_lens[0], vocab, gen)[0], s.device)
             print(text, flush=True)
             report["profiles"][runner.name] = text
+        if getattr(args, "profile_prefill", False) and isinstance(runner, SparrowRunner):
+            prompts = random_prompts(max(s.batch_sizes), max(s.prompt_lens), vocab, gen)
+            text = profile_prefill(runner, prompts, s.device)
+            print(text, flush=True)
+            report["profiles"][runner.name + " prefill"] = text
         runner = None  # noqa: F841  (drop the model before the next one is built)
     report["meta"]["load_average_end"] = os.getloadavg()
     print()

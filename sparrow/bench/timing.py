@@ -1,5 +1,5 @@
 """Timed runs: the copy bandwidth, random prompts, the sparrow and transformers runners, one measured point
-and the profiler table of one decode step."""
+and the profiler tables of one decode step and of one prefill."""
 from __future__ import annotations
 
 import time
@@ -237,14 +237,32 @@ def profile_step(runner, prompt: list[int], device: str, rows: int = 20) -> str:
             _sync(device)
     finally:
         cleanup()
+    table = _table(prof, cuda, rows)
+    return f"{runner.name}: one decode step at batch 1, prompt {len(prompt)}: {wall * 1e3:.2f} ms wall\n{table}"
+
+
+def profile_prefill(runner, prompts: list[list[int]], device: str, rows: int = 25) -> str:
+    """torch.profiler table of prefilling ``prompts`` (all steps until each has its first token; warmed
+    once first): the top ``rows`` ops by self device time (CUDA) or self CPU time, with the wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner.run(prompts, 1)
+    cuda = device.startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        wall = _timed(lambda: runner.run(prompts, 1), device)
+    return (f"{runner.name}: prefill of {len(prompts)} x {len(prompts[0])} tokens: {wall * 1e3:.1f} ms wall "
+            f"(under the profiler)\n{_table(prof, cuda, rows)}")
+
+
+def _table(prof, cuda: bool, rows: int) -> str:
     avg = prof.key_averages()
     for key in (["self_device_time_total", "self_cuda_time_total"] if cuda else []) + ["self_cpu_time_total"]:
         try:
-            table = avg.table(sort_by=key, row_limit=rows)
-            break
+            return avg.table(sort_by=key, row_limit=rows)
         except (AttributeError, KeyError, ValueError):
             continue
-    return f"{runner.name}: one decode step at batch 1, prompt {len(prompt)}: {wall * 1e3:.2f} ms wall\n{table}"
+    return "(no profiler table)"
 
 
 # ---------------------------------------------------------------------------------------------- models

@@ -11,9 +11,9 @@ oracle), ``*_triton`` the launchers (same signatures), ``gemv`` / ``gemv_fp8`` t
 CUDA tensors with R <= MAX_ROWS (or anywhere under ``sparrow.kernels.backend("triton")``), otherwise the twin (on CUDA,
 ``gemv`` with R > MAX_ROWS goes to cuBLAS through ``F.linear``; larger R is a GEMM's job).
 
-Tile configs are data (style.md 9): ``GEMV_CONFIGS`` maps a row bound to a ``GemvConfig``; the launcher
-takes the first entry whose bound covers R, then narrows BLOCK_N until the grid has ``MIN_PROGRAMS``
-programs (all SMs busy). Tests force a config with ``with forced_config(GemvConfig(...)):``.
+Tile configs are data (style.md 9): ``GEMV_CONFIGS`` (``FP8_GEMV_CONFIGS`` for e4m3 weights) maps a row
+bound to a ``GemvConfig``; the launcher takes the first entry whose bound covers R, then narrows BLOCK_N
+until the grid has ``MIN_PROGRAMS`` programs (all SMs busy). Tests force a config with ``with forced_config(GemvConfig(...)):``.
 """
 from __future__ import annotations
 
@@ -51,6 +51,8 @@ class GemvConfig:
 GEMV_CONFIGS: tuple[tuple[int, GemvConfig], ...] = (
     (MAX_ROWS, GemvConfig(block_n=32, block_k=256, use_dot=True, num_warps=4, num_stages=3)),
 )
+# FP8 weights: until an H200 sweep (``kernels_micro.py tune_gemv_fp8``) fills this, the bf16 entries.
+FP8_GEMV_CONFIGS: tuple[tuple[int, GemvConfig], ...] = GEMV_CONFIGS
 MIN_PROGRAMS = 132  # one program per SM of an H100 / H200 before BLOCK_N narrows
 
 forced_config = ForcedConfig()  # ``with forced_config(GemvConfig(...)):`` overrides the heuristic
@@ -62,7 +64,7 @@ def pick_config(rows: int, n: int, fp8: bool) -> GemvConfig:
     """The forced config, else the table's entry for ``rows`` with BLOCK_N narrowed to fill the GPU."""
     if forced_config.value is not None:
         return forced_config.value
-    config = next(c for bound, c in GEMV_CONFIGS if rows <= bound)
+    config = next(c for bound, c in (FP8_GEMV_CONFIGS if fp8 else GEMV_CONFIGS) if rows <= bound)
     block_n = config.block_n
     while block_n > 16 and -(-n // block_n) < MIN_PROGRAMS:
         block_n //= 2
