@@ -81,6 +81,8 @@ def main(argv=None) -> None:
     p.add_argument("--seqs", type=int, default=4)
     p.add_argument("--len", type=int, default=2048, dest="length")
     p.add_argument("--tune", action="store_true")
+    p.add_argument("--block-m", nargs="+", type=int, default=[32, 64, 128], help="BLOCK_M values to tune")
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS), help="layer kinds to tune")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("attention_prefill: needs a CUDA GPU")
@@ -97,10 +99,10 @@ def main(argv=None) -> None:
         print(f"{name:<8} D={d:<4} sparrow {t * 1e3:8.3f} ms {tflops:7.1f} TFLOP/s | {ref}", flush=True)
     if not a.tune:
         return
-    for name in KINDS:
+    for name in a.kinds:
         d = KINDS[name][2]
         results = []
-        for bm, bn, bd, warps, stages in itertools.product((32, 64, 128), (32, 64), (64, 128),
+        for bm, bn, bd, warps, stages in itertools.product(a.block_m, (32, 64), (64, 128),
                                                             (4, 8), (1, 2)):
             if bd > d:
                 continue

@@ -149,9 +149,11 @@ def paged_decode_reduce_kernel(
     part_acc_ptr, part_lse_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
     window, partition_size,
     stride_pas, stride_pah, stride_pap, stride_pls, stride_plh, stride_or, stride_oh,
-    DV: tl.constexpr, DV_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_WINDOW: tl.constexpr,
+    DV: tl.constexpr, DV_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_P: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
 ):
-    """Merge the live splits of one (sequence, q head): out = sum_p exp(lse_p - lse) * acc_p. grid (S, Hq)."""
+    """Merge the live splits of one (sequence, q head): out = sum_p exp(lse_p - lse) * acc_p. grid (S, Hq).
+    BLOCK_P splits per loop step, loaded as one [BLOCK_P, DV_PAD] tile (independent loads in flight)."""
     s = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.load(query_start_loc_ptr + s)
@@ -167,10 +169,14 @@ def paged_decode_reduce_kernel(
     offs_dv = tl.arange(0, DV_PAD)
     dv_mask = offs_dv < DV
     acc = tl.zeros([DV_PAD], dtype=tl.float32)
-    for p in range(0, live):
-        w = tl.exp(tl.load(part_lse_ptr + s * stride_pls + h * stride_plh + p) - m)
-        a = tl.load(part_acc_ptr + s * stride_pas + h * stride_pah + p * stride_pap + offs_dv, mask=dv_mask, other=0.0)
-        acc += w * a
+    offs_bp = tl.arange(0, BLOCK_P)
+    for p0 in range(0, live, BLOCK_P):
+        pp = p0 + offs_bp
+        p_mask = pp < live
+        w = tl.exp(tl.load(part_lse_ptr + s * stride_pls + h * stride_plh + pp, mask=p_mask, other=float("-inf")) - m)
+        a = tl.load(part_acc_ptr + s * stride_pas + h * stride_pah + pp[:, None] * stride_pap + offs_dv[None, :],
+                    mask=p_mask[:, None] & dv_mask[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * a, axis=0)
     acc = acc / total
     tl.store(out_ptr + row.to(tl.int64) * stride_or + h * stride_oh + offs_dv, acc.to(out_ptr.dtype.element_ty),
              mask=dv_mask)

@@ -9,6 +9,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _weighted(xhat, w, dt: tl.constexpr, GEMMA: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+    """The normalized fp32 xhat times the fp32 weight w, rounded to dt by the convention (module doc)."""
+    if GEMMA:
+        if UNIT_OFFSET:
+            return (xhat * (1.0 + w)).to(dt)
+        else:
+            return (xhat * w).to(dt)
+    else:
+        return (xhat.to(dt).to(tl.float32) * w).to(dt)
+
+
+@triton.jit
 def rms_norm_kernel(
     x_ptr,  # [R, nH, H] any strides with unit stride on H; dtype = output dtype before fp8
     res_ptr,  # [R, H] contiguous, or dummy when not HAS_RESIDUAL
@@ -18,6 +30,8 @@ def rms_norm_kernel(
     scale_ptr,  # [R, G] fp32 contiguous, or dummy when not FP8_OUT
     post_add_ptr,  # [R, H] contiguous, x's dtype, or dummy when not HAS_POST_ADD
     post_scale_ptr,  # [1] float, or dummy when not HAS_POST_SCALE
+    pre_w_ptr,  # [H] any float dtype, or dummy when not HAS_PRE
+    pre_add_ptr,  # [R, H] contiguous, x's dtype, or dummy when not HAS_PRE
     H,
     NUM_HEADS,
     stride_xr,
@@ -30,6 +44,7 @@ def rms_norm_kernel(
     FP8_OUT: tl.constexpr,
     HAS_POST_ADD: tl.constexpr,  # y = post_add + y (rounded), the post-norm residual add (Gemma 2-4)
     HAS_POST_SCALE: tl.constexpr,  # y = y * post_scale (rounded), Gemma 4's layer_scalar
+    HAS_PRE: tl.constexpr,  # x = pre_add + norm(x, pre_w) (rounded) first: a second sandwich norm (Gemma 4)
     BLOCK_G: tl.constexpr,
     GROUP: tl.constexpr,
 ):
@@ -41,6 +56,12 @@ def rms_norm_kernel(
     mask = cols < H
 
     x = tl.load(x_ptr + row * stride_xr + head * stride_xh + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_PRE:
+        pre_hat = x * tl.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / H + eps)
+        pre_w = tl.load(pre_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        t = _weighted(pre_hat, pre_w, dt, GEMMA, UNIT_OFFSET)
+        a = tl.load(pre_add_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (a + t.to(tl.float32)).to(dt).to(tl.float32)
     if HAS_RESIDUAL:
         # HF adds the residual in the model dtype: round the sum, store it, normalize the rounded value.
         r = tl.load(res_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
@@ -53,13 +74,7 @@ def rms_norm_kernel(
 
     if HAS_WEIGHT:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if GEMMA:
-            if UNIT_OFFSET:
-                y = (xhat * (1.0 + w)).to(dt)
-            else:
-                y = (xhat * w).to(dt)
-        else:
-            y = (xhat.to(dt).to(tl.float32) * w).to(dt)
+        y = _weighted(xhat, w, dt, GEMMA, UNIT_OFFSET)
     else:
         y = xhat.to(dt)
 

@@ -95,3 +95,44 @@ def router_kernel(
         wts = wts * tl.load(scale_ptr + ids, mask=kmask, other=0.0).to(tl.float32)
     tl.store(w_ptr + row * TOPK + kk, wts, mask=kmask)
     tl.store(ids_ptr + row * TOPK + kk, ids.to(ids_ptr.dtype.element_ty), mask=kmask)
+
+
+@triton.jit
+def router_logits_kernel(
+    x_ptr,  # [R, H], unit stride on H, any float dtype
+    w_ptr,  # [E, H], unit stride on H, any float dtype (read as fp32)
+    out_ptr,  # [R, E] fp32 contiguous
+    R,
+    E,
+    H,
+    stride_xr,
+    stride_we,
+    eps,
+    RMS_NORM: tl.constexpr,  # scale-free RMSNorm of x first (Gemma 4): logits * rsqrt(mean(x^2) + eps)
+    BLOCK_R: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """logits[r, e] = sum_h x[r, h] * w[e, h] in fp32 for a [BLOCK_R, BLOCK_E] tile; grid (E / BLOCK_E,
+    R / BLOCK_R). With RMS_NORM the per-row factor rsqrt(mean(x^2) + eps) multiplies the dot (norm(x) . w
+    = rsqrt(..) * (x . w)), its sum of squares taken in the same pass over x."""
+    re = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    rr = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rh = tl.arange(0, BLOCK_H)
+    r_mask = rr < R
+    e_mask = re < E
+    acc = tl.zeros([BLOCK_R, BLOCK_E], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        hh = h0 + rh
+        h_mask = hh < H
+        x = tl.load(x_ptr + rr[:, None].to(tl.int64) * stride_xr + hh[None, :],
+                    mask=r_mask[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + re[:, None] * stride_we + hh[None, :],
+                    mask=e_mask[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        if RMS_NORM:
+            ss += tl.sum(x * x, axis=1)
+    if RMS_NORM:
+        acc = acc * (1.0 / tl.sqrt_rn(ss / H + eps))[:, None]
+    tl.store(out_ptr + rr[:, None].to(tl.int64) * E + re[None, :], acc, mask=r_mask[:, None] & e_mask[None, :])

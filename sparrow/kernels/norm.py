@@ -43,23 +43,23 @@ def rms_norm_ref(
     fp8_out: bool = False,
     post_add: torch.Tensor | None = None,
     post_scale: torch.Tensor | None = None,
+    pre_weight: torch.Tensor | None = None,
+    pre_add: torch.Tensor | None = None,
 ):
     """Torch twin of ``rms_norm``; see the module doc for the formulas and ``rms_norm`` for the returns."""
-    _check(x, weight, residual, fp8_out, post_add, post_scale)
+    _check(x, weight, residual, fp8_out, post_add, post_scale, pre_weight, pre_add)
     dtype = x.dtype
     new_residual = None
+    if pre_add is not None:
+        xf = x.float()
+        pre_hat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        x = (pre_add.float() + _weighted(pre_hat, pre_weight, dtype, gemma, unit_offset).float()).to(dtype)
     if residual is not None:
         x = (x.float() + residual.float()).to(dtype)  # HF adds in the model dtype
         new_residual = x
     xf = x.float()
     xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is None:
-        y = xhat.to(dtype)
-    elif gemma:
-        w = weight.float()
-        y = (xhat * (1.0 + w if unit_offset else w)).to(dtype)
-    else:
-        y = (weight.float() * xhat.to(dtype).float()).to(dtype)
+    y = xhat.to(dtype) if weight is None else _weighted(xhat, weight, dtype, gemma, unit_offset)
     if post_add is not None:
         y = (post_add.float() + y.float()).to(dtype)
     if post_scale is not None:
@@ -68,6 +68,14 @@ def rms_norm_ref(
     if new_residual is not None:
         outs = outs + (new_residual,)
     return outs[0] if len(outs) == 1 else outs
+
+
+def _weighted(xhat: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, gemma: bool, unit_offset: bool):
+    """fp32 xhat times the weight, rounded to dtype by the convention (module doc)."""
+    if gemma:
+        w = weight.float()
+        return (xhat * (1.0 + w if unit_offset else w)).to(dtype)
+    return (weight.float() * xhat.to(dtype).float()).to(dtype)
 
 
 def rms_norm_triton(
@@ -81,11 +89,13 @@ def rms_norm_triton(
     fp8_out: bool = False,
     post_add: torch.Tensor | None = None,
     post_scale: torch.Tensor | None = None,
+    pre_weight: torch.Tensor | None = None,
+    pre_add: torch.Tensor | None = None,
 ):
     """Triton launcher of ``rms_norm`` (same signature and returns); one program per (row, head)."""
     from sparrow.kernels._norm_jit import rms_norm_kernel
 
-    _check(x, weight, residual, fp8_out, post_add, post_scale)
+    _check(x, weight, residual, fp8_out, post_add, post_scale, pre_weight, pre_add)
     hidden = x.shape[-1]
     rows = x.shape[0]
     heads = x.shape[1] if x.dim() == 3 else 1
@@ -111,6 +121,8 @@ def rms_norm_triton(
             scales,
             post_add if post_add is not None else x,
             post_scale if post_scale is not None else x,
+            pre_weight if pre_weight is not None else x,
+            pre_add if pre_add is not None else x,
             hidden,
             heads,
             x.stride(0),
@@ -123,6 +135,7 @@ def rms_norm_triton(
             FP8_OUT=bool(fp8_out),
             HAS_POST_ADD=post_add is not None,
             HAS_POST_SCALE=post_scale is not None,
+            HAS_PRE=pre_add is not None,
             BLOCK_G=block_g,
             GROUP=group,
             num_warps=num_warps,
@@ -144,6 +157,8 @@ def rms_norm(
     fp8_out: bool = False,
     post_add: torch.Tensor | None = None,
     post_scale: torch.Tensor | None = None,
+    pre_weight: torch.Tensor | None = None,
+    pre_add: torch.Tensor | None = None,
 ):
     """RMSNorm of x over its last dim; Triton by ``sparrow.kernels.use_triton`` (CUDA, or forced), the torch twin otherwise.
 
@@ -155,6 +170,10 @@ def rms_norm(
     post_add [R, H] of x's dtype and shape (2-D x only, not with residual / fp8_out): the post-norm residual
     add of Gemma-style sandwich norms, ``y = (post_add + y)`` rounded to x's dtype; post_scale [1] (with or
     without post_add): ``y = y * post_scale`` rounded (Gemma 4's layer_scalar). Both as HF computes them.
+    pre_weight [H] and pre_add [R, H] (together; 2-D x, no residual / fp8_out): x is first replaced by
+    ``pre_add + norm(x, pre_weight)`` (same eps and convention, rounded as above), so two sandwich norms
+    ``(post_add + norm(pre_add + norm(x, pre_weight), weight)) * post_scale`` are one kernel (Gemma 4's
+    post_feedforward_layernorm_2 then post_feedforward_layernorm).
 
     Returns ``y`` [R, H] in x's dtype, or with fp8_out ``(q e4m3 [R, H], scales fp32 [R, G])``, with
     ``new_residual`` [R, H] appended when residual is given: ``(y, new_residual)`` / ``(q, scales, new_residual)``.
@@ -162,14 +181,14 @@ def rms_norm(
     """
     fn = rms_norm_triton if use_triton(x) else rms_norm_ref
     return fn(x, weight, eps, gemma=gemma, unit_offset=unit_offset, residual=residual, fp8_out=fp8_out,
-              post_add=post_add, post_scale=post_scale)
+              post_add=post_add, post_scale=post_scale, pre_weight=pre_weight, pre_add=pre_add)
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _check(x, weight, residual, fp8_out, post_add=None, post_scale=None) -> None:
+def _check(x, weight, residual, fp8_out, post_add=None, post_scale=None, pre_weight=None, pre_add=None) -> None:
     if x.dim() not in (2, 3):
         raise ValueError(f"rms_norm: x must be [R, H] or [R, nH, D], got shape {tuple(x.shape)}")
     if x.dtype not in _FLOAT_DTYPES:
@@ -208,3 +227,16 @@ def _check(x, weight, residual, fp8_out, post_add=None, post_scale=None) -> None
             raise ValueError("rms_norm: post_scale must be a one-element float tensor, with a 2-D x and no fp8_out")
         if post_scale.device != x.device:
             raise ValueError(f"rms_norm: post_scale on {post_scale.device}, x on {x.device}")
+    if (pre_weight is None) != (pre_add is None):
+        raise ValueError("rms_norm: pre_weight and pre_add go together")
+    if pre_add is not None:
+        if x.dim() != 2 or residual is not None or fp8_out:
+            raise ValueError("rms_norm: pre_add needs a 2-D x [R, H] and neither residual nor fp8_out")
+        if pre_add.shape != x.shape or pre_add.dtype != x.dtype or not pre_add.is_contiguous():
+            raise ValueError(f"rms_norm: pre_add {tuple(pre_add.shape)} {pre_add.dtype} must be a contiguous "
+                             f"tensor like x {tuple(x.shape)} {x.dtype}")
+        if pre_weight.shape != x.shape[-1:] or not pre_weight.is_contiguous() or pre_weight.device != x.device:
+            raise ValueError(f"rms_norm: pre_weight must be a contiguous [{x.shape[-1]}] tensor on {x.device}, "
+                             f"got {tuple(pre_weight.shape)} on {pre_weight.device}")
+        if not x.is_contiguous():
+            raise ValueError(f"rms_norm: pre_add needs a contiguous x, got strides {x.stride()}")

@@ -11,10 +11,15 @@ selection-only bias and optional grouped top-k, sqrt-softplus; Gemma 4 = softmax
 per_expert_scale on logits from ``Gemma4Router.logits``). ids are ordered by descending (biased) score;
 ties go to the lowest expert id. ``fused_router_ref`` is the torch twin (it calls ``select_experts``),
 ``fused_router_triton`` the launcher, ``fused_router`` picks by ``use_triton(router_logits)``.
+
+The logits themselves: ``router_logits(x [R, H], weight [E, H], rms_eps=None) -> [R, E] fp32`` (twin
+``router_logits_ref``, launcher ``router_logits_triton``), fp32 x . weight with Gemma 4's scale-free
+RMSNorm of x folded in; the kernel serves decode-sized R.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from sparrow.kernels import use_triton
 from sparrow.layers.router import SCORING_FUNCS, select_experts
@@ -94,6 +99,61 @@ def fused_router(
     fn = fused_router_triton if use_triton(router_logits) else fused_router_ref
     return fn(router_logits, top_k, scoring, renormalize, e_score_correction_bias, n_group, topk_group,
               routed_scaling_factor, per_expert_scale, ids_dtype)
+
+
+MAX_LOGIT_ROWS = 16  # above this, router_logits goes to torch's (cuBLAS) fp32 matmul
+
+
+def router_logits_ref(x: torch.Tensor, weight: torch.Tensor, rms_eps: float | None = None) -> torch.Tensor:
+    """Router logits in fp32: x [R, H] (any float dtype) @ weight [E, H].T -> [R, E] fp32, with
+    ``rms_eps`` the scale-free RMSNorm of x first (Gemma 4's router: x / sqrt(mean(x^2) + eps), transformers
+    ``Gemma4RMSNorm(with_scale=False)``). Raises ValueError on bad shapes."""
+    _check_logits(x, weight)
+    h = x.float()
+    if rms_eps is not None:
+        h = F.rms_norm(h, (x.shape[1],), eps=rms_eps)
+    return F.linear(h, weight.float())
+
+
+def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, rms_eps: float | None = None) -> torch.Tensor:
+    """Triton launcher of ``router_logits_ref`` (same contract): one launch, no fp32 copy of x or weight;
+    the norm's factor is applied to the dot (the same value up to fp32 rounding order)."""
+    from sparrow.kernels._router_jit import router_logits_kernel
+
+    _check_logits(x, weight)
+    rows, hidden = x.shape
+    num_experts = weight.shape[0]
+    out = torch.empty(rows, num_experts, dtype=torch.float32, device=x.device)
+    if rows == 0 or num_experts == 0:
+        return out
+    block_r, block_e = min(_next_pow2(rows), 16), 4  # E / 4 programs stream the weight
+    block_h = max(32, 2048 // (block_r * block_e))
+    grid = (-(-num_experts // block_e), -(-rows // block_r))
+    router_logits_kernel[grid](
+        x, weight, out, rows, num_experts, hidden, x.stride(0), weight.stride(0), float(rms_eps or 0.0),
+        RMS_NORM=rms_eps is not None, BLOCK_R=block_r, BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4,
+    )
+    return out
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, rms_eps: float | None = None) -> torch.Tensor:
+    """``router_logits_ref``'s contract: the Triton kernel where ``use_triton(x)`` and R <= MAX_LOGIT_ROWS
+    (decode: one launch instead of a cast, a norm and a cuBLAS GEMV), else the twin."""
+    if x.shape[0] <= MAX_LOGIT_ROWS and use_triton(x):
+        return router_logits_triton(x, weight, rms_eps)
+    return router_logits_ref(x, weight, rms_eps)
+
+
+def _check_logits(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"router_logits: need x [R, H] and weight [E, H], got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    if not (x.is_floating_point() and weight.is_floating_point()):
+        raise ValueError(f"router_logits: x and weight must be float tensors, got {x.dtype} and {weight.dtype}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"router_logits: x and weight need unit stride on H, got {x.stride()} and {weight.stride()}")
+    if x.device != weight.device:
+        raise ValueError(f"router_logits: x on {x.device}, weight on {weight.device}")
 
 
 def _groups(num_experts: int, top_k: int, n_group: int | None, topk_group: int | None) -> tuple[int, int]:

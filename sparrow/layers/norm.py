@@ -66,16 +66,27 @@ class RMSNorm(nn.Module):
             return rms_norm_torch(x, self.weight, self.eps, kind=self.kind), x
         return rms_norm_torch(x, self.weight, self.eps, kind=self.kind)
 
-    def norm_add(self, x: torch.Tensor, add: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    def norm_add(self, x: torch.Tensor, add: torch.Tensor, scale: torch.Tensor | None = None,
+                 pre: tuple[RMSNorm, torch.Tensor] | None = None) -> torch.Tensor:
         """``(add + norm(x)) * scale`` for x, add [R, H] and scale [1] or None: the post-norm residual add of
         Gemma-style sandwich norms (and Gemma 4's layer_scalar), each step rounded to x's dtype as
-        transformers computes it; one kernel on the Triton path."""
+        transformers computes it; one kernel on the Triton path. ``pre = (norm2, add2)``: x is first
+        ``norm2.norm_add(x, add2)``, in the same kernel when both norms share kind and eps."""
         from sparrow.kernels import use_triton
 
         if use_triton(x) and x.dim() == 2:
             from sparrow.kernels.norm import rms_norm_triton
 
-            return rms_norm_triton(x, self.weight, self.eps, gemma=self.kind != "llama",
-                                   unit_offset=self.kind == "gemma", post_add=add.contiguous(), post_scale=scale)
+            kw = dict(gemma=self.kind != "llama", unit_offset=self.kind == "gemma", post_add=add.contiguous(),
+                      post_scale=scale)
+            if pre is not None and pre[0].kind == self.kind and pre[0].eps == self.eps and self.weight is not None \
+                    and pre[0].weight is not None:
+                return rms_norm_triton(x.contiguous(), self.weight, self.eps, pre_weight=pre[0].weight,
+                                       pre_add=pre[1].contiguous(), **kw)
+            if pre is not None:
+                x = pre[0].norm_add(x, pre[1])
+            return rms_norm_triton(x, self.weight, self.eps, **kw)
+        if pre is not None:
+            x = pre[0].norm_add(x, pre[1])
         y = add + self(x)
         return y if scale is None else y * scale

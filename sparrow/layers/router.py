@@ -150,7 +150,9 @@ class Router(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits [R, E] fp32 of x [R, H]."""
-        return F.linear(x.float(), self.weight.float())
+        from sparrow.kernels.router import router_logits
+
+        return router_logits(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _selector(x)(
@@ -205,10 +207,11 @@ class Gemma4Router(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits [R, E] fp32 of the raw residual x [R, H]."""
-        # Gemma4RMSNorm(with_scale=False) in fp32; F.rms_norm is one fused kernel on CUDA (rsqrt where HF uses
-        # pow(-0.5): the same value up to an fp32 ulp)
-        h = F.rms_norm(x.float(), (self.hidden_size,), eps=self.eps)
-        return F.linear(h, self.folded_weight())
+        from sparrow.kernels.router import router_logits
+
+        # Gemma4RMSNorm(with_scale=False) in fp32 (rsqrt where HF uses pow(-0.5): the same value up to an fp32
+        # ulp), then the folded projection; at decode sizes one Triton launch (sparrow.kernels.router)
+        return router_logits(x, self.folded_weight(), rms_eps=self.eps)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _selector(x)(self.logits(x), self.top_k, "softmax", renormalize=True,

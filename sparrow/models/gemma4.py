@@ -83,7 +83,9 @@ class Gemma4DecoderLayer(nn.Module):
             moe = self._moe(h)
             if stream is not None:
                 torch.cuda.current_stream(h.device).wait_stream(stream)
-            out = self.post_feedforward_layernorm_2.norm_add(moe, dense)
+            # post_feedforward_layernorm(dense + post_feedforward_layernorm_2(moe)) + h, x layer_scalar: one kernel
+            return self.post_feedforward_layernorm.norm_add(
+                moe, h, self.layer_scalar, pre=(self.post_feedforward_layernorm_2, dense)), None
         return self.post_feedforward_layernorm.norm_add(out, h, self.layer_scalar), None
 
     def _dense(self, h: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,12 @@ def test_sliding_window_edges(cap, dtype):
     check(paged_prefill_attention, prefill, 0.125, w, cap)
 
 
+def test_reduce_merges_more_splits_than_one_tile():
+    """Head dim 512: the reduce takes 16 splits per step, so 22 live splits need a full and a ragged step."""
+    batch = make_batch([1, 1], [700, 300], hq=2, hkv=1, d=512, page=16, dtype=torch.bfloat16, seed=6)
+    check(paged_decode_attention, batch, 1 / math.sqrt(512), num_splits=22)
+
+
 def test_window_longer_context_and_softcap_splits():
     # window much shorter than the context: splits start at ctx - W; fp16 q and cache
     batch = make_batch([1, 1], [90, 33], hq=8, hkv=2, d=64, page=16, dtype=torch.float16, seed=4)

@@ -118,6 +118,21 @@ def test_twin_post_add_and_scale_match_the_sandwich_norm_ops(dtype):
     torch.testing.assert_close(rms_norm_ref(x, w, 1e-6, post_scale=s, **kw), y * s, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_twin_pre_norm_is_two_sandwich_norms(dtype):
+    """``pre_weight`` / ``pre_add`` equal ``norm_add`` twice: Gemma 4's post_feedforward_layernorm_2 sum, then
+    post_feedforward_layernorm with the residual and layer_scalar, each rounding as transformers does."""
+    x, w = _inputs(4, 40, dtype)
+    a, w2 = _inputs(4, 40, dtype, seed=1)
+    b, _ = _inputs(4, 40, dtype, seed=2)
+    s = torch.tensor([0.37], dtype=dtype)
+    kw = CONVENTIONS["gemma4"]
+    t = rms_norm_ref(x, w2, 1e-6, post_add=a, **kw)
+    want = rms_norm_ref(t, w, 1e-6, post_add=b, post_scale=s, **kw)
+    got = rms_norm_ref(x, w, 1e-6, post_add=b, post_scale=s, pre_weight=w2, pre_add=a, **kw)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 # ---- the Triton kernel against the twin --------------------------------------------------------------
 
 
@@ -168,6 +183,26 @@ def test_kernel_post_add_and_scale(rows, hidden, with_scale, dtype):
     kw = CONVENTIONS["gemma4"]
     got = rms_norm_triton(x, w, 1e-6, post_add=b, post_scale=s, **kw)
     torch.testing.assert_close(got, rms_norm_ref(x, w, 1e-6, post_add=b, post_scale=s, **kw), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("convention", ["gemma4", "llama"])
+@pytest.mark.parametrize("rows,hidden", [(1, 136), (3, 1000), (17, 40)])
+def test_kernel_pre_norm(rows, hidden, convention, dtype):
+    x, w = _inputs(rows, hidden, dtype)
+    a, w2 = _inputs(rows, hidden, dtype, seed=1)
+    b, _ = _inputs(rows, hidden, dtype, seed=2)
+    s = torch.tensor([1.7], dtype=dtype, device=DEVICE)
+    kw = dict(CONVENTIONS[convention], post_add=b, post_scale=s, pre_weight=w2, pre_add=a)
+    torch.testing.assert_close(rms_norm_triton(x, w, 1e-6, **kw), rms_norm_ref(x, w, 1e-6, **kw), **TOL[dtype])
+
+
+def test_pre_norm_rejects():
+    x, w = _inputs(2, 40, torch.float32)
+    with pytest.raises(ValueError, match="go together"):
+        rms_norm_triton(x, w, 1e-6, pre_weight=w)
+    with pytest.raises(ValueError, match="pre_add"):
+        rms_norm_triton(x, w, 1e-6, pre_weight=w, pre_add=x[:1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -260,6 +295,17 @@ def test_gpu_post_add_and_scale(rows):
     kw = CONVENTIONS["gemma4"]
     torch.testing.assert_close(rms_norm_triton(x, w, 1e-6, post_add=b, post_scale=s, **kw),
                                rms_norm_ref(x, w, 1e-6, post_add=b, post_scale=s, **kw), **TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 64])
+def test_gpu_pre_norm(rows):
+    x, w = _inputs(rows, 2816, torch.bfloat16)
+    a, w2 = _inputs(rows, 2816, torch.bfloat16, seed=1)
+    b = _inputs(rows, 2816, torch.bfloat16, seed=2)[0]
+    s = torch.tensor([0.8], dtype=torch.bfloat16, device=DEVICE)
+    kw = dict(CONVENTIONS["gemma4"], post_add=b, post_scale=s, pre_weight=w2, pre_add=a)
+    torch.testing.assert_close(rms_norm_triton(x, w, 1e-6, **kw), rms_norm_ref(x, w, 1e-6, **kw), **TOL[torch.bfloat16])
 
 
 if __name__ == "__main__":

@@ -8,7 +8,14 @@ TRITON_INTERPRET=1. Run as a script on a GPU for the time per call.
 import pytest
 import torch
 
-from sparrow.kernels.router import fused_router, fused_router_ref, fused_router_triton
+from sparrow.kernels.router import (
+    fused_router,
+    fused_router_ref,
+    fused_router_triton,
+    router_logits,
+    router_logits_ref,
+    router_logits_triton,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROWS = [1, 2, 3, 16, 17, 64, 65]
@@ -100,6 +107,47 @@ def test_extreme_logits_sqrtsoftplus():
 def test_launcher_rejects(bad, match):
     with pytest.raises(ValueError, match=match):
         bad(torch.randn(3, 8, device=DEVICE))
+
+
+def _logit_args(rows, num_experts, hidden, x_dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, hidden, generator=g) * 3).to(x_dtype).to(DEVICE)
+    w = (torch.randn(num_experts, hidden, generator=g) / hidden**0.5).to(DEVICE)
+    return x, w
+
+
+@pytest.mark.parametrize("rms_eps", [None, 1e-6])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,num_experts,hidden", [(1, 8, 64), (2, 128, 200), (3, 6, 96), (16, 128, 64)])
+def test_router_logits_kernel_matches_twin(rows, num_experts, hidden, x_dtype, rms_eps):
+    """fp32 logits (with Gemma 4's scale-free norm folded in) within fp32 rounding-order error of the twin."""
+    x, w = _logit_args(rows, num_experts, hidden, x_dtype)
+    got, want = router_logits_triton(x, w, rms_eps), router_logits_ref(x, w, rms_eps)
+    assert got.dtype == torch.float32 and got.shape == (rows, num_experts)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_router_logits_bf16_weight_and_dispatch():
+    x, w = _logit_args(3, 8, 64, torch.bfloat16)
+    wb = w.to(torch.bfloat16)
+    torch.testing.assert_close(router_logits_triton(x, wb), router_logits_ref(x, wb), atol=1e-5, rtol=1e-5)
+    from sparrow.kernels import backend
+    from sparrow.kernels.router import MAX_LOGIT_ROWS
+
+    big, _ = _logit_args(MAX_LOGIT_ROWS + 1, 8, 64, torch.float32)
+    with backend("triton"):  # above MAX_LOGIT_ROWS the dispatcher keeps torch's matmul: the twin exactly
+        assert torch.equal(router_logits(big, w, 1e-6), router_logits_ref(big, w, 1e-6))
+    with pytest.raises(ValueError, match="need x"):
+        router_logits_triton(x, w[:, :32])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 16])
+@pytest.mark.parametrize("rms_eps", [None, 1e-6])
+def test_gpu_router_logits_real_shape(rows, rms_eps):
+    x, w = _logit_args(rows, 128, 2816, torch.bfloat16)
+    torch.testing.assert_close(router_logits_triton(x, w, rms_eps), router_logits_ref(x, w, rms_eps),
+                               atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.gpu

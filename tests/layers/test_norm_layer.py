@@ -23,3 +23,20 @@ def test_norm_add(kind, with_scale):
         torch.testing.assert_close(norm.norm_add(x, add, scale), want, atol=0, rtol=0)
     with backend("triton"):
         torch.testing.assert_close(norm.norm_add(x, add, scale), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind2,eps2", [("gemma4", 1e-6), ("gemma4", 1e-5), ("llama", 1e-6)])
+def test_norm_add_with_pre_norm(kind2, eps2):
+    """``pre=(norm2, add2)``: norm2.norm_add first; one fused kernel when kind and eps agree, two otherwise."""
+    g = torch.Generator().manual_seed(1)
+    norm, norm2 = RMSNorm(48, 1e-6, kind="gemma4"), RMSNorm(48, eps2, kind=kind2)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48, generator=g))
+        norm2.weight.copy_(torch.randn(48, generator=g))
+    x, add, add2 = (torch.randn(5, 48, generator=g) * 3 for _ in range(3))
+    scale = torch.tensor([0.6])
+    want = (add + norm(add2 + norm2(x))) * scale
+    with backend("torch"):
+        torch.testing.assert_close(norm.norm_add(x, add, scale, pre=(norm2, add2)), want, atol=0, rtol=0)
+    with backend("triton"):
+        torch.testing.assert_close(norm.norm_add(x, add, scale, pre=(norm2, add2)), want, atol=1e-5, rtol=1e-5)
