@@ -121,20 +121,21 @@ def tune_gemv(peak: float, dtypes=(False, True)) -> None:
     from sparrow.kernels.fp8 import quantize_fp8_block_ref
     from sparrow.kernels.gemv import GemvConfig, forced_config, gemv_fp8_triton, gemv_triton
 
-    for (k, n), fp8 in itertools.product(((2816, 8192),), dtypes):
+    for (k, n), fp8 in itertools.product(((2816, 8192), (4096, 2816), (2112, 2816)), dtypes):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         nxt = _rotating(lambda: quantize_fp8_block_ref(w), n * k) if fp8 else _rotating(lambda: (w.clone(),), 2 * n * k)
         fn = gemv_fp8_triton if fp8 else gemv_triton
         nbytes = n * k * (1 if fp8 else 2)
-        for rows in (1, 4, 16):
+        for rows in (1, 16):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             results = []
-            for use_dot, bn, bk, warps, stages in itertools.product(
-                (True,), (16, 32, 64), (256, 512, 1024) if fp8 else (128, 256, 512), (4, 8), (3, 4)
+            for (use_dot, swap), bn, bk, warps, stages in itertools.product(
+                ((True, False), (True, True), (False, False)), (16, 32, 64), (128, 256, 512), (4,), (3, 4)
             ):
                 if not use_dot and rows * bn * bk > 32768:
                     continue
-                cfg = GemvConfig(block_n=bn, block_k=bk, use_dot=use_dot, num_warps=warps, num_stages=stages)
+                cfg = GemvConfig(block_n=bn, block_k=bk, use_dot=use_dot, num_warps=warps, num_stages=stages,
+                                 swap_ab=swap)
                 with forced_config(cfg):
                     try:
                         t = _time_s(lambda: fn(x, *nxt()))

@@ -23,6 +23,8 @@ def gemv_kernel(
     stride_sn,
     FP8_W: tl.constexpr,
     USE_DOT: tl.constexpr,  # tensor-core tl.dot on a [BLOCK_R >= 16, BLOCK_K] x [BLOCK_K, BLOCK_N] tile
+    SWAP_AB: tl.constexpr,  # with USE_DOT: y^T = w @ x^T, the weight tile as the K-major A operand (converted
+    # from e4m3 in registers) and the rows as the N side of the dot; acc is [BLOCK_N, BLOCK_R]
     IEEE: tl.constexpr,  # fp32 operands: exact fp32 products in tl.dot, not tf32
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -35,7 +37,10 @@ def gemv_kernel(
     rk = tl.arange(0, SUB_K)
     r_mask = rr < R
     n_mask = rn < N
-    acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_R], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         for j in tl.static_range(BLOCK_K // SUB_K):
             ks = k0 + j * SUB_K
@@ -45,7 +50,12 @@ def gemv_kernel(
             w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             if FP8_W:
                 w = w.to(x.dtype)  # e4m3 -> bf16 / fp16 / fp32 is exact; the block scale is applied per SUB_K
-            if USE_DOT:
+            if SWAP_AB:
+                if IEEE:
+                    part = tl.dot(w, tl.trans(x), input_precision="ieee")
+                else:
+                    part = tl.dot(w, tl.trans(x))
+            elif USE_DOT:
                 if IEEE:
                     part = tl.dot(x, tl.trans(w), input_precision="ieee")
                 else:
@@ -55,6 +65,14 @@ def gemv_kernel(
             if FP8_W:
                 # a sub-step wholly past K (part = 0) reads the last scale column instead of out of bounds
                 s = tl.load(s_ptr + (rn // 128) * stride_sn + tl.minimum(ks, K - 1) // 128, mask=n_mask, other=0.0)
-                part = part * s[None, :]
+                if SWAP_AB:
+                    part = part * s[:, None]
+                else:
+                    part = part * s[None, :]
             acc += part
-    tl.store(y_ptr + rr[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=r_mask[:, None] & n_mask[None, :])
+    if SWAP_AB:
+        tl.store(y_ptr + rr[None, :] * N + rn[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=r_mask[None, :] & n_mask[:, None])
+    else:
+        tl.store(y_ptr + rr[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=r_mask[:, None] & n_mask[None, :])

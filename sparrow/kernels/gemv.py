@@ -41,6 +41,9 @@ class GemvConfig:
     """tl.dot on rows padded to 16 (tensor cores) instead of a broadcast multiply + sum."""
     num_warps: int = 4
     num_stages: int = 3
+    swap_ab: bool = False
+    """With use_dot: y^T = w @ x^T, the weight as the dot's first (K-major) operand and the rows padded to
+    16 as its second ("swap AB" for small M); block_n >= 16."""
 
 
 # (largest R, config). H200 sweep (benchmarks/kernels_micro.py tune_gemv, K=2816 N=8192, bf16): the
@@ -141,6 +144,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> t
         w_scale.stride(0) if fp8 else 0,
         FP8_W=fp8,
         USE_DOT=cfg.use_dot,
+        SWAP_AB=cfg.use_dot and cfg.swap_ab,
         IEEE=x.dtype == torch.float32,
         BLOCK_R=block_r,
         BLOCK_N=cfg.block_n,

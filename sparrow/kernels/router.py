@@ -126,8 +126,9 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, rms_eps: float |
     out = torch.empty(rows, num_experts, dtype=torch.float32, device=x.device)
     if rows == 0 or num_experts == 0:
         return out
-    block_r, block_e = min(_next_pow2(rows), 16), 4  # E / 4 programs stream the weight
-    block_h = max(32, 2048 // (block_r * block_e))
+    # one expert per program (E programs share the weight stream), as much of H per step as registers allow
+    block_r, block_e = min(_next_pow2(rows), 16), 1
+    block_h = min(max(16, _next_pow2(hidden)), max(128, 4096 // block_r))
     grid = (-(-num_experts // block_e), -(-rows // block_r))
     router_logits_kernel[grid](
         x, weight, out, rows, num_experts, hidden, x.stride(0), weight.stride(0), float(rms_eps or 0.0),

@@ -34,6 +34,7 @@ CONFIGS = {
     "fma": GemvConfig(block_n=32, block_k=128, use_dot=False),
     "dot": GemvConfig(block_n=32, block_k=64, use_dot=True),
     "dot_wide_k": GemvConfig(block_n=16, block_k=256, use_dot=True),  # FP8: two 128-wide scale blocks a step
+    "swap_ab": GemvConfig(block_n=32, block_k=256, use_dot=True, swap_ab=True),  # weight as the dot's A side
 }
 
 
@@ -142,6 +143,20 @@ def test_gpu_real_shapes(rows, k, n, fp8):
         torch.testing.assert_close(gemv_fp8_triton(x, wq, ws), gemv_fp8_ref(x, wq, ws), **TOL[torch.bfloat16])
     else:
         torch.testing.assert_close(gemv_triton(x, w), gemv_ref(x, w), **TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(2816, 8192), (4096, 2816)])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_swap_ab(rows, k, n, fp8):
+    x, w = _inputs(rows, k, n, torch.bfloat16)
+    with forced_config(CONFIGS["swap_ab"]):
+        if fp8:
+            wq, ws = quantize_fp8_block_ref(w)
+            torch.testing.assert_close(gemv_fp8_triton(x, wq, ws), gemv_fp8_ref(x, wq, ws), **TOL[torch.bfloat16])
+        else:
+            torch.testing.assert_close(gemv_triton(x, w), gemv_ref(x, w), **TOL[torch.bfloat16])
 
 
 if __name__ == "__main__":
