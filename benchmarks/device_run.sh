@@ -57,7 +57,8 @@ for stage in ${@:-tests gemma4 llama eager}; do
     llama) bench llama "${T_LL:-200}" --model-shape llama3-8b --batch-sizes ${LL_BATCHES:-1,8,64} \
              --prompt-len ${LL_PROMPTS:-128,2048} --decode-tokens 64 ;;
     fp8) bench gemma4_fp8 "${T_FP8:-200}" --model-shape gemma4-26b-a4b --quantization fp8 \
-           --batch-sizes ${FP8_BATCHES:-1,8,64} --prompt-len ${FP8_PROMPTS:-128,2048} --decode-tokens 32 --no-hf ;;
+           --batch-sizes ${FP8_BATCHES:-1,8,64} --prompt-len ${FP8_PROMPTS:-128,2048} --decode-tokens 32 --no-hf \
+           ${FP8_ARGS:-} ;;
     eager) bench llama_eager "${T_EAGER:-60}" --model-shape llama3-8b --batch-sizes 1 --no-hf --enforce-eager \
              --prompt-len 128 --decode-tokens 64 ;;
     *) echo "unknown stage $stage" ;;
