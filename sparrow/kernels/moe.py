@@ -32,6 +32,7 @@ dequantized weights); ``moe_align_ref``, ``moe_reduce_ref``. Errors: ValueError 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -269,6 +270,7 @@ def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activat
         p_pad = _next_pow2(pairs)
         block_r = max(16, min(p_pad, _next_pow2(rows)))  # an expert appears at most once per row
         for a, div, w, s, out, n, k, gated, tile in gemms:
+            tile = _fit_shared_memory(tile, block_r, a.element_size(), w.element_size(), gated)
             moe_gemv_kernel[(pairs, -(-n // tile.block_n))](
                 a, w, s if fp8 else w, out, flat_ids, pairs, n, k, div, a.stride(0), w.stride(0), w.stride(1),
                 s.stride(0) if fp8 else 0, s.stride(1) if fp8 else 0, GATED=gated, P_PAD=p_pad,
@@ -370,6 +372,20 @@ def _check_align(topk_ids, num_experts, block_m) -> None:
         raise ValueError(f"moe_align: topk_ids must be int32 / int64, got {topk_ids.dtype}")
     if num_experts < 1 or block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"moe_align: need num_experts >= 1 and a power-of-two block_m, got {num_experts}, {block_m}")
+
+
+SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100 / H200 allow 227 KB)
+
+
+def _fit_shared_memory(tile, block_r: int, a_bytes: int, w_bytes: int, gated: bool):
+    """The tile with fewer pipeline stages if its stages would exceed SHARED_MEMORY_BUDGET: each stage holds a
+    [block_r, block_k] A tile and one (two when gated) [block_k, block_n] weight tiles. The small path's
+    block_r grows with the batch, so a tile tuned for a few rows can overflow at a forced 65+ rows."""
+    per_stage = block_r * tile.block_k * a_bytes + (2 if gated else 1) * tile.block_k * tile.block_n * w_bytes
+    stages = tile.num_stages
+    while stages > 1 and stages * per_stage > SHARED_MEMORY_BUDGET:
+        stages -= 1
+    return tile if stages == tile.num_stages else dataclasses.replace(tile, num_stages=stages)
 
 
 def _check_config(cfg: MoeConfig, fp8: bool) -> None:

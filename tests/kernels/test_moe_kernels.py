@@ -303,6 +303,18 @@ def test_gpu_gemma4_shape(rows, fp8, activation):
         _check_against_fp32_ref(out, x, w13, w2, tw, ti, activation)
 
 
+def test_small_path_tile_fits_shared_memory():
+    """A forced small path at 65 rows pads the dot to 128 rows: a 3-stage 256 x 32 tile would need 288 KB of
+    shared memory (the H200 failure), so the launcher drops to 2 stages; tiles that fit are left alone."""
+    from sparrow.kernels.moe import SHARED_MEMORY_BUDGET, _fit_shared_memory
+    from sparrow.kernels.moe_configs import Tile
+
+    tile = Tile(block_n=32, block_k=256, num_warps=4, num_stages=3)
+    fitted = _fit_shared_memory(tile, 128, 2, 2, gated=True)
+    assert fitted.num_stages == 2 and 2 * (128 * 256 * 2 + 2 * 256 * 32 * 2) <= SHARED_MEMORY_BUDGET
+    assert _fit_shared_memory(tile, 16, 2, 2, gated=True) is tile
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_experts,top_k", [(8, 2), (64, 1), (128, 8), (256, 8)])
 @pytest.mark.parametrize("rows", [1, 17, 65, 1024])
