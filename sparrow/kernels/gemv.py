@@ -54,7 +54,10 @@ class GemvConfig:
 GEMV_CONFIGS: tuple[tuple[int, GemvConfig], ...] = (
     (MAX_ROWS, GemvConfig(block_n=32, block_k=256, use_dot=True, num_warps=4, num_stages=3)),
 )
-# FP8 weights: until an H200 sweep (``kernels_micro.py tune_gemv_fp8``) fills this, the bf16 entries.
+# FP8 weights: the H200 sweep (``kernels_micro.py tune_gemv_fp8``: block_n 16-64, block_k 128-512, stages
+# 3-4, tensor-core / swap_ab / FMA, R = 1 and 16, K x N = 2816 x 8192, 4096 x 2816, 2112 x 2816) picks the bf16
+# entry at every shape: 43.5 %, 21.5 % and 16.8 % of copy bandwidth. swap_ab and the FMA path lose. This is
+# the slow part of FP8 decode: the e4m3 GEMV is slower than the bf16 one at K x N = 4096 x 2816 and 2112 x 2816.
 FP8_GEMV_CONFIGS: tuple[tuple[int, GemvConfig], ...] = GEMV_CONFIGS
 MIN_PROGRAMS = 132  # one program per SM of an H100 / H200 before BLOCK_N narrows
 

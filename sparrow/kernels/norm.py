@@ -217,11 +217,7 @@ def _check(x, weight, residual, fp8_out, post_add=None, post_scale=None, pre_wei
     if fp8_out and x.dim() != 2:
         raise ValueError("rms_norm: fp8_out needs a 2-D x [R, H]")
     if post_add is not None:
-        if x.dim() != 2 or residual is not None or fp8_out:
-            raise ValueError("rms_norm: post_add needs a 2-D x [R, H] and neither residual nor fp8_out")
-        if post_add.shape != x.shape or post_add.dtype != x.dtype or not post_add.is_contiguous():
-            raise ValueError(f"rms_norm: post_add {tuple(post_add.shape)} {post_add.dtype} must be a contiguous "
-                             f"tensor like x {tuple(x.shape)} {x.dtype}")
+        _check_addend("post_add", post_add, x, residual, fp8_out)
     if post_scale is not None:
         if x.dim() != 2 or fp8_out or post_scale.numel() != 1 or not post_scale.is_floating_point():
             raise ValueError("rms_norm: post_scale must be a one-element float tensor, with a 2-D x and no fp8_out")
@@ -230,13 +226,18 @@ def _check(x, weight, residual, fp8_out, post_add=None, post_scale=None, pre_wei
     if (pre_weight is None) != (pre_add is None):
         raise ValueError("rms_norm: pre_weight and pre_add go together")
     if pre_add is not None:
-        if x.dim() != 2 or residual is not None or fp8_out:
-            raise ValueError("rms_norm: pre_add needs a 2-D x [R, H] and neither residual nor fp8_out")
-        if pre_add.shape != x.shape or pre_add.dtype != x.dtype or not pre_add.is_contiguous():
-            raise ValueError(f"rms_norm: pre_add {tuple(pre_add.shape)} {pre_add.dtype} must be a contiguous "
-                             f"tensor like x {tuple(x.shape)} {x.dtype}")
+        _check_addend("pre_add", pre_add, x, residual, fp8_out)
         if pre_weight.shape != x.shape[-1:] or not pre_weight.is_contiguous() or pre_weight.device != x.device:
             raise ValueError(f"rms_norm: pre_weight must be a contiguous [{x.shape[-1]}] tensor on {x.device}, "
                              f"got {tuple(pre_weight.shape)} on {pre_weight.device}")
         if not x.is_contiguous():
             raise ValueError(f"rms_norm: pre_add needs a contiguous x, got strides {x.stride()}")
+
+
+def _check_addend(name: str, t: torch.Tensor, x: torch.Tensor, residual, fp8_out: bool) -> None:
+    """post_add / pre_add: a contiguous tensor like the 2-D x, without residual or fp8_out."""
+    if x.dim() != 2 or residual is not None or fp8_out:
+        raise ValueError(f"rms_norm: {name} needs a 2-D x [R, H] and neither residual nor fp8_out")
+    if t.shape != x.shape or t.dtype != x.dtype or not t.is_contiguous():
+        raise ValueError(f"rms_norm: {name} {tuple(t.shape)} {t.dtype} must be a contiguous "
+                         f"tensor like x {tuple(x.shape)} {x.dtype}")
