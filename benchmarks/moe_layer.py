@@ -150,12 +150,26 @@ def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path) -> pathlib.Path:
                 t = timed(cand)
                 if t < best_t:
                     best, best_t = cand, t
-        print(f"rows {rows:5d} {'fp8' if fp8 else 'bf16'}: {best_t * 1e6:8.2f} us  {best}")
+        print(f"rows {rows:5d} {'fp8' if fp8 else 'bf16'}: {best_t * 1e6:8.2f} us  {best}", flush=True)
         table[str(rows)] = best.to_json()
-    path = out_dir / moe_configs.config_file(E, H, I, fp8, torch.cuda.get_device_name()).name
-    path.write_text(json.dumps({"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                         "source": "benchmarks/moe_layer.py --tune"},
-                                "configs": table}, indent=1) + "\n")
+        # after each row count, so a run cut short keeps what it tuned
+        path = write_table(table, fp8, out_dir, torch.cuda.get_device_name(), torch.__version__)
+    return path
+
+
+def write_table(table: dict, fp8: bool, out_dir: pathlib.Path, device_name: str, torch_version: str) -> pathlib.Path:
+    """Write (or rewrite) the data file ``pick_config`` reads for this shape and device. Entries of the existing
+    file for row counts not in ``table`` are kept; meta ``tuned_rows`` lists the entries a sweep chose."""
+    from sparrow.kernels import moe_configs
+
+    path = out_dir / moe_configs.config_file(E, H, I, fp8, device_name).name
+    old = json.loads(path.read_text()) if path.exists() else {}
+    configs = {**old.get("configs", {}), **table}
+    tuned = sorted({*old.get("meta", {}).get("tuned_rows", []), *map(int, table)})
+    meta = {"device": device_name, "torch": torch_version, "tuned_rows": tuned,
+            "source": "benchmarks/moe_layer.py --tune (rows not in tuned_rows: the entries this file had before)"}
+    configs = dict(sorted(configs.items(), key=lambda kv: int(kv[0])))
+    path.write_text(json.dumps({"meta": meta, "configs": configs}, indent=1) + "\n")
     moe_configs._load.cache_clear()
     return path
 

@@ -315,6 +315,28 @@ def test_small_path_tile_fits_shared_memory():
     assert _fit_shared_memory(tile, 16, 2, 2, gated=True) is tile
 
 
+def test_tune_writes_after_each_row_count_and_keeps_other_entries(tmp_path):
+    """benchmarks/moe_layer.py --tune rewrites the data file per row count: earlier entries stay, meta lists the
+    tuned rows, and the entries parse back as MoeConfig."""
+    import json
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
+    import moe_layer
+
+    from sparrow.kernels.moe_configs import MoeConfig, Tile
+
+    def cfg(n):
+        return MoeConfig(16, Tile(n, 128), Tile(n, 256)).to_json()
+
+    moe_layer.write_table({"64": cfg(32)}, True, tmp_path, "Some GPU", "x")
+    path = moe_layer.write_table({"1": cfg(16)}, True, tmp_path, "Some GPU", "x")
+    data = json.loads(path.read_text())
+    assert list(data["configs"]) == ["1", "64"] and data["meta"]["tuned_rows"] == [1, 64]
+    assert MoeConfig.from_json(data["configs"]["1"]).gate_up.block_n == 16
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_experts,top_k", [(8, 2), (64, 1), (128, 8), (256, 8)])
 @pytest.mark.parametrize("rows", [1, 17, 65, 1024])
