@@ -126,16 +126,20 @@ def tune_gemv(peak: float, dtypes=(False, True)) -> None:
         nxt = _rotating(lambda: quantize_fp8_block_ref(w), n * k) if fp8 else _rotating(lambda: (w.clone(),), 2 * n * k)
         fn = gemv_fp8_triton if fp8 else gemv_triton
         nbytes = n * k * (1 if fp8 else 2)
-        for rows in (1, 16):
+        # (use_dot, swap_ab, a8) variants; FP8 adds the W8A8 ones (x quantized in the kernel, e4m3 dots)
+        variants = ((True, False, False), (True, True, False), (False, False, False))
+        if fp8:
+            variants += ((True, False, True), (True, True, True))
+        for rows in ((1,) if fp8 else (1, 16)):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             results = []
-            for (use_dot, swap), bn, bk, warps, stages in itertools.product(
-                ((True, False), (True, True), (False, False)), (16, 32, 64), (128, 256, 512), (4,), (3, 4)
+            for (use_dot, swap, a8), bn, bk, warps, stages in itertools.product(
+                variants, (16, 32, 64, 128), (128, 256, 512), (4,), (3,)
             ):
                 if not use_dot and rows * bn * bk > 32768:
                     continue
                 cfg = GemvConfig(block_n=bn, block_k=bk, use_dot=use_dot, num_warps=warps, num_stages=stages,
-                                 swap_ab=swap)
+                                 swap_ab=swap, a8=a8)
                 with forced_config(cfg):
                     try:
                         t = _time_s(lambda: fn(x, *nxt()))
@@ -143,7 +147,7 @@ def tune_gemv(peak: float, dtypes=(False, True)) -> None:
                         continue
                 results.append((t, cfg))
             results.sort(key=lambda r: r[0])
-            for t, cfg in results[:3]:
+            for t, cfg in results[:3] + [r for r in results if r[1].a8][:2]:  # the best W8A8 ones too
                 print(f"tune {'fp8 ' if fp8 else 'bf16'} R={rows:<2} K={k} N={n}: {nbytes / t / 1e9:7.1f} GB/s "
                       f"{100 * nbytes / t / peak:5.1f} %  {cfg}")
 

@@ -4,7 +4,8 @@ Shapes: R = rows (<= MAX_ROWS = 16), K = input width, N = output width.
 
     gemv(x [R, K], w [N, K]) -> y [R, N]                         w: bf16 / fp16 / fp32, x's dtype
     gemv_fp8(x [R, K], w [N, K] e4m3, w_scale [ceil(N/128), ceil(K/128)] fp32) -> y [R, N]
-        w = w_e4m3 * w_scale[n // 128, k // 128] (DeepSeek / Qwen FP8 ``weight_scale_inv``, see fp8.py)
+        w = w_e4m3 * w_scale[n // 128, k // 128] (DeepSeek / Qwen FP8 ``weight_scale_inv``, see fp8.py);
+        x unquantized (W8A16), or with a config's ``a8`` quantized per 128-group as in ``fp8_gemm`` (W8A8)
 
 Accumulation is fp32; y is rounded once to x's dtype. ``*_ref`` are the torch twins (CPU path and
 oracle), ``*_triton`` the launchers (same signatures), ``gemv`` / ``gemv_fp8`` the dispatchers: Triton for
@@ -18,6 +19,7 @@ until the grid has ``MIN_PROGRAMS`` programs (all SMs busy). Tests force a confi
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +46,9 @@ class GemvConfig:
     swap_ab: bool = False
     """With use_dot: y^T = w @ x^T, the weight as the dot's first (K-major) operand and the rows padded to
     16 as its second ("swap AB" for small M); block_n >= 16."""
+    a8: bool = False
+    """FP8 weights with use_dot: W8A8, x quantized per row and 128-column group inside the kernel and an
+    e4m3 x e4m3 dot (the numbers of ``fp8_gemm_ref``, not ``gemv_fp8_ref``); block_k a multiple of 128."""
 
 
 # (largest R, config). H200 sweep (benchmarks/kernels_micro.py tune_gemv, K=2816 N=8192, bf16): the
@@ -58,6 +63,9 @@ GEMV_CONFIGS: tuple[tuple[int, GemvConfig], ...] = (
 # 3-4, tensor-core / swap_ab / FMA, R = 1 and 16, K x N = 2816 x 8192, 4096 x 2816, 2112 x 2816) picks the bf16
 # entry at every shape: 43.5 %, 21.5 % and 16.8 % of copy bandwidth. swap_ab and the FMA path lose. This is
 # the slow part of FP8 decode: the e4m3 GEMV is slower than the bf16 one at K x N = 4096 x 2816 and 2112 x 2816.
+# Likely cause (not yet measured): below 64 rows Triton cannot use Hopper's wgmma, so each e4m3 tile is widened
+# in registers. The W8A8 variant (``a8``, with ``swap_ab`` the weight fills the dot's 64-row side) is built and
+# tested against ``fp8_gemm_ref`` and joins the sweep, but it has not run on the H200 yet.
 FP8_GEMV_CONFIGS: tuple[tuple[int, GemvConfig], ...] = GEMV_CONFIGS
 MIN_PROGRAMS = 132  # one program per SM of an H100 / H200 before BLOCK_N narrows
 
@@ -133,6 +141,10 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> t
     sub_k = min(cfg.block_k, GROUP) if fp8 else cfg.block_k
     if fp8 and (GROUP % sub_k != 0 or cfg.block_k % sub_k != 0):
         raise ValueError(f"gemv_fp8: block_k {cfg.block_k} must divide or be a multiple of the 128 scale block")
+    a8 = fp8 and cfg.use_dot and cfg.a8
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if a8 and sub_k != GROUP:
+        raise ValueError(f"gemv_fp8: the W8A8 variant needs block_k a multiple of {GROUP}, got {cfg.block_k}")
     block_r = 16 if cfg.use_dot else _next_pow2(rows)
     gemv_kernel[(-(-n // cfg.block_n),)](
         x,
@@ -148,7 +160,9 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> t
         FP8_W=fp8,
         USE_DOT=cfg.use_dot,
         SWAP_AB=cfg.use_dot and cfg.swap_ab,
-        IEEE=x.dtype == torch.float32,
+        IEEE=(x.dtype == torch.float32 and not a8) or (a8 and interpret),  # interpreter A8: fp32 e4m3 values
+        A8=a8,
+        INTERPRET=interpret,
         BLOCK_R=block_r,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,

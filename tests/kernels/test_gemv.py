@@ -96,6 +96,35 @@ def test_gemv_fp8_matches_twin(rows, k, n, dtype, config):
     torch.testing.assert_close(_run(config, gemv_fp8_triton, x, wq, ws), gemv_fp8_ref(x, wq, ws), **TOL[dtype])
 
 
+A8_CONFIGS = {
+    "a8": GemvConfig(block_n=32, block_k=128, use_dot=True, a8=True),
+    "a8_swap_ab": GemvConfig(block_n=64, block_k=256, use_dot=True, swap_ab=True, a8=True),
+}
+
+
+@pytest.mark.parametrize("config", list(A8_CONFIGS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_gemv_fp8_a8_matches_w8a8_twin(rows, k, n, dtype, config):
+    """The W8A8 variant quantizes x per 128-group like fp8_gemm: its twin is fp8_gemm_ref, ragged K included."""
+    from sparrow.kernels.fp8_gemm import fp8_gemm_ref
+
+    x, w = _inputs(rows, k, n, dtype)
+    wq, ws = quantize_fp8_block_ref(w)
+    with forced_config(A8_CONFIGS[config]):
+        got = gemv_fp8_triton(x, wq, ws)
+    torch.testing.assert_close(got, fp8_gemm_ref(x, wq, ws), **TOL[dtype])
+
+
+def test_gemv_fp8_a8_needs_whole_scale_groups():
+    x, w = _inputs(2, 256, 32, torch.float32)
+    wq, ws = quantize_fp8_block_ref(w)
+    with forced_config(GemvConfig(block_n=32, block_k=64, use_dot=True, a8=True)):
+        with pytest.raises(ValueError, match="W8A8"):
+            gemv_fp8_triton(x, wq, ws)
+
+
 def test_fp8_twin_is_close_to_unquantized():
     x, w = _inputs(3, 1000, 264, torch.float32)
     wq, ws = quantize_fp8_block_ref(w)
@@ -143,6 +172,20 @@ def test_gpu_real_shapes(rows, k, n, fp8):
         torch.testing.assert_close(gemv_fp8_triton(x, wq, ws), gemv_fp8_ref(x, wq, ws), **TOL[torch.bfloat16])
     else:
         torch.testing.assert_close(gemv_triton(x, w), gemv_ref(x, w), **TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", list(A8_CONFIGS))
+@pytest.mark.parametrize("k,n", [(2816, 8192), (4096, 2816), (2112, 2816)])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_gpu_fp8_a8(rows, k, n, config):
+    from sparrow.kernels.fp8_gemm import fp8_gemm_ref
+
+    x, w = _inputs(rows, k, n, torch.bfloat16)
+    wq, ws = quantize_fp8_block_ref(w)
+    with forced_config(A8_CONFIGS[config]):
+        got = gemv_fp8_triton(x, wq, ws)
+    torch.testing.assert_close(got, fp8_gemm_ref(x, wq, ws), **TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu
