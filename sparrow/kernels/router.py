@@ -121,6 +121,8 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, rms_eps: float |
     from sparrow.kernels._router_jit import router_logits_kernel
 
     _check_logits(x, weight)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
     rows, hidden = x.shape
     num_experts = weight.shape[0]
     out = torch.empty(rows, num_experts, dtype=torch.float32, device=x.device)
@@ -151,8 +153,6 @@ def _check_logits(x: torch.Tensor, weight: torch.Tensor) -> None:
                          f"weight {tuple(weight.shape)}")
     if not (x.is_floating_point() and weight.is_floating_point()):
         raise ValueError(f"router_logits: x and weight must be float tensors, got {x.dtype} and {weight.dtype}")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError(f"router_logits: x and weight need unit stride on H, got {x.stride()} and {weight.stride()}")
     if x.device != weight.device:
         raise ValueError(f"router_logits: x on {x.device}, weight on {weight.device}")
 

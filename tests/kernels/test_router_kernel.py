@@ -139,6 +139,8 @@ def test_router_logits_bf16_weight_and_dispatch():
         assert torch.equal(router_logits(big, w, 1e-6), router_logits_ref(big, w, 1e-6))
     with pytest.raises(ValueError, match="need x"):
         router_logits_triton(x, w[:, :32])
+    xs = torch.cat([x, x], dim=1)[:, ::2]  # a strided x is copied, not rejected
+    torch.testing.assert_close(router_logits_triton(xs, wb), router_logits_ref(xs, wb), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu
