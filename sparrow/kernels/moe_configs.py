@@ -88,10 +88,9 @@ TUNED_SMALL_PAIRS = 64  # moe_layer.py --tune: an entry of R rows was tuned on t
 def pick_config(rows: int, top_k: int, num_experts: int, hidden: int, width: int, small: bool, fp8: bool,
                 device_name: str | None) -> MoeConfig:
     """The forced config, else the tuned entry of the nearest row count among those tuned on the same path
-    (small / grouped; any entry when none was), else ``default_config``. Rows 9-36 at top-8 run the grouped
-    kernel, so they take the grouped entry of rows 64, not the nearer rows-8 entry tuned for the small
-    kernel. (With decode batches of at most 8 nothing compiled that mix before a mixed prefill step needed it,
-    the likely cause of a 1.2 s first-step stall on the H200.)"""
+    (small / grouped; any entry when none was), else ``default_config``. Keeping the paths apart matters:
+    rows 9-36 at top-8 run the grouped kernel, and the nearest entry (rows 8) holds a small-path tile, a
+    variant nothing else compiles (its first use stalled a step by ~1 s on the H200)."""
     if forced_config.value is not None:
         return forced_config.value
     if device_name is not None:
