@@ -120,7 +120,7 @@ def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path) -> pathlib.Path:
     table = {}
     for rows in rows_list:
         _, _, call = make_call(rows, layer)
-        small = rows * K <= moe_configs.TUNED_SMALL_PAIRS
+        small = rows * K <= 64
         best = moe_configs.default_config(rows, rows * K, E, small, fp8)
         ks = (128, 256, 512) if small else ((128,) if fp8 else (32, 64, 128))
         ns = (16, 32, 64) if small else (32, 64, 128)

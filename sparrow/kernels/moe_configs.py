@@ -4,8 +4,8 @@ Shapes: R = rows, E = experts, H = hidden, I = expert width, P = R * K pairs.
 
 A ``MoeConfig`` holds BLOCK_M (sorted pairs per program of the grouped path, also the alignment padding;
 the small-batch path ignores it) and one ``Tile`` per GEMM (gate|up, down). ``pick_config`` returns, in
-order: the config forced by ``forced_config`` (tests, tuning); the entry with the nearest row count (among
-those tuned on the same path) in ``configs/E{E}_H{H}_I{I}_{bf16|fp8}_{device}.json`` (device = ``torch.cuda.get_device_name()`` with
+order: the config forced by ``forced_config`` (tests, tuning); the entry with the nearest row count in
+``configs/E{E}_H{H}_I{I}_{bf16|fp8}_{device}.json`` (device = ``torch.cuda.get_device_name()`` with
 spaces as underscores), written by ``benchmarks/moe_layer.py --tune``; else ``default_config``.
 """
 from __future__ import annotations
@@ -82,20 +82,14 @@ def tuned_configs(num_experts: int, hidden: int, width: int, fp8: bool, device_n
     return _load(config_file(num_experts, hidden, width, fp8, device_name))
 
 
-TUNED_SMALL_PAIRS = 64  # moe_layer.py --tune: an entry of R rows was tuned on the small path iff R * top_k <= 64
-
-
 def pick_config(rows: int, top_k: int, num_experts: int, hidden: int, width: int, small: bool, fp8: bool,
                 device_name: str | None) -> MoeConfig:
-    """The forced config, else the tuned entry of the nearest row count among those tuned on the same path
-    (small / grouped; any entry when none was), else ``default_config``. Keeping the paths apart matters:
-    rows 9-36 at top-8 run the grouped kernel, and the nearest entry (rows 8) holds a small-path tile, a
-    variant nothing else compiles (its first use stalled a step by ~1 s on the H200)."""
+    """The forced config, else the tuned entry of the nearest row count, else ``default_config``.
+    A tuned entry is used on either path (its block_m only matters on the grouped one)."""
     if forced_config.value is not None:
         return forced_config.value
     if device_name is not None:
         table = tuned_configs(num_experts, hidden, width, fp8, device_name)
-        same = {r: c for r, c in table.items() if (r * top_k <= TUNED_SMALL_PAIRS) == small} or table
-        if same:
-            return same[min(same, key=lambda r: (abs(r - rows), r))]
+        if table:
+            return table[min(table, key=lambda r: (abs(r - rows), r))]
     return default_config(rows, rows * top_k, num_experts, small, fp8)

@@ -272,26 +272,6 @@ def test_config_table_nearest_rows_and_forcing(tmp_path, monkeypatch):
     moe_configs._load.cache_clear()
 
 
-def test_config_table_keeps_small_and_grouped_entries_apart(tmp_path, monkeypatch):
-    """Rows 11 at top-8 (88 pairs) run the grouped kernel: they take the grouped entry tuned at 64 rows, not
-    the nearer rows-8 entry tuned on the small path; a table with one path only serves both."""
-    tiles = {r: MoeConfig(16 * (i + 1), Tile(32, 128), Tile(32, 128)) for i, r in enumerate((1, 8, 64, 8192))}
-    path = tmp_path / moe_configs.config_file(8, H, I, False, "Fake GPU").name
-    monkeypatch.setattr(moe_configs, "CONFIG_DIR", tmp_path)
-    path.write_text(json.dumps({"configs": {str(r): c.to_json() for r, c in tiles.items()}}))
-    moe_configs._load.cache_clear()
-
-    def pick(rows, small):
-        return pick_config(rows, 8, 8, H, I, small, False, "Fake GPU")
-
-    assert pick(11, False) == tiles[64] and pick(2, True) == tiles[1] and pick(8, True) == tiles[8]
-    assert pick(5000, False) == tiles[8192] and pick(11, True) == tiles[8]  # a forced small path at 11 rows
-    path.write_text(json.dumps({"configs": {"1": tiles[1].to_json()}}))
-    moe_configs._load.cache_clear()
-    assert pick(300, False) == tiles[1]
-    moe_configs._load.cache_clear()
-
-
 def test_shipped_config_files_parse():
     files = sorted(moe_configs.CONFIG_DIR.glob("*.json"))
     assert files, "no tile-config data files shipped"
