@@ -4,8 +4,11 @@
 #   gemma4 llama fp8 eager
 # (no stage: tests gemma4 llama eager). Each stage has its own time limit (T_<STAGE> seconds). GPU_TESTS picks
 # the test files of the `tests` stage and TEST_ARGS adds pytest options (e.g. "-k 'bf16 and mixtral'");
-# PACKAGED_ARGS likewise for the packaged-model stage. The device image lacks `gguf`: its wheel travels in .whl (see
-# ../.library/device/README.md).
+# PACKAGED_ARGS likewise for the packaged-model stage. Stage options: PREFILL_ARGS (extra `sparrow bench` flags of
+# the 8 x 2048 prefill profile), ATTN_ARGS (attention_prefill.py, default --tune), GEMV_ARGS (kernels_micro.py,
+# default tune_gemv_fp8), TUNE_ROWS / TUNE_DTYPES (moe_layer.py --tune), G4_BATCHES / G4_PROMPTS,
+# FP8_BATCHES / FP8_PROMPTS / FP8_ARGS, LL_BATCHES / LL_PROMPTS. The device image lacks `gguf`: its wheel travels
+# in .whl (see ../.library/device/README.md).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 if ls .whl/*.whl >/dev/null 2>&1; then
