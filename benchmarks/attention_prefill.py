@@ -20,6 +20,8 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from gpu_timing import time_s  # noqa: E402  (beside this script)
 
 PAGE = 16
 KINDS = {  # name: (q heads, KV heads, head dim, window)
@@ -27,11 +29,6 @@ KINDS = {  # name: (q heads, KV heads, head dim, window)
     "full": (16, 2, 512, None),
 }
 
-
-def _time_s(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench_cudagraph(fn, rep=50) * 1e-3
 
 
 def visible_pairs(length: int, window: int | None) -> int:
@@ -71,7 +68,7 @@ def bench(seqs: int, length: int, config: dict | None = None, kinds=KINDS) -> di
     for name, (hq, hkv, d, window) in kinds.items():
         args = make_inputs(seqs, length, hq, hkv, d)
         flops = 4 * d * hq * seqs * visible_pairs(length, window)
-        t = _time_s(lambda: paged_prefill_attention(*args, d**-0.5, window, None, config=config))
+        t = time_s(lambda: paged_prefill_attention(*args, d**-0.5, window, None, config=config))
         out[name] = (t, flops / t / 1e12)
     return out
 
@@ -92,7 +89,7 @@ def main(argv=None) -> None:
         hq, hkv, d, window = KINDS[name]
         flops = 4 * d * hq * a.seqs * visible_pairs(a.length, window)
         try:
-            ts = _time_s(sdpa_call(a.seqs, a.length, hq, hkv, d, window))
+            ts = time_s(sdpa_call(a.seqs, a.length, hq, hkv, d, window))
             ref = f"torch sdpa {ts * 1e3:8.3f} ms {flops / ts / 1e12:7.1f} TFLOP/s"
         except RuntimeError as e:
             ref = f"torch sdpa failed: {str(e).splitlines()[0][:80]}"

@@ -18,20 +18,10 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from gpu_timing import copy_bandwidth, time_s  # noqa: E402  (beside this script)
 
 
-def _time_s(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench_cudagraph(fn, rep=50) * 1e-3
-
-
-def copy_bandwidth(nbytes: int = 1 << 31) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write counted) of an elementwise kernel, best of 3.
-    (A plain ``copy_`` is a memcpy node inside a CUDA graph and runs far below HBM speed.)"""
-    a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
-    b = torch.empty_like(a)
-    return max(2 * nbytes / _time_s(lambda: torch.mul(a, 1.0, out=b)) for _ in range(3))
 
 
 def _rotating(make, nbytes: int, working_set: int = 1 << 28):
@@ -48,7 +38,7 @@ def _rotating(make, nbytes: int, working_set: int = 1 << 28):
 
 
 def _report(name: str, shape: str, fn, nbytes: int, peak: float) -> None:
-    t = _time_s(fn)
+    t = time_s(fn)
     print(f"{name:<22} {shape:<24} {t * 1e6:9.2f} us {nbytes / t / 1e9:9.1f} GB/s {100 * nbytes / t / peak:6.1f} %")
 
 
@@ -142,7 +132,7 @@ def tune_gemv(peak: float, dtypes=(False, True)) -> None:
                                  swap_ab=swap, a8=a8)
                 with forced_config(cfg):
                     try:
-                        t = _time_s(lambda: fn(x, *nxt()))
+                        t = time_s(lambda: fn(x, *nxt()))
                     except Exception:  # out of shared memory / registers
                         continue
                 results.append((t, cfg))

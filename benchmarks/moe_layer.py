@@ -22,22 +22,13 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from gpu_timing import copy_bandwidth, time_s  # noqa: E402  (beside this script)
 
 H, E, K, I = 2816, 128, 8, 704
 N_ROUTINGS = 16
 
 
-def _time_s(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench_cudagraph(fn, rep=50) * 1e-3
-
-
-def copy_bandwidth(nbytes: int = 1 << 31) -> float:
-    """Device-to-device bandwidth in bytes/s (read + write) of an elementwise kernel, best of 3."""
-    a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
-    b = torch.empty_like(a)
-    return max(2 * nbytes / _time_s(lambda: torch.mul(a, 1.0, out=b)) for _ in range(3))
 
 
 def make_layer(fp8: bool, seed: int = 0):
@@ -98,7 +89,7 @@ def bench_one(rows: int, fp8: bool, layer, peak: float, with_torch: bool = False
 
     x, routings, call = make_call(rows, layer)
     call()  # compile outside the capture
-    t = _time_s(call)
+    t = time_s(call)
     nbytes = bytes_bound(rows, fp8, routings)
     res = dict(rows=rows, dtype="fp8" if fp8 else "bf16", path="small" if rows * K <= 64 else "grouped",
                us=t * 1e6, bound_us=nbytes / peak * 1e6, gbps=nbytes / t / 1e9, pct_copy=100 * nbytes / t / peak)
@@ -132,7 +123,7 @@ def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path) -> pathlib.Path:
             try:
                 with forced_config(cfg):
                     call()
-                    return _time_s(call)
+                    return time_s(call)
             except Exception as exc:  # out of shared memory / registers for this tile
                 print(f"  skip {cfg}: {type(exc).__name__}")
                 return float("inf")
