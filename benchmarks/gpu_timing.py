@@ -4,11 +4,13 @@ from __future__ import annotations
 import torch
 
 
-def time_s(fn) -> float:
-    """Seconds per call of ``fn``, replayed from a CUDA graph (launch overhead excluded)."""
+def time_s(fn, rep: int = 50) -> float:
+    """Seconds per call of ``fn``, replayed from a CUDA graph (launch overhead excluded) for about ``rep`` ms."""
     import triton.testing
 
-    return triton.testing.do_bench_cudagraph(fn, rep=50) * 1e-3
+    fn()  # outside the capture: compile, and allocate what a first call allocates (split-K workspaces)
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=rep) * 1e-3
 
 
 def copy_bandwidth(nbytes: int = 1 << 31) -> float:

@@ -2,7 +2,8 @@
 
     python benchmarks/kernels_micro.py [norm] [act] [gemv]      (all three without arguments)
     python benchmarks/kernels_micro.py tune_gemv                 (sweep GemvConfig for GEMV_CONFIGS)
-    python benchmarks/kernels_micro.py tune_gemv_fp8             (the same, FP8 weights only)
+    python benchmarks/kernels_micro.py tune_gemv_fp8             (the same, FP8 weights only; tune_gemv_bf16)
+    python benchmarks/kernels_micro.py tune_fp8_gemm             (sweep Fp8GemmConfig at M = 64)
 
 Each line: kernel, shape, time per call (CUDA-graph replay, so launch overhead is excluded), bytes moved
 (each input read once + each output written once), GB/s and % of the device-to-device copy bandwidth
@@ -104,42 +105,74 @@ GEMV_SHAPES = ((2816, 8192), (4096, 2816), (2816, 4224), (2112, 2816), (2816, 26
 
 
 def tune_gemv(peak: float, dtypes=(False, True)) -> None:
-    """Sweep GemvConfig per row count (bf16 and / or FP8 weights); print the best few (to fill GEMV_CONFIGS
-    / FP8_GEMV_CONFIGS)."""
+    """Sweep GemvConfig per shape: tensor-core tiles x split-K at R = 1 and 8, and the FMA path (deferred K
+    sum) at R = 1 (bf16 and / or FP8 weights); print the best few, to fill GEMV_CONFIGS / FP8_GEMV_CONFIGS."""
     import itertools
+
+    import torch.nn.functional as F
 
     from sparrow.kernels.fp8 import quantize_fp8_block_ref
     from sparrow.kernels.gemv import GemvConfig, forced_config, gemv_fp8_triton, gemv_triton
 
-    for (k, n), fp8 in itertools.product(((2816, 8192), (4096, 2816), (2112, 2816)), dtypes):
+    splits = (1, 2, 4, 8)
+    dot = [GemvConfig(bn, bk, True, split_k=sk) for bn, bk, sk in itertools.product((32, 64), (256, 512), splits)]
+    fma = [GemvConfig(bn, bk, False, split_k=sk) for bn, bk, sk in itertools.product((16, 32, 64), (128, 256, 512), splits)
+           if bn * bk <= 16384]
+    for (k, n), fp8 in itertools.product(((2816, 8192), (4096, 2816), (2112, 2816), (2816, 4224)), dtypes):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         nxt = _rotating(lambda: quantize_fp8_block_ref(w), n * k) if fp8 else _rotating(lambda: (w.clone(),), 2 * n * k)
         fn = gemv_fp8_triton if fp8 else gemv_triton
         nbytes = n * k * (1 if fp8 else 2)
-        # (use_dot, swap_ab, a8) variants; FP8 adds the W8A8 ones (x quantized in the kernel, e4m3 dots)
-        variants = ((True, False, False), (True, True, False), (False, False, False))
-        if fp8:
-            variants += ((True, False, True), (True, True, True))
-        for rows in ((1,) if fp8 else (1, 16)):
+        for rows in (1, 8):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             results = []
-            for (use_dot, swap, a8), bn, bk, warps, stages in itertools.product(
-                variants, (16, 32, 64, 128), (128, 256, 512), (4,), (3,)
-            ):
-                if not use_dot and rows * bn * bk > 32768:
-                    continue
-                cfg = GemvConfig(block_n=bn, block_k=bk, use_dot=use_dot, num_warps=warps, num_stages=stages,
-                                 swap_ab=swap, a8=a8)
+            for cfg in dot + (fma if rows == 1 else []):
                 with forced_config(cfg):
                     try:
-                        t = time_s(lambda: fn(x, *nxt()))
+                        t = time_s(lambda: fn(x, *nxt()), rep=20)
                     except Exception:  # out of shared memory / registers
                         continue
                 results.append((t, cfg))
             results.sort(key=lambda r: r[0])
-            for t, cfg in results[:3] + [r for r in results if r[1].a8][:2]:  # the best W8A8 ones too
-                print(f"tune {'fp8 ' if fp8 else 'bf16'} R={rows:<2} K={k} N={n}: {nbytes / t / 1e9:7.1f} GB/s "
-                      f"{100 * nbytes / t / peak:5.1f} %  {cfg}")
+            if not fp8:
+                t = time_s(lambda: F.linear(x, *nxt()), rep=20)
+                print(f"tune cuBLAS R={rows:<2} K={k} N={n}: {t * 1e6:6.1f} us {nbytes / t / 1e9:7.1f} GB/s "
+                      f"{100 * nbytes / t / peak:5.1f} %", flush=True)
+            best_fma = [r for r in results if not r[1].use_dot][:1]
+            for t, cfg in results[:4] + [r for r in results if r[1].split_k == 1][:1] + best_fma:
+                programs = -(-n // cfg.block_n) * cfg.split_k
+                print(f"tune {'fp8 ' if fp8 else 'bf16'} R={rows:<2} K={k} N={n}: {t * 1e6:6.1f} us "
+                      f"{nbytes / t / 1e9:7.1f} GB/s {100 * nbytes / t / peak:5.1f} %  programs {programs:4d}  {cfg}",
+                      flush=True)
+
+
+def tune_fp8_gemm(peak: float) -> None:
+    """Sweep Fp8GemmConfig (tiles, split-K) at decode-sized M = 64; print the best few per shape."""
+    import itertools
+
+    from sparrow.kernels.fp8 import quantize_fp8_block_ref
+    from sparrow.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm_triton, forced_config
+
+    for k, n in ((2816, 8192), (4096, 2816), (2112, 2816), (2816, 4224)):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        nxt = _rotating(lambda: quantize_fp8_block_ref(w), n * k)
+        for rows in (64,):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            results = []
+            for bm, bn, split, stages in itertools.product((32, 64), (32, 64, 128), (1, 2, 4, 8), (3, 4)):
+                if bm > rows:
+                    continue
+                cfg = Fp8GemmConfig(block_m=bm, block_n=bn, group_m=8, num_warps=4, num_stages=stages, split_k=split)
+                with forced_config(cfg):
+                    try:
+                        t = time_s(lambda: fp8_gemm_triton(x, *nxt()), rep=20)
+                    except Exception:
+                        continue
+                results.append((t, cfg))
+            results.sort(key=lambda r: r[0])
+            for t, cfg in results[:4] + [r for r in results if r[1].split_k == 1][:1]:
+                print(f"tune fp8_gemm M={rows:<3} K={k} N={n}: {t * 1e6:6.1f} us {n * k / t / 1e9:7.1f} GB/s "
+                      f"{100 * n * k / t / peak:5.1f} %  {cfg}", flush=True)
 
 
 def main(which: list[str]) -> None:
@@ -151,7 +184,8 @@ def main(which: list[str]) -> None:
     print(f"{torch.cuda.get_device_name()}: measured copy bandwidth {peak / 1e9:.0f} GB/s")
     for name in which:
         {"norm": bench_norm, "act": bench_act, "gemv": bench_gemv, "tune_gemv": tune_gemv,
-         "tune_gemv_fp8": lambda p: tune_gemv(p, (True,))}[name](peak)
+         "tune_gemv_fp8": lambda p: tune_gemv(p, (True,)),
+         "tune_gemv_bf16": lambda p: tune_gemv(p, (False,)), "tune_fp8_gemm": tune_fp8_gemm}[name](peak)
 
 
 if __name__ == "__main__":

@@ -103,7 +103,8 @@ def bench_one(rows: int, fp8: bool, layer, peak: float, with_torch: bool = False
 
 
 def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path) -> pathlib.Path:
-    """Coordinate search per rows: BLOCK_M, then the gate|up tile, then the down tile (18 tiles each, 12 for FP8 grouped).
+    """Coordinate search per rows: BLOCK_M, then the gate|up tile, then the down tile (27 tiles each on the
+    small path, 18 grouped, 12 FP8 grouped).
     Writes the data file ``pick_config`` reads for this shape and device."""
     from sparrow.kernels import moe_configs
     from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config
@@ -113,17 +114,19 @@ def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path) -> pathlib.Path:
         _, _, call = make_call(rows, layer)
         small = rows * K <= 64
         best = moe_configs.default_config(rows, rows * K, E, small, fp8)
-        ks = (128, 256, 512) if small else ((128,) if fp8 else (32, 64, 128))
-        ns = (16, 32, 64) if small else (32, 64, 128)
         ms = (16,) if small else (16, 32, 64, 128)
-        stages = (3, 4) if fp8 and not small else (3,)  # 18 tiles per GEMM (12 for FP8 grouped)
-        tiles = [Tile(n, k, w, s) for n, k, w, s in itertools.product(ns, ks, (4, 8), stages)]
+        if small:  # 27 tiles per GEMM: K split over programs (reduced in the kernel), FP8 up to 1024-wide K steps
+            ks = (256, 512, 1024) if fp8 else (128, 256, 512)
+            tiles = [Tile(n, k, 4, 3, split) for n, k, split in itertools.product((16, 32, 64), ks, (1, 2, 4))]
+        else:  # 18 tiles per GEMM (12 for FP8)
+            ks = (128,) if fp8 else (32, 64, 128)
+            stages = (3, 4) if fp8 else (3,)
+            tiles = [Tile(n, k, w, s) for n, k, w, s in itertools.product((32, 64, 128), ks, (4, 8), stages)]
 
         def timed(cfg):
             try:
                 with forced_config(cfg):
-                    call()
-                    return time_s(call)
+                    return time_s(call, rep=20)
             except Exception as exc:  # out of shared memory / registers for this tile
                 print(f"  skip {cfg}: {type(exc).__name__}")
                 return float("inf")

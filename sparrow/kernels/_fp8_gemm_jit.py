@@ -19,6 +19,8 @@ fp32 bit arithmetic and the dot runs on fp32 values (same numbers, exact product
 import triton
 import triton.language as tl
 
+from sparrow.kernels._split_k_jit import split_k_and, split_k_arrive, split_k_range, split_k_store, split_k_sum
+
 
 @triton.jit
 def _round_e4m3(v):
@@ -40,6 +42,8 @@ def fp8_gemm_kernel(
     w_ptr,  # [N, K] e4m3, unit stride on K
     ws_ptr,  # [ceil(N/128), ceil(K/128)] fp32, unit stride on K groups
     c_ptr,  # [M, N] contiguous
+    part_ptr,  # SPLIT_K > 1: fp32 partials, SPLIT_K * BLOCK_M * BLOCK_N per output tile (_split_k_jit); else dummy
+    lock_ptr,  # SPLIT_K > 1: int32 [output tiles] counters, 0 on entry and on exit; else dummy
     M,
     N,
     K,
@@ -53,8 +57,10 @@ def fp8_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # must be 128: one scale group per step
     GROUP_M: tl.constexpr,  # programs of GROUP_M row tiles sweep N together (L2 reuse of w)
+    SPLIT_K: tl.constexpr,  # programs per output tile (grid axis 1), each over a contiguous run of K groups
 ):
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
@@ -69,9 +75,10 @@ def fp8_gemm_kernel(
     m_mask = rm < M
     n_mask = rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start, k_end = split_k_range(K, pid_k, SPLIT_K, BLOCK_K)
+    for k0 in range(k_start, k_end, BLOCK_K):
         kk = k0 + rk
-        k_mask = kk < K
+        k_mask = kk < k_end
         g = k0 // BLOCK_K
         a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         if QUANT_A:
@@ -96,4 +103,10 @@ def fp8_gemm_kernel(
         else:
             part = tl.dot(aq, tl.trans(w))
         acc += part * a_s[:, None] * w_s[None, :]
-    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    c_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K > 1:
+        split_k_store(acc, part_ptr, pid * SPLIT_K + pid_k, BLOCK_M, BLOCK_N)
+        last = split_k_arrive(lock_ptr, pid, SPLIT_K)
+        acc = split_k_sum(part_ptr, pid * SPLIT_K, last, SPLIT_K, 1, BLOCK_M, BLOCK_N)
+        c_mask = split_k_and(c_mask, last)
+    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=c_mask)

@@ -12,9 +12,10 @@ Kernels, one launch each:
 - ``moe_gemm_kernel``: grouped GEMM, program per (block of BLOCK_M sorted pairs, BLOCK_N outputs); GATED
   computes gate and up of x[pair // K] and stores act(gate) * up [P, I]; otherwise y = act[pair] @ down^T
   [P, H]. Each block reads only its expert's weights, so every expert's weights are read once per N tile.
-- ``moe_gemv_kernel``: the small-batch path, no sort: program per (pair, BLOCK_N outputs); the first pair
-  of each expert (its leader) gathers all pairs routed to that expert into BLOCK_R dot rows and streams
-  the expert's weight tile once for all of them; the other programs exit at once.
+- ``moe_gemv_kernel``: the small-batch path, no sort: program per (pair, BLOCK_N outputs, K split); the
+  first pair of each expert (its leader) gathers all pairs routed to that expert into BLOCK_R dot rows and
+  streams the expert's weight tile once for all of them; the other programs exit at once. With SPLIT_K > 1
+  the K splits are reduced in the kernel (``_split_k_jit``) before the epilogue.
 - ``moe_reduce_kernel``: out[r] = sum_k w[r, k] * y[r * K + k] (+ sigmoid(gate[r]) * shared[r]).
 
 FP8 activations are quantized per 128-column group when the consumer loads them (the numbers of
@@ -29,6 +30,8 @@ RNE_BF16 (round to bf16 in fp32 before the store); the GPU uses tl.dot and the h
 """
 import triton
 import triton.language as tl
+
+from sparrow.kernels._split_k_jit import split_k_and, split_k_arrive, split_k_range, split_k_store, split_k_sum
 
 SILU = 0
 GELU_TANH = 1
@@ -85,22 +88,23 @@ def _mm_rows(
     a_ptr, arow, m_mask, stride_ar,  # A rows arow [BM] (int64) of a [*, K]
     w_ptr, stride_wn,  # this expert's weight [N_w, K]
     s_ptr, stride_sn,  # this expert's block scales [ceil(N_w / 128), ceil(K / 128)] (FP8_W)
-    rn, n_mask, N_UP, K,  # output columns [BN]; the up half starts N_UP weight rows further (GATED)
+    rn, n_mask, N_UP, k_start, k_end,  # output columns [BN] (the up half starts N_UP weight rows further,
+    # GATED) and the K range, k_start a multiple of BLOCK_K
     GATED: tl.constexpr, FP8_W: tl.constexpr, EMULATE_FP8: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
 ):
-    """(acc_gate, acc_up) [BM, BN] fp32 = A @ W[rn]^T (and A @ W[N_UP + rn]^T when GATED)."""
+    """(acc_gate, acc_up) [BM, BN] fp32 = A @ W[rn]^T (and A @ W[N_UP + rn]^T when GATED) over k_start:k_end."""
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     rk = tl.arange(0, SUB_K)
     a_rows = a_ptr + arow[:, None] * stride_ar
     wg_cols = w_ptr + rn[None, :].to(tl.int64) * stride_wn
     wu_cols = w_ptr + (rn[None, :] + N_UP).to(tl.int64) * stride_wn
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         for j in tl.static_range(BLOCK_K // SUB_K):
             ks = k0 + j * SUB_K
             kk = ks + rk
-            k_mask = kk < K
+            k_mask = kk < k_end
             a = tl.load(a_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             wmask = k_mask[:, None] & n_mask[None, :]
             wg = tl.load(wg_cols + kk[:, None], mask=wmask, other=0.0)  # [SUB_K, BN]
@@ -108,7 +112,7 @@ def _mm_rows(
                 wu = tl.load(wu_cols + kk[:, None], mask=wmask, other=0.0)
             if FP8_W:
                 aq, a_s = _quant_fp8(a.to(tl.float32), EMULATE_FP8)
-                kb = tl.minimum(ks, K - 1) // 128  # a sub-step wholly past K adds 0; keep the scale in bounds
+                kb = tl.minimum(ks, k_end - 1) // 128  # a sub-step wholly past K adds 0; keep the scale in bounds
                 sg = tl.load(s_ptr + (rn // 128) * stride_sn + kb, mask=n_mask, other=0.0)
                 acc_g += _dot(aq, wg, UPCAST) * (a_s[:, None] * sg[None, :])
                 if GATED:
@@ -179,7 +183,7 @@ def moe_gemm_kernel(
         n_mask = rn < N
         acc_g, acc_u = _mm_rows(
             a_ptr, arow, m_mask, stride_ar, w_ptr + expert * stride_we, stride_wn,
-            s_ptr + expert * stride_se, stride_sn, rn, n_mask, N, K,
+            s_ptr + expert * stride_se, stride_sn, rn, n_mask, N, 0, K,
             GATED, FP8_W, EMULATE_FP8, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K,
         )
         _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit, GATED, ACT, HAS_LIMIT, RNE_BF16)
@@ -189,6 +193,8 @@ def moe_gemm_kernel(
 def moe_gemv_kernel(
     a_ptr, w_ptr, s_ptr, c_ptr,  # as moe_gemm_kernel
     ids_ptr,  # [P] flattened topk_ids (int32 / int64)
+    ws_ptr,  # SPLIT_K > 1: fp32 partials, (1 + GATED) * SPLIT_K * BLOCK_R * BLOCK_N per (pair, N tile); else dummy
+    lock_ptr,  # SPLIT_K > 1: int32 [P * N tiles] counters, 0 on entry and on exit; else dummy
     P, N, K, A_ROW_DIV,
     stride_ar, stride_we, stride_wn, stride_se, stride_sn,
     limit,
@@ -197,9 +203,11 @@ def moe_gemv_kernel(
     P_PAD: tl.constexpr,  # next power of two >= P
     BLOCK_R: tl.constexpr,  # dot rows per pass (>= 16); experts with more pairs loop
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # programs per (pair, N tile) (grid axis 2), each over a contiguous K range
 ):
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     q = tl.arange(0, P_PAD)
     eid = tl.load(ids_ptr + q, mask=q < P, other=-1)
     mine = tl.load(ids_ptr + p)
@@ -217,11 +225,24 @@ def moe_gemv_kernel(
             pair = tl.sum(tl.where(match, q[None, :], 0), axis=1)
             m_mask = (c0 + sl) < count
             arow = (pair // A_ROW_DIV).to(tl.int64)
+            k_start, k_end = split_k_range(K, pid_k, SPLIT_K, BLOCK_K)
             acc_g, acc_u = _mm_rows(
                 a_ptr, arow, m_mask, stride_ar, w_ptr + expert * stride_we, stride_wn,
-                s_ptr + expert * stride_se, stride_sn, rn, n_mask, N, K,
+                s_ptr + expert * stride_se, stride_sn, rn, n_mask, N, k_start, k_end,
                 GATED, FP8_W, EMULATE_FP8, UPCAST, BLOCK_R, BLOCK_N, BLOCK_K, SUB_K,
             )
+            if SPLIT_K > 1:
+                # the chunk's tile is named by its first pair (each pair is in one chunk of one expert)
+                tile = tl.sum(tl.where(sl == 0, pair, 0), axis=0) * tl.num_programs(1) + pid_n
+                NACC: tl.constexpr = 2 if GATED else 1
+                split_k_store(acc_g, ws_ptr, (tile * SPLIT_K + pid_k) * NACC, BLOCK_R, BLOCK_N)
+                if GATED:
+                    split_k_store(acc_u, ws_ptr, (tile * SPLIT_K + pid_k) * NACC + 1, BLOCK_R, BLOCK_N)
+                last = split_k_arrive(lock_ptr, tile, SPLIT_K)
+                acc_g = split_k_sum(ws_ptr, tile * SPLIT_K * NACC, last, SPLIT_K, NACC, BLOCK_R, BLOCK_N)
+                if GATED:
+                    acc_u = split_k_sum(ws_ptr, tile * SPLIT_K * NACC + 1, last, SPLIT_K, NACC, BLOCK_R, BLOCK_N)
+                m_mask = split_k_and(m_mask, last)
             _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit, GATED, ACT, HAS_LIMIT, RNE_BF16)
 
 

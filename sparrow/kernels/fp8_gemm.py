@@ -27,6 +27,7 @@ import torch
 
 from sparrow.kernels import ForcedConfig, use_triton
 
+from sparrow.kernels.split_k import choose_split, workspace
 from sparrow.kernels.fp8 import (
     FP8_DTYPE,
     GROUP,
@@ -49,6 +50,9 @@ class Fp8GemmConfig:
     """Row tiles that sweep N together (L2 reuse of the weight tiles)."""
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
+    """Programs per output tile, each over a contiguous K range, reduced in the kernel (``split_k``); 0:
+    enough for ``split_k.FILL_PROGRAMS`` programs. Decode-sized M has few tiles to spread over the SMs."""
 
 
 BLOCK_K = GROUP  # one 128-wide scale group per K step
@@ -99,13 +103,19 @@ def fp8_gemm_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, x_s
     if k == 0:
         return y.zero_()
     cfg = pick_config(m)
-    grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n),)
-    fp8_gemm_kernel[grid](
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    split = choose_split(tiles, -(-k // BLOCK_K), cfg.split_k)
+    buffers = workspace(x.device, tiles * split * cfg.block_m * cfg.block_n, tiles) if split > 1 else None
+    if buffers is None:
+        split = 1
+    fp8_gemm_kernel[(tiles, split)](
         x,
         x_scale if x_scale is not None else w_scale,
         w,
         w_scale,
         y,
+        buffers[0] if buffers else y,
+        buffers[1] if buffers else y,
         m,
         n,
         k,
@@ -119,6 +129,7 @@ def fp8_gemm_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, x_s
         BLOCK_N=cfg.block_n,
         BLOCK_K=BLOCK_K,
         GROUP_M=cfg.group_m,
+        SPLIT_K=split,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -5,7 +5,7 @@ Shapes: R = rows (<= MAX_ROWS = 16), K = input width, N = output width.
     gemv(x [R, K], w [N, K]) -> y [R, N]                         w: bf16 / fp16 / fp32, x's dtype
     gemv_fp8(x [R, K], w [N, K] e4m3, w_scale [ceil(N/128), ceil(K/128)] fp32) -> y [R, N]
         w = w_e4m3 * w_scale[n // 128, k // 128] (DeepSeek / Qwen FP8 ``weight_scale_inv``, see fp8.py);
-        x unquantized (W8A16), or with a config's ``a8`` quantized per 128-group as in ``fp8_gemm`` (W8A8)
+        x unquantized (W8A16)
 
 Accumulation is fp32; y is rounded once to x's dtype. ``*_ref`` are the torch twins (CPU path and
 oracle), ``*_triton`` the launchers (same signatures), ``gemv`` / ``gemv_fp8`` the dispatchers: Triton for
@@ -19,7 +19,6 @@ until the grid has ``MIN_PROGRAMS`` programs (all SMs busy). Tests force a confi
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 from sparrow.kernels import ForcedConfig, use_triton
 
 from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, dequantize_fp8_block_ref
+from sparrow.kernels.split_k import choose_split, workspace
 
 # Set by tests to run the Triton launcher on CPU tensors under TRITON_INTERPRET=1.
 MAX_ROWS = 16
@@ -46,9 +46,9 @@ class GemvConfig:
     swap_ab: bool = False
     """With use_dot: y^T = w @ x^T, the weight as the dot's first (K-major) operand and the rows padded to
     16 as its second ("swap AB" for small M); block_n >= 16."""
-    a8: bool = False
-    """FP8 weights with use_dot: W8A8, x quantized per row and 128-column group inside the kernel and an
-    e4m3 x e4m3 dot (the numbers of ``fp8_gemm_ref``, not ``gemv_fp8_ref``); block_k a multiple of 128."""
+    split_k: int = 1
+    """Programs per N tile, each over a contiguous K range, reduced in the kernel (``split_k``); 0: enough
+    for ``split_k.FILL_PROGRAMS`` programs. More weight bytes in flight when N has few tiles."""
 
 
 # (largest R, config). H200 sweep (benchmarks/kernels_micro.py tune_gemv, K=2816 N=8192, bf16): the
@@ -141,16 +141,19 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> t
     sub_k = min(cfg.block_k, GROUP) if fp8 else cfg.block_k
     if fp8 and (GROUP % sub_k != 0 or cfg.block_k % sub_k != 0):
         raise ValueError(f"gemv_fp8: block_k {cfg.block_k} must divide or be a multiple of the 128 scale block")
-    a8 = fp8 and cfg.use_dot and cfg.a8
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if a8 and sub_k != GROUP:
-        raise ValueError(f"gemv_fp8: the W8A8 variant needs block_k a multiple of {GROUP}, got {cfg.block_k}")
     block_r = 16 if cfg.use_dot else _next_pow2(rows)
-    gemv_kernel[(-(-n // cfg.block_n),)](
+    tiles = -(-n // cfg.block_n)
+    split = choose_split(tiles, -(-k // cfg.block_k), cfg.split_k)
+    buffers = workspace(x.device, tiles * split * block_r * cfg.block_n, tiles) if split > 1 else None
+    if buffers is None:
+        split = 1
+    gemv_kernel[(tiles, split)](
         x,
         w,
         w_scale if fp8 else x,
         y,
+        buffers[0] if buffers else y,
+        buffers[1] if buffers else y,
         rows,
         n,
         k,
@@ -160,13 +163,12 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> t
         FP8_W=fp8,
         USE_DOT=cfg.use_dot,
         SWAP_AB=cfg.use_dot and cfg.swap_ab,
-        IEEE=(x.dtype == torch.float32 and not a8) or (a8 and interpret),  # interpreter A8: fp32 e4m3 values
-        A8=a8,
-        INTERPRET=interpret,
+        IEEE=x.dtype == torch.float32,
         BLOCK_R=block_r,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         SUB_K=sub_k,
+        SPLIT_K=split,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -41,13 +41,13 @@ from sparrow.kernels import use_triton
 from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, dequantize_fp8_block_ref, dequantize_fp8_per_group_ref, \
     quantize_fp8_per_group_ref
 from sparrow.kernels.moe_configs import MoeConfig, Tile, pick_config
+from sparrow.kernels.split_k import choose_split, workspace
 
 
 def _fp32_config(cfg: MoeConfig) -> MoeConfig:
     """The config scaled down for fp32 operands (twice the bytes of bf16 per tile)."""
     def shrink(t: Tile) -> Tile:
-        return Tile(block_n=t.block_n, block_k=max(16, t.block_k // 2), num_warps=t.num_warps,
-                    num_stages=min(t.num_stages, 2))
+        return dataclasses.replace(t, block_k=max(16, t.block_k // 2), num_stages=min(t.num_stages, 2))
 
     return MoeConfig(cfg.block_m, shrink(cfg.gate_up), shrink(cfg.down))
 from sparrow.layers.moe import _gate_up_act, fused_moe_grouped_ref, fused_moe_per_pair_ref
@@ -271,11 +271,18 @@ def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activat
         block_r = max(16, min(p_pad, _next_pow2(rows)))  # an expert appears at most once per row
         for a, div, w, s, out, n, k, gated, tile in gemms:
             tile = _fit_shared_memory(tile, block_r, a.element_size(), w.element_size(), gated)
-            moe_gemv_kernel[(pairs, -(-n // tile.block_n))](
-                a, w, s if fp8 else w, out, flat_ids, pairs, n, k, div, a.stride(0), w.stride(0), w.stride(1),
+            n_tiles = -(-n // tile.block_n)
+            split = choose_split(pairs * n_tiles, -(-k // tile.block_k), tile.split_k)
+            floats = (2 if gated else 1) * pairs * n_tiles * split * block_r * tile.block_n
+            buffers = workspace(x.device, floats, pairs * n_tiles) if split > 1 else None
+            if buffers is None:
+                split = 1
+            moe_gemv_kernel[(pairs, n_tiles, split)](
+                a, w, s if fp8 else w, out, flat_ids, buffers[0] if buffers else out, buffers[1] if buffers else out,
+                pairs, n, k, div, a.stride(0), w.stride(0), w.stride(1),
                 s.stride(0) if fp8 else 0, s.stride(1) if fp8 else 0, GATED=gated, P_PAD=p_pad,
                 BLOCK_R=block_r, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                SUB_K=min(tile.block_k, GROUP) if fp8 else tile.block_k,
+                SUB_K=min(tile.block_k, GROUP) if fp8 else tile.block_k, SPLIT_K=split,
                 num_warps=tile.num_warps, num_stages=tile.num_stages, **common,
             )
     else:

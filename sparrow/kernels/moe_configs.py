@@ -28,6 +28,9 @@ class Tile:
     """Reduction elements per loop step (power of two, >= 16); FP8 weights need a multiple of 128."""
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
+    """Small path only: programs per (pair, N tile) over contiguous K ranges, reduced in the kernel; 0:
+    automatic (``split_k.choose_split``). The grouped path ignores it."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,7 @@ import contextlib
 import torch
 from torch import nn
 
+from sparrow.kernels import split_k
 from sparrow.layers.attention import SelfAttention
 from sparrow.layers.mlp import GatedMLP
 from sparrow.layers.norm import RMSNorm
@@ -42,6 +43,7 @@ def side_stream(x: torch.Tensor) -> "torch.cuda.Stream | None":
     stream = _SIDE_STREAMS.get(x.device)
     if stream is None:
         stream = _SIDE_STREAMS[x.device] = torch.cuda.Stream(x.device)
+        split_k.register_concurrent_stream(stream)  # its own split-K workspace: it overlaps the main stream
     return stream
 
 

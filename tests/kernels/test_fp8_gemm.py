@@ -9,6 +9,8 @@ Run as a script on a GPU for TFLOP/s at the flagship shapes.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -25,7 +27,8 @@ from sparrow.kernels.fp8_gemm import (
 
 ROWS = [1, 2, 3, 16, 17, 33, 65]
 SHAPES = [(128, 128), (130, 200), (257, 384)]  # (N, K): one block, ragged N and K, several blocks
-CONFIGS = [Fp8GemmConfig(block_m=16, block_n=32, group_m=2), Fp8GemmConfig(block_m=32, block_n=64, group_m=1)]
+CONFIGS = [Fp8GemmConfig(block_m=16, block_n=32, group_m=2), Fp8GemmConfig(block_m=32, block_n=64, group_m=1),
+           Fp8GemmConfig(block_m=16, block_n=32, group_m=1, split_k=2)]  # split-K: 1-3 K groups over 2 programs
 
 
 def nmse(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -44,7 +47,7 @@ def _operands(m, n, k, seed=0, device="cpu", dtype=torch.float32):
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("config", CONFIGS, ids=["m16n32", "m32n64"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["m16n32", "m32n64", "m16n32_split2"])
 def test_triton_matches_twin_fp32(rows, n, k, config):
     x, wq, ws = _operands(rows, n, k, seed=rows + n)
     with forced_config(config):
@@ -111,11 +114,13 @@ GPU_SHAPES = [(2816, 4096), (4096, 2816), (1408, 2816), (2816, 704), (704 * 2, 2
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [1, 4, 0])
 @pytest.mark.parametrize("rows", [17, 64, 65, 257, 1024, 2048])
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
-def test_gpu_real_shapes(rows, n, k):
+def test_gpu_real_shapes(rows, n, k, split):
     x, wq, ws = _operands(rows, n, k, seed=rows, device="cuda", dtype=torch.bfloat16)
-    y = fp8_gemm_triton(x, wq, ws)
+    with forced_config(dataclasses.replace(pick_config(rows), split_k=split)):
+        y = fp8_gemm_triton(x, wq, ws)
     assert nmse(y, fp8_gemm_ref(x, wq, ws)) <= 5e-5
     xq, xs = quantize_fp8_per_group_ref(x)
     assert nmse(fp8_gemm_triton(xq, wq, ws, xs), fp8_gemm_ref(xq, wq, ws, xs)) <= 5e-5

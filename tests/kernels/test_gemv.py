@@ -32,9 +32,13 @@ TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=1e-2
 CONFIGS = {
     "default": None,
     "fma": GemvConfig(block_n=32, block_k=128, use_dot=False),
+    "fma_split_k2": GemvConfig(block_n=16, block_k=256, use_dot=False, split_k=2),  # FP8: 2 scale blocks a step
     "dot": GemvConfig(block_n=32, block_k=64, use_dot=True),
     "dot_wide_k": GemvConfig(block_n=16, block_k=256, use_dot=True),  # FP8: two 128-wide scale blocks a step
     "swap_ab": GemvConfig(block_n=32, block_k=256, use_dot=True, swap_ab=True),  # weight as the dot's A side
+    # split-K, reduced in the kernel: 3 uneven K ranges (some empty at small K); automatic split with swap AB
+    "split_k3": GemvConfig(block_n=16, block_k=64, use_dot=True, split_k=3),
+    "split_auto_swap": GemvConfig(block_n=32, block_k=128, use_dot=True, swap_ab=True, split_k=0),
 }
 
 
@@ -96,33 +100,40 @@ def test_gemv_fp8_matches_twin(rows, k, n, dtype, config):
     torch.testing.assert_close(_run(config, gemv_fp8_triton, x, wq, ws), gemv_fp8_ref(x, wq, ws), **TOL[dtype])
 
 
-A8_CONFIGS = {
-    "a8": GemvConfig(block_n=32, block_k=128, use_dot=True, a8=True),
-    "a8_swap_ab": GemvConfig(block_n=64, block_k=256, use_dot=True, swap_ab=True, a8=True),
-}
+def test_split_k_counters_reset_and_result_deterministic():
+    """Each tile's last program resets its counter, so calls can follow each other without a memset; the
+    partials are summed in split order, so repeated calls agree bit for bit."""
+    from sparrow.kernels import split_k
+
+    x, w = _inputs(3, 1000, 72, torch.float32)
+    with forced_config(GemvConfig(block_n=16, block_k=64, use_dot=True, split_k=5)):
+        first = gemv_triton(x, w)
+        again = gemv_triton(x, w)
+    locks = split_k.workspace(x.device, 0, 0)[1]
+    assert int(locks.abs().sum()) == 0
+    assert torch.equal(first, again)
+    torch.testing.assert_close(first, gemv_ref(x, w), **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("config", list(A8_CONFIGS))
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("k,n", SHAPES)
-@pytest.mark.parametrize("rows", [1, 3, 16])
-def test_gemv_fp8_a8_matches_w8a8_twin(rows, k, n, dtype, config):
-    """The W8A8 variant quantizes x per 128-group like fp8_gemm: its twin is fp8_gemm_ref, ragged K included."""
-    from sparrow.kernels.fp8_gemm import fp8_gemm_ref
+def test_split_k_falls_back_when_the_workspace_is_too_small(monkeypatch):
+    from sparrow.kernels import split_k
 
-    x, w = _inputs(rows, k, n, dtype)
-    wq, ws = quantize_fp8_block_ref(w)
-    with forced_config(A8_CONFIGS[config]):
-        got = gemv_fp8_triton(x, wq, ws)
-    torch.testing.assert_close(got, fp8_gemm_ref(x, wq, ws), **TOL[dtype])
+    monkeypatch.setattr(split_k, "WORKSPACE_FLOATS", 16)
+    x, w = _inputs(2, 1000, 72, torch.float32)
+    with forced_config(GemvConfig(block_n=16, block_k=64, use_dot=True, split_k=4)):
+        torch.testing.assert_close(gemv_triton(x, w), gemv_ref(x, w), **TOL[torch.float32])
 
 
-def test_gemv_fp8_a8_needs_whole_scale_groups():
-    x, w = _inputs(2, 256, 32, torch.float32)
-    wq, ws = quantize_fp8_block_ref(w)
-    with forced_config(GemvConfig(block_n=32, block_k=64, use_dot=True, a8=True)):
-        with pytest.raises(ValueError, match="W8A8"):
-            gemv_fp8_triton(x, wq, ws)
+def test_choose_split():
+    from sparrow.kernels.split_k import FILL_PROGRAMS, MAX_SPLIT, MAX_TILES, choose_split
+
+    assert choose_split(88, 44, 0) == -(-FILL_PROGRAMS // 88)  # auto: fill the GPU
+    assert choose_split(1, 1000, 0) == MAX_SPLIT
+    assert choose_split(88, 2, 0) == 2  # never more splits than K steps
+    assert choose_split(88, 44, 3) == 3
+    assert choose_split(MAX_TILES + 1, 44, 4) == 1
+    with pytest.raises(ValueError, match="split_k"):
+        choose_split(88, 44, -1)
 
 
 def test_fp8_twin_is_close_to_unquantized():
@@ -174,27 +185,82 @@ def test_gpu_real_shapes(rows, k, n, fp8):
         torch.testing.assert_close(gemv_triton(x, w), gemv_ref(x, w), **TOL[torch.bfloat16])
 
 
+_SIDE = []
+
+
+def _side_stream():
+    """One side stream for the module, registered for its own split-K workspace (as Gemma 4's is)."""
+    from sparrow.kernels import split_k
+
+    if not _SIDE:
+        _SIDE.append(torch.cuda.Stream())
+        split_k.register_concurrent_stream(_SIDE[0])
+    return _SIDE[0]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", list(A8_CONFIGS))
-@pytest.mark.parametrize("k,n", [(2816, 8192), (4096, 2816), (2112, 2816)])
-@pytest.mark.parametrize("rows", [1, 5, 16])
-def test_gpu_fp8_a8(rows, k, n, config):
-    from sparrow.kernels.fp8_gemm import fp8_gemm_ref
-
-    x, w = _inputs(rows, k, n, torch.bfloat16)
-    wq, ws = quantize_fp8_block_ref(w)
-    with forced_config(A8_CONFIGS[config]):
-        got = gemv_fp8_triton(x, wq, ws)
-    torch.testing.assert_close(got, fp8_gemm_ref(x, wq, ws), **TOL[torch.bfloat16])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("k,n", [(2816, 8192), (4096, 2816)])
-@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("use_dot", [True, False])
+@pytest.mark.parametrize("split", [2, 8, 0])
+@pytest.mark.parametrize("k,n", [(4096, 2816), (2112, 2816)])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_gpu_swap_ab(rows, k, n, fp8):
+def test_gpu_split_k_in_graphs_and_two_streams(split, k, n, fp8, use_dot):
+    """Split-K at real shapes: many launches in a row, inside a CUDA graph (replayed), and on two streams
+    at once, each against the twin; the counters end at zero."""
+    from sparrow.kernels import split_k
+
+    xs = [_inputs(r, k, n, torch.bfloat16, seed=r)[0] for r in ((1, 5, 16) if use_dot else (1, 2, 4))]
+    w = _inputs(1, k, n, torch.bfloat16)[1]
+    wq, ws = quantize_fp8_block_ref(w)
+
+    def call(x):
+        return gemv_fp8_triton(x, wq, ws) if fp8 else gemv_triton(x, w)
+
+    def ref(x):
+        return gemv_fp8_ref(x, wq, ws) if fp8 else gemv_ref(x, w)
+
+    side = _side_stream()
+    with forced_config(GemvConfig(block_n=32, block_k=256 if use_dot else 128, use_dot=use_dot, split_k=split)):
+        for _ in range(20):
+            outs = [call(x) for x in xs]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            side_outs = [call(x) for x in xs]
+            for _ in range(20):
+                side_outs = [call(x) for x in xs]
+        main_outs = [call(x) for x in xs]  # concurrent with the side stream's launches
+        torch.cuda.current_stream().wait_stream(side)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            [call(x) for x in xs]  # warm-up on the capture stream
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            in_capture = split_k.workspace(xs[0].device, 1, 1)
+            graph_outs = [call(x) for x in xs]
+        for _ in range(5):
+            graph.replay()
+    torch.cuda.synchronize()
+    assert in_capture is split_k.workspace(xs[0].device, 1, 1)  # the main set, split-K inside the graph too
+    with torch.cuda.stream(side):
+        side_set = split_k.workspace(xs[0].device, 1, 1)
+    assert side_set is not None and side_set is not in_capture  # the side stream's own set
+    for x, a, b, c, d in zip(xs, outs, side_outs, main_outs, graph_outs):
+        for got in (a, b, c, d):
+            torch.testing.assert_close(got, ref(x), **TOL[torch.bfloat16])
+    assert len(split_k._SETS[("cuda", torch.cuda.current_device())]) == split_k.SETS
+    for locks in (bufs[1] for sets in split_k._SETS.values() for bufs in sets):
+        assert int(locks.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["swap_ab", "fma"])
+@pytest.mark.parametrize("k,n", [(2816, 8192), (4096, 2816)])
+@pytest.mark.parametrize("rows", [1, 4, 5])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_swap_ab_and_fma(rows, k, n, fp8, config):
     x, w = _inputs(rows, k, n, torch.bfloat16)
-    with forced_config(CONFIGS["swap_ab"]):
+    with forced_config(CONFIGS[config]):
         if fp8:
             wq, ws = quantize_fp8_block_ref(w)
             torch.testing.assert_close(gemv_fp8_triton(x, wq, ws), gemv_fp8_ref(x, wq, ws), **TOL[torch.bfloat16])

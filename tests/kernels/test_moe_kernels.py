@@ -207,6 +207,31 @@ def test_fp8(path, num_experts, top_k, rows):
     assert _nmse(out, deq) < FP8_NMSE
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("num_experts,top_k,rows", [(8, 8, 1), (8, 2, 17), (64, 1, 65), (128, 8, 4)])
+def test_small_path_split_k(num_experts, top_k, rows, fp8):
+    """The small path with K split over programs and reduced in the kernel (ragged splits, some empty)."""
+    dtype = torch.bfloat16 if fp8 or rows == 1 else torch.float32
+    x, w13, w2, tw, ti = _case(num_experts, top_k, rows, dtype, hidden=384 if fp8 else H,
+                               width=136 if fp8 else I, seed=rows)
+    if fp8:
+        cfg = MoeConfig(16, Tile(32, 128, split_k=2), Tile(64, 128, split_k=0))
+        q13, s13 = _quantize_experts(w13)
+        q2, s2 = _quantize_experts(w2)
+        with forced_config(cfg):
+            out = fused_moe_triton(x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2, pair_threshold=SMALL)
+            again = fused_moe_triton(x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2, pair_threshold=SMALL)
+        torch.testing.assert_close(out.float(), fused_moe_ref(x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2).float(),
+                                   **FP8_TOL)
+    else:
+        cfg = MoeConfig(16, Tile(32, 16, split_k=3), Tile(64, 16, split_k=2))
+        with forced_config(cfg):
+            out = fused_moe_triton(x, w13, w2, tw, ti, pair_threshold=SMALL)
+            again = fused_moe_triton(x, w13, w2, tw, ti, pair_threshold=SMALL)
+        _check_against_fp32_ref(out, x, w13, w2, tw, ti)
+    assert torch.equal(out, again)  # counters reset, partials summed in split order
+
+
 @pytest.mark.parametrize("gated", [False, True])
 def test_shared_expert_blend(gated):
     x, w13, w2, tw, ti = _case(8, 2, 5, torch.float32)
@@ -349,6 +374,25 @@ def test_gpu_paths_and_align(num_experts, top_k, rows, path):
     _check_against_fp32_ref(out, x, w13, w2, tw, ti)
     for g, w in zip(moe_align_triton(ti, num_experts, 64), moe_align_ref(ti, num_experts, 64)):
         torch.testing.assert_close(g, w, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_small_path_split_k(rows, fp8, split):
+    x, w13, w2, tw, ti = _case(128, 8, rows, torch.bfloat16, hidden=2816, width=704, seed=rows)
+    cfg = MoeConfig(16, Tile(32, 256, split_k=split), Tile(64, 256, split_k=split))
+    with forced_config(cfg):
+        if fp8:
+            q13, s13 = _quantize_experts(w13)
+            q2, s2 = _quantize_experts(w2)
+            out = fused_moe_triton(x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2)
+            twin = fused_moe_ref(x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2)
+            torch.testing.assert_close(out.float(), twin.float(), **FP8_TOL)
+        else:
+            out = fused_moe_triton(x, w13, w2, tw, ti)
+            _check_against_fp32_ref(out, x, w13, w2, tw, ti)
 
 
 @pytest.mark.gpu

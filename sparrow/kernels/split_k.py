@@ -1,0 +1,71 @@
+"""Workspace and split choice of split-K launches (the in-kernel reduce: ``_split_k_jit``).
+
+    choose_split(tiles, k_steps, requested) -> SPLIT_K   programs per output tile
+    workspace(device, floats, tiles) -> (ws fp32 [WORKSPACE_FLOATS], locks int32 [MAX_TILES]) or None
+
+Kernels on one stream run one after another, so they can share one fixed-size fp32 workspace and one
+int32 counter array; kernels on two streams that may run at once (Gemma 4's dense branch on its side stream)
+must not. So every stream shares set 0 of its device, except streams registered with
+``register_concurrent_stream``, which get sets 1, 2, ... Fixed sizes keep the addresses stable for CUDA
+graphs. Nothing may be allocated and zeroed while a stream is being captured (the memset would only run at
+replay), so the first call outside a capture allocates all ``SETS`` sets of the device; a call that finds
+no set for its stream (all taken, or none allocated yet during a capture) gets None, and the launcher runs
+without split-K.
+"""
+from __future__ import annotations
+
+import torch
+
+WORKSPACE_FLOATS = 1 << 21  # 8 MiB of fp32 partials per stream
+MAX_TILES = 4096  # output tiles of one split-K launch (more tiles fill the GPU without splitting)
+MAX_SPLIT = 16
+SETS = 2  # buffer sets per device: all ordinary streams, and one concurrent stream
+FILL_PROGRAMS = 264
+"""``choose_split`` auto target: programs (tiles x splits) for 2 per SM of an H100 / H200."""
+
+_SETS: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # device -> its buffer sets
+_CONCURRENT: dict[tuple, int] = {}  # (device, registered stream handle) -> its set index (1, 2, ...)
+
+
+def register_concurrent_stream(stream: "torch.cuda.Stream") -> None:
+    """Give ``stream`` its own buffer set (the next of its device): its split-K launches may overlap those
+    of other streams. Register before the stream's first launch."""
+    dev = _device_key(stream.device)
+    if (dev, stream.cuda_stream) not in _CONCURRENT:
+        _CONCURRENT[dev, stream.cuda_stream] = 1 + sum(d == dev for d, _ in _CONCURRENT)
+
+
+def _device_key(device: torch.device) -> tuple:
+    if device.type == "cuda" and device.index is None:
+        return device.type, torch.cuda.current_device()
+    return device.type, device.index
+
+
+def choose_split(tiles: int, k_steps: int, requested: int) -> int:
+    """Splits per tile: ``requested`` (>= 1), or for 0 the fewest that give ``FILL_PROGRAMS`` programs, capped
+    at ``MAX_SPLIT``; never more than the K steps (each split gets at least one) nor 1 when tiles > MAX_TILES."""
+    if requested < 0:
+        raise ValueError(f"split_k must be >= 0 (0: automatic), got {requested}")
+    split = requested if requested else min(MAX_SPLIT, -(-FILL_PROGRAMS // max(tiles, 1)))
+    if tiles > MAX_TILES:
+        return 1
+    return max(1, min(split, k_steps))
+
+
+def workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """This stream's (workspace, counters) if ``floats`` partial values and ``tiles`` counters fit, else None."""
+    if floats > WORKSPACE_FLOATS or tiles > MAX_TILES:
+        return None
+    dev = _device_key(device)
+    if device.type == "cuda":
+        index = _CONCURRENT.get((dev, torch.cuda.current_stream(device).cuda_stream), 0)
+        capturing = torch.cuda.is_current_stream_capturing()
+    else:  # the interpreter (CPU tensors) runs programs one at a time
+        index, capturing = 0, False
+    sets = _SETS.get(dev)
+    if sets is None:
+        if capturing:
+            return None
+        sets = _SETS[dev] = [(torch.empty(WORKSPACE_FLOATS, dtype=torch.float32, device=device),
+                              torch.zeros(MAX_TILES, dtype=torch.int32, device=device)) for _ in range(SETS)]
+    return sets[index] if index < len(sets) else None
