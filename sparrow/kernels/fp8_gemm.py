@@ -15,8 +15,7 @@ CUDA tensors or under ``sparrow.kernels.backend("triton")``, else the twin).
 
 Tile configs are data (style.md 9): ``FP8_GEMM_CONFIGS`` maps a row bound to a config, the first bound
 covering M wins; tests force one with ``with forced_config(Fp8GemmConfig(...)):``. The entries are a
-default heuristic (small tiles for decode-sized M so the grid fills the SMs, 128 x 128 for prefill) not
-yet tuned on the H200.
+split-K tiles tuned on the H200 up to 64 rows, and untuned defaults above (128 x 128 for prefill).
 """
 from __future__ import annotations
 
@@ -57,12 +56,14 @@ class Fp8GemmConfig:
 
 BLOCK_K = GROUP  # one 128-wide scale group per K step
 
-# (largest M, config): decode-sized M keeps BLOCK_M small so padding rows cost little; prefill uses
-# 128 x 128 tiles (Hopper wgmma). Untuned defaults; H200 sweeps belong here.
+# (largest M, config). Up to 64 rows (decode batches above the GEMV's 16): H200 sweep (kernels_micro.py
+# tune_fp8_gemm, M = 64, block_m 32-64, block_n 32-128, split-K 1-8, stages 3-4) at K x N = 2816 x 8192,
+# 4096 x 2816, 2112 x 2816, 2816 x 4224: 32 x 128 tiles with split-K 4 take 42.9 / 28.8 / 18.7 / 23.9 us,
+# against 53.2 / 69.2 / 41.7 / 48.4 us for the best tiles without split-K (each shape's best: 35.1 / 26.0 /
+# 17.8 / 23.9). Still 10-15 % of copy bandwidth: far from bound. Above 64 rows: untuned defaults (128 x 128
+# tiles for prefill, Hopper wgmma).
 FP8_GEMM_CONFIGS: tuple[tuple[int, Fp8GemmConfig], ...] = (
-    (16, Fp8GemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=4)),
-    (32, Fp8GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=4)),
-    (64, Fp8GemmConfig(block_m=64, block_n=64, num_warps=4, num_stages=4)),
+    (64, Fp8GemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=3, split_k=4)),
     (256, Fp8GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3)),
     (1 << 62, Fp8GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=3)),
 )

@@ -51,21 +51,19 @@ class GemvConfig:
     for ``split_k.FILL_PROGRAMS`` programs. More weight bytes in flight when N has few tiles."""
 
 
-# (largest R, config). H200 sweep (benchmarks/kernels_micro.py tune_gemv, K=2816 N=8192, bf16): the
-# tensor-core path with rows padded to 16 beats the FMA path at every R (3.36 TB/s = 79 % of copy
-# bandwidth at R = 1, 4 and 16, on par with cuBLAS; 4.5 TB/s on the 262144 x 2816 LM head); FP8 weights
-# reach 1.85 TB/s (44 %) there and 3.1 TB/s on the LM head. The broadcast-multiply path stays
-# selectable for tests and tuning.
+# (largest R, config). H200 sweep (benchmarks/kernels_micro.py tune_gemv_bf16 / tune_gemv_fp8: block_n 32-64,
+# block_k 256-512, split-K 1-8, tensor-core path at R = 1 and 8, FMA path at R = 1; K x N = 2816 x 8192,
+# 4096 x 2816, 2112 x 2816, 2816 x 4224). One entry wins for both weight formats: tensor-core dots on rows
+# padded to 16, 32 x 256 tiles, and split-K where N has few tiles (automatic: FILL_PROGRAMS = 352 programs).
+# R = 1, bf16 / FP8 / cuBLAS bf16 (us): 2816 x 8192 13.9 / 13.0 / 13.8; 4096 x 2816 9.5 / 9.0 / 11.1;
+# 2112 x 2816 6.9 / 6.7 / 6.5; 2816 x 4224 9.5 / 9.0 / 11.2 (R = 8 within 0.3 us of R = 1). Without split-K
+# the 2816-wide outputs took 10.9 (bf16) and 12.8 (FP8) us at 4096 x 2816. Time barely falls with the bytes:
+# a fit gives about 4 us per call plus the bytes at 5 TB/s (bf16) or 2.5 TB/s (FP8), so FP8 weights save
+# little in these GEMVs. The FMA path (fp32 products summed over K once) loses at every shape (11.6 us
+# FP8 at 4096 x 2816); swap_ab lost in the earlier sweep.
 GEMV_CONFIGS: tuple[tuple[int, GemvConfig], ...] = (
-    (MAX_ROWS, GemvConfig(block_n=32, block_k=256, use_dot=True, num_warps=4, num_stages=3)),
+    (MAX_ROWS, GemvConfig(block_n=32, block_k=256, use_dot=True, num_warps=4, num_stages=3, split_k=0)),
 )
-# FP8 weights: the H200 sweep (``kernels_micro.py tune_gemv_fp8``: block_n 16-64, block_k 128-512, stages
-# 3-4, tensor-core / swap_ab / FMA, R = 1 and 16, K x N = 2816 x 8192, 4096 x 2816, 2112 x 2816) picks the bf16
-# entry at every shape: 43.5 %, 21.5 % and 16.8 % of copy bandwidth. swap_ab and the FMA path lose. This is
-# the slow part of FP8 decode: the e4m3 GEMV is slower than the bf16 one at K x N = 4096 x 2816 and 2112 x 2816.
-# Likely cause (not yet measured): below 64 rows Triton cannot use Hopper's wgmma, so each e4m3 tile is widened
-# in registers. The W8A8 variant (``a8``, with ``swap_ab`` the weight fills the dot's 64-row side) is built and
-# tested against ``fp8_gemm_ref`` and joins the sweep, but it has not run on the H200 yet.
 FP8_GEMV_CONFIGS: tuple[tuple[int, GemvConfig], ...] = GEMV_CONFIGS
 MIN_PROGRAMS = 132  # one program per SM of an H100 / H200 before BLOCK_N narrows
 

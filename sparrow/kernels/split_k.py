@@ -20,8 +20,10 @@ WORKSPACE_FLOATS = 1 << 21  # 8 MiB of fp32 partials per stream
 MAX_TILES = 4096  # output tiles of one split-K launch (more tiles fill the GPU without splitting)
 MAX_SPLIT = 16
 SETS = 2  # buffer sets per device: all ordinary streams, and one concurrent stream
-FILL_PROGRAMS = 264
-"""``choose_split`` auto target: programs (tiles x splits) for 2 per SM of an H100 / H200."""
+FILL_PROGRAMS = 352
+"""``choose_split`` auto target: programs (tiles x splits), about 2.7 per SM of an H100 / H200. From the H200
+GEMV sweep (kernels_micro.py): N = 2816 in 32-wide tiles is fastest at split 4 (352 programs), N = 4224 at
+split 2-4, N = 8192 at split 1-2."""
 
 _SETS: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # device -> its buffer sets
 _CONCURRENT: dict[tuple, int] = {}  # (device, registered stream handle) -> its set index (1, 2, ...)

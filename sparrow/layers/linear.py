@@ -26,9 +26,11 @@ from torch import nn
 from sparrow.errors import ModelLoadError
 
 
-GEMV_MAX_ROWS = 0
-"""Row counts up to this use the Triton GEMV on the GPU (weights streamed once for all rows) instead of
-cuBLAS; 0 disables it. Set from measurements (benchmarks/kernels_micro.py) on the target GPU."""
+GEMV_MAX_ROWS = 16
+"""Row counts up to this use the Triton GEMV on the GPU (weights streamed once for all rows, split-K where
+N has few tiles) instead of cuBLAS; 0 disables it. H200 (kernels_micro.py tune_gemv_bf16, R = 1 and 8):
+Triton / cuBLAS 9.5 / 11.1 us at K x N = 4096 x 2816, 9.5 / 11.2 at 2816 x 4224, 13.9 / 13.8 at
+2816 x 8192, 6.9 / 6.5 at 2112 x 2816."""
 
 
 class UnquantizedLinearMethod:
