@@ -13,8 +13,9 @@ CUDA tensors with R <= MAX_ROWS (or anywhere under ``sparrow.kernels.backend("tr
 ``gemv`` with R > MAX_ROWS goes to cuBLAS through ``F.linear``; larger R is a GEMM's job).
 
 Tile configs are data (style.md 9): ``GEMV_CONFIGS`` (``FP8_GEMV_CONFIGS`` for e4m3 weights) maps a row
-bound to a ``GemvConfig``; the launcher takes the first entry whose bound covers R, then narrows BLOCK_N
-until the grid has ``MIN_PROGRAMS`` programs (all SMs busy). Tests force a config with ``with forced_config(GemvConfig(...)):``.
+bound to a ``GemvConfig``; the launcher takes the first entry whose bound covers R; an entry without
+split-K narrows BLOCK_N until the grid has ``MIN_PROGRAMS`` programs (all SMs busy), one with automatic
+split-K (``split_k=0``) keeps its BLOCK_N and splits K instead. Tests force a config with ``with forced_config(GemvConfig(...)):``.
 """
 from __future__ import annotations
 
@@ -73,12 +74,13 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def pick_config(rows: int, n: int, fp8: bool) -> GemvConfig:
-    """The forced config, else the table's entry for ``rows`` with BLOCK_N narrowed to fill the GPU."""
+    """The forced config, else the table's entry for ``rows``; without split-K, BLOCK_N narrowed to fill the GPU
+    (automatic split-K fills it with K splits instead, at the tile size the sweep measured)."""
     if forced_config.value is not None:
         return forced_config.value
     config = next(c for bound, c in (FP8_GEMV_CONFIGS if fp8 else GEMV_CONFIGS) if rows <= bound)
     block_n = config.block_n
-    while block_n > 16 and -(-n // block_n) < MIN_PROGRAMS:
+    while config.split_k == 1 and block_n > 16 and -(-n // block_n) < MIN_PROGRAMS:
         block_n //= 2
     return dataclasses.replace(config, block_n=block_n)
 

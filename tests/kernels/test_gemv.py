@@ -124,6 +124,19 @@ def test_split_k_falls_back_when_the_workspace_is_too_small(monkeypatch):
         torch.testing.assert_close(gemv_triton(x, w), gemv_ref(x, w), **TOL[torch.float32])
 
 
+def test_pick_config_narrows_only_without_split_k(monkeypatch):
+    from sparrow.kernels import gemv
+
+    assert gemv.pick_config(1, 2816, fp8=True) == gemv.FP8_GEMV_CONFIGS[0][1]  # automatic split-K: kept as tuned
+    plain = GemvConfig(block_n=64, block_k=256, use_dot=True)
+    monkeypatch.setattr(gemv, "GEMV_CONFIGS", ((gemv.MAX_ROWS, plain),))
+    assert gemv.pick_config(1, 2816, fp8=False).block_n == 16  # 44 tiles -> 176 programs
+    assert gemv.pick_config(1, 8192, fp8=False).block_n == 32  # 128 tiles -> 256 programs
+    assert gemv.pick_config(1, 16384, fp8=False).block_n == 64  # 256 tiles: enough
+    with forced_config(plain):
+        assert gemv.pick_config(1, 2816, fp8=False) is plain
+
+
 def test_choose_split():
     from sparrow.kernels.split_k import FILL_PROGRAMS, MAX_SPLIT, MAX_TILES, choose_split
 
