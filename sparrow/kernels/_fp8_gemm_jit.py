@@ -19,7 +19,7 @@ fp32 bit arithmetic and the dot runs on fp32 values (same numbers, exact product
 import triton
 import triton.language as tl
 
-from sparrow.kernels._split_k_jit import split_k_and, split_k_arrive, split_k_range, split_k_store, split_k_sum
+from sparrow.kernels._split_k_jit import split_k_and, split_k_range, split_k_reduce
 
 
 @triton.jit
@@ -105,8 +105,6 @@ def fp8_gemm_kernel(
         acc += part * a_s[:, None] * w_s[None, :]
     c_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
-        split_k_store(acc, part_ptr, pid * SPLIT_K + pid_k, BLOCK_M, BLOCK_N)
-        last = split_k_arrive(lock_ptr, pid, SPLIT_K)
-        acc = split_k_sum(part_ptr, pid * SPLIT_K, last, SPLIT_K, 1, BLOCK_M, BLOCK_N)
+        acc, last = split_k_reduce(acc, part_ptr, lock_ptr, pid, pid_k, SPLIT_K, BLOCK_M, BLOCK_N)
         c_mask = split_k_and(c_mask, last)
     tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=c_mask)

@@ -12,7 +12,7 @@ once, after the loop (no cross-lane reduction per step; registers grow with BLOC
 import triton
 import triton.language as tl
 
-from sparrow.kernels._split_k_jit import split_k_and, split_k_arrive, split_k_range, split_k_store, split_k_sum
+from sparrow.kernels._split_k_jit import split_k_and, split_k_range, split_k_reduce
 
 
 @triton.jit
@@ -100,8 +100,6 @@ def gemv_kernel(
         BM: tl.constexpr = BLOCK_R
         BN: tl.constexpr = BLOCK_N
     if SPLIT_K > 1:
-        split_k_store(acc, ws_ptr, pid * SPLIT_K + pid_k, BM, BN)
-        last = split_k_arrive(lock_ptr, pid, SPLIT_K)
-        acc = split_k_sum(ws_ptr, pid * SPLIT_K, last, SPLIT_K, 1, BM, BN)
+        acc, last = split_k_reduce(acc, ws_ptr, lock_ptr, pid, pid_k, SPLIT_K, BM, BN)
         y_mask = split_k_and(y_mask, last)
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)

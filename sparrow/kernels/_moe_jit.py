@@ -220,12 +220,12 @@ def moe_gemv_kernel(
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = rn < N
         sl = tl.arange(0, BLOCK_R)
+        k_start, k_end = split_k_range(K, pid_k, SPLIT_K, BLOCK_K)
         for c0 in range(0, count, BLOCK_R):
             match = member[None, :] & (rank[None, :] == (c0 + sl)[:, None])  # [BLOCK_R, P_PAD]
             pair = tl.sum(tl.where(match, q[None, :], 0), axis=1)
             m_mask = (c0 + sl) < count
             arow = (pair // A_ROW_DIV).to(tl.int64)
-            k_start, k_end = split_k_range(K, pid_k, SPLIT_K, BLOCK_K)
             acc_g, acc_u = _mm_rows(
                 a_ptr, arow, m_mask, stride_ar, w_ptr + expert * stride_we, stride_wn,
                 s_ptr + expert * stride_se, stride_sn, rn, n_mask, N, k_start, k_end,

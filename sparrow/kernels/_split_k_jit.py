@@ -12,6 +12,8 @@ split-K with a semaphore", as in CUTLASS's split-K-serial and stream-K GEMMs):
 3. the last program sums the SPLIT_K partials in split order (``split_k_sum``: deterministic, whichever
    program arrives last) from L2 (``.cg`` loads bypass the non-coherent L1) and runs the epilogue.
 
+``split_k_reduce`` is the three steps for a kernel with one accumulator.
+
 The counters must be 0 before a launch: ``split_k.workspace`` allocates them zeroed and each tile resets its
 own counter, so back-to-back launches on one stream (and CUDA-graph replays) need no memset.
 """
@@ -56,6 +58,15 @@ def split_k_sum(ws_ptr, first_slot, last, SPLIT_K: tl.constexpr, NACC: tl.conste
         ptr = ws_ptr + (first_slot + s * NACC).to(tl.int64) * (BM * BN) + offs
         total += tl.load(ptr, mask=split_k_and(offs >= 0, last), other=0.0, cache_modifier=".cg")
     return total
+
+
+@triton.jit
+def split_k_reduce(acc, ws_ptr, lock_ptr, tile, split, SPLIT_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """(sum over the tile's SPLIT_K partials of ``acc`` [BM, BN] fp32, True for the tile's last program); the
+    sum is zeros in the other programs, which must not store it."""
+    split_k_store(acc, ws_ptr, tile * SPLIT_K + split, BM, BN)
+    last = split_k_arrive(lock_ptr, tile, SPLIT_K)
+    return split_k_sum(ws_ptr, tile * SPLIT_K, last, SPLIT_K, 1, BM, BN), last
 
 
 @triton.jit

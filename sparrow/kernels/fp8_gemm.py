@@ -24,9 +24,8 @@ import os
 
 import torch
 
-from sparrow.kernels import ForcedConfig, use_triton
+from sparrow.kernels import ForcedConfig, split_k, use_triton
 
-from sparrow.kernels.split_k import choose_split, workspace
 from sparrow.kernels.fp8 import (
     FP8_DTYPE,
     GROUP,
@@ -105,18 +104,15 @@ def fp8_gemm_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, x_s
         return y.zero_()
     cfg = pick_config(m)
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-    split = choose_split(tiles, -(-k // BLOCK_K), cfg.split_k)
-    buffers = workspace(x.device, tiles * split * cfg.block_m * cfg.block_n, tiles) if split > 1 else None
-    if buffers is None:
-        split = 1
+    split, ws, locks = split_k.plan(x.device, tiles, -(-k // BLOCK_K), cfg.split_k, cfg.block_m * cfg.block_n, y)
     fp8_gemm_kernel[(tiles, split)](
         x,
         x_scale if x_scale is not None else w_scale,
         w,
         w_scale,
         y,
-        buffers[0] if buffers else y,
-        buffers[1] if buffers else y,
+        ws,
+        locks,
         m,
         n,
         k,

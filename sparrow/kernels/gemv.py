@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from sparrow.kernels import ForcedConfig, use_triton
 
 from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, dequantize_fp8_block_ref
-from sparrow.kernels.split_k import choose_split, workspace
+from sparrow.kernels import split_k
 
 # Set by tests to run the Triton launcher on CPU tensors under TRITON_INTERPRET=1.
 MAX_ROWS = 16
@@ -143,17 +143,14 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> t
         raise ValueError(f"gemv_fp8: block_k {cfg.block_k} must divide or be a multiple of the 128 scale block")
     block_r = 16 if cfg.use_dot else _next_pow2(rows)
     tiles = -(-n // cfg.block_n)
-    split = choose_split(tiles, -(-k // cfg.block_k), cfg.split_k)
-    buffers = workspace(x.device, tiles * split * block_r * cfg.block_n, tiles) if split > 1 else None
-    if buffers is None:
-        split = 1
+    split, ws, locks = split_k.plan(x.device, tiles, -(-k // cfg.block_k), cfg.split_k, block_r * cfg.block_n, y)
     gemv_kernel[(tiles, split)](
         x,
         w,
         w_scale if fp8 else x,
         y,
-        buffers[0] if buffers else y,
-        buffers[1] if buffers else y,
+        ws,
+        locks,
         rows,
         n,
         k,

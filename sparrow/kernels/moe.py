@@ -37,11 +37,10 @@ import os
 
 import torch
 
-from sparrow.kernels import use_triton
+from sparrow.kernels import split_k, use_triton
 from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, dequantize_fp8_block_ref, dequantize_fp8_per_group_ref, \
     quantize_fp8_per_group_ref
 from sparrow.kernels.moe_configs import MoeConfig, Tile, pick_config
-from sparrow.kernels.split_k import choose_split, workspace
 
 
 def _fp32_config(cfg: MoeConfig) -> MoeConfig:
@@ -272,13 +271,10 @@ def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activat
         for a, div, w, s, out, n, k, gated, tile in gemms:
             tile = _fit_shared_memory(tile, block_r, a.element_size(), w.element_size(), gated)
             n_tiles = -(-n // tile.block_n)
-            split = choose_split(pairs * n_tiles, -(-k // tile.block_k), tile.split_k)
-            floats = (2 if gated else 1) * pairs * n_tiles * split * block_r * tile.block_n
-            buffers = workspace(x.device, floats, pairs * n_tiles) if split > 1 else None
-            if buffers is None:
-                split = 1
+            split, ws, locks = split_k.plan(x.device, pairs * n_tiles, -(-k // tile.block_k), tile.split_k,
+                                            (2 if gated else 1) * block_r * tile.block_n, out)
             moe_gemv_kernel[(pairs, n_tiles, split)](
-                a, w, s if fp8 else w, out, flat_ids, buffers[0] if buffers else out, buffers[1] if buffers else out,
+                a, w, s if fp8 else w, out, flat_ids, ws, locks,
                 pairs, n, k, div, a.stride(0), w.stride(0), w.stride(1),
                 s.stride(0) if fp8 else 0, s.stride(1) if fp8 else 0, GATED=gated, P_PAD=p_pad,
                 BLOCK_R=block_r, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,

@@ -1,5 +1,6 @@
 """Workspace and split choice of split-K launches (the in-kernel reduce: ``_split_k_jit``).
 
+    plan(device, tiles, k_steps, requested, tile_floats, dummy) -> (SPLIT_K, ws, locks)   what a launcher passes
     choose_split(tiles, k_steps, requested) -> SPLIT_K   programs per output tile
     workspace(device, floats, tiles) -> (ws fp32 [WORKSPACE_FLOATS], locks int32 [MAX_TILES]) or None
 
@@ -52,6 +53,18 @@ def choose_split(tiles: int, k_steps: int, requested: int) -> int:
     if tiles > MAX_TILES:
         return 1
     return max(1, min(split, k_steps))
+
+
+def plan(device: torch.device, tiles: int, k_steps: int, requested: int, tile_floats: int,
+         dummy: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(SPLIT_K, workspace, counters) for a launch of ``tiles`` output tiles of ``tile_floats`` fp32 partial
+    values each over ``k_steps`` K steps: ``choose_split``'s split when this stream's workspace holds it,
+    else 1 with ``dummy`` for both buffers (the kernel does not touch them)."""
+    split = choose_split(tiles, k_steps, requested)
+    buffers = workspace(device, tiles * split * tile_floats, tiles) if split > 1 else None
+    if buffers is None:
+        return 1, dummy, dummy
+    return split, buffers[0], buffers[1]
 
 
 def workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor] | None:
