@@ -104,6 +104,19 @@ def bench_gemv(peak: float) -> None:
 GEMV_SHAPES = ((2816, 8192), (4096, 2816), (2816, 4224), (2112, 2816), (2816, 262144))
 
 
+def _sweep(configs, forced_config, call) -> list:
+    """[(seconds per call, config)] fastest first, each config forced around ``call``; configs that fail to
+    compile or launch (out of shared memory / registers) are left out."""
+    results = []
+    for cfg in configs:
+        with forced_config(cfg):
+            try:
+                results.append((time_s(call, rep=20), cfg))
+            except Exception:
+                continue
+    return sorted(results, key=lambda r: r[0])
+
+
 def tune_gemv(peak: float, dtypes=(False, True)) -> None:
     """Sweep GemvConfig per shape: tensor-core tiles x split-K at R = 1 and 8, and the FMA path (deferred K
     sum) at R = 1 (bf16 and / or FP8 weights); print the best few, to fill GEMV_CONFIGS / FP8_GEMV_CONFIGS."""
@@ -125,15 +138,7 @@ def tune_gemv(peak: float, dtypes=(False, True)) -> None:
         nbytes = n * k * (1 if fp8 else 2)
         for rows in (1, 8):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            results = []
-            for cfg in dot + (fma if rows == 1 else []):
-                with forced_config(cfg):
-                    try:
-                        t = time_s(lambda: fn(x, *nxt()), rep=20)
-                    except Exception:  # out of shared memory / registers
-                        continue
-                results.append((t, cfg))
-            results.sort(key=lambda r: r[0])
+            results = _sweep(dot + (fma if rows == 1 else []), forced_config, lambda: fn(x, *nxt()))
             if not fp8:
                 t = time_s(lambda: F.linear(x, *nxt()), rep=20)
                 print(f"tune cuBLAS R={rows:<2} K={k} N={n}: {t * 1e6:6.1f} us {nbytes / t / 1e9:7.1f} GB/s "
@@ -153,26 +158,16 @@ def tune_fp8_gemm(peak: float) -> None:
     from sparrow.kernels.fp8 import quantize_fp8_block_ref
     from sparrow.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm_triton, forced_config
 
+    configs = [Fp8GemmConfig(block_m=bm, block_n=bn, group_m=8, num_warps=4, num_stages=stages, split_k=split)
+               for bm, bn, split, stages in itertools.product((32, 64), (32, 64, 128), (1, 2, 4, 8), (3, 4))]
     for k, n in ((2816, 8192), (4096, 2816), (2112, 2816), (2816, 4224)):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         nxt = _rotating(lambda: quantize_fp8_block_ref(w), n * k)
-        for rows in (64,):
-            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            results = []
-            for bm, bn, split, stages in itertools.product((32, 64), (32, 64, 128), (1, 2, 4, 8), (3, 4)):
-                if bm > rows:
-                    continue
-                cfg = Fp8GemmConfig(block_m=bm, block_n=bn, group_m=8, num_warps=4, num_stages=stages, split_k=split)
-                with forced_config(cfg):
-                    try:
-                        t = time_s(lambda: fp8_gemm_triton(x, *nxt()), rep=20)
-                    except Exception:
-                        continue
-                results.append((t, cfg))
-            results.sort(key=lambda r: r[0])
-            for t, cfg in results[:4] + [r for r in results if r[1].split_k == 1][:1]:
-                print(f"tune fp8_gemm M={rows:<3} K={k} N={n}: {t * 1e6:6.1f} us {n * k / t / 1e9:7.1f} GB/s "
-                      f"{100 * n * k / t / peak:5.1f} %  {cfg}", flush=True)
+        x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+        results = _sweep(configs, forced_config, lambda: fp8_gemm_triton(x, *nxt()))
+        for t, cfg in results[:4] + [r for r in results if r[1].split_k == 1][:1]:
+            print(f"tune fp8_gemm M=64  K={k} N={n}: {t * 1e6:6.1f} us {n * k / t / 1e9:7.1f} GB/s "
+                  f"{100 * n * k / t / peak:5.1f} %  {cfg}", flush=True)
 
 
 def main(which: list[str]) -> None:
