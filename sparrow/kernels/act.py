@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from sparrow.kernels import use_triton
 
-# Set by tests to run the Triton launcher on CPU tensors under TRITON_INTERPRET=1.
 
 # (largest I, BLOCK_I, num_warps): one program per (row, BLOCK_I outputs).
 ACT_CONFIGS: tuple[tuple[int, int, int], ...] = ((512, 512, 2), (2048, 1024, 4), (1 << 62, 2048, 8))

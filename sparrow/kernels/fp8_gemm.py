@@ -34,7 +34,6 @@ from sparrow.kernels.fp8 import (
     quantize_fp8_per_group_ref,
 )
 
-# Set by tests to run the Triton launcher on CPU tensors under TRITON_INTERPRET=1.
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -29,8 +29,7 @@ from sparrow.kernels import ForcedConfig, use_triton
 from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, dequantize_fp8_block_ref
 from sparrow.kernels import split_k
 
-# Set by tests to run the Triton launcher on CPU tensors under TRITON_INTERPRET=1.
-MAX_ROWS = 16
+MAX_ROWS = 16  # the GEMV path ends here; more rows are a GEMM
 
 
 @dataclasses.dataclass(frozen=True)

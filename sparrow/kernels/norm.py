@@ -23,7 +23,6 @@ import torch
 from sparrow.kernels import use_triton
 from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, quantize_fp8_per_group_ref
 
-# Set by tests to run the Triton launcher on CPU tensors under TRITON_INTERPRET=1.
 
 MAX_HIDDEN = 65536  # one program holds a whole row in registers
 # (largest tile elements, num_warps): one (row, head) per program, warps grow with the row width.
