@@ -32,6 +32,11 @@ def rms_norm_kernel(
     post_scale_ptr,  # [1] float, or dummy when not HAS_POST_SCALE
     pre_w_ptr,  # [H] any float dtype, or dummy when not HAS_PRE
     pre_add_ptr,  # [R, H] contiguous, x's dtype, or dummy when not HAS_PRE
+    pre_add_w_ptr,  # [H] any float dtype, or dummy when not PRE_ADD_NORM
+    next_w1_ptr,  # [H] any float dtype, or dummy when NUM_NEXT < 1
+    next_w2_ptr,  # [H] any float dtype, or dummy when NUM_NEXT < 2
+    next_y1_ptr,  # [R, H] contiguous, x's dtype, or dummy when NUM_NEXT < 1
+    next_y2_ptr,  # [R, H] contiguous, x's dtype, or dummy when NUM_NEXT < 2
     H,
     NUM_HEADS,
     stride_xr,
@@ -45,6 +50,8 @@ def rms_norm_kernel(
     HAS_POST_ADD: tl.constexpr,  # y = post_add + y (rounded), the post-norm residual add (Gemma 2-4)
     HAS_POST_SCALE: tl.constexpr,  # y = y * post_scale (rounded), Gemma 4's layer_scalar
     HAS_PRE: tl.constexpr,  # x = pre_add + norm(x, pre_w) (rounded) first: a second sandwich norm (Gemma 4)
+    PRE_ADD_NORM: tl.constexpr,  # with HAS_PRE: pre_add is normalized too, norm(pre_add, pre_add_w) (rounded)
+    NUM_NEXT: tl.constexpr,  # 0-2 further norms of the output y, norm(y, next_w_i) -> next_y_i (same eps)
     BLOCK_G: tl.constexpr,
     GROUP: tl.constexpr,
 ):
@@ -61,6 +68,10 @@ def rms_norm_kernel(
         pre_w = tl.load(pre_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         t = _weighted(pre_hat, pre_w, dt, GEMMA, UNIT_OFFSET)
         a = tl.load(pre_add_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+        if PRE_ADD_NORM:
+            a_hat = a * tl.rsqrt(tl.sum(tl.sum(a * a, axis=1), axis=0) / H + eps)
+            a_w = tl.load(pre_add_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            a = _weighted(a_hat, a_w, dt, GEMMA, UNIT_OFFSET).to(tl.float32)
         x = (a + t.to(tl.float32)).to(dt).to(tl.float32)
     if HAS_RESIDUAL:
         # HF adds the residual in the model dtype: round the sum, store it, normalize the rounded value.
@@ -96,3 +107,12 @@ def rms_norm_kernel(
         tl.store(scale_ptr + out_row * n_groups + g, scale, mask=g < n_groups)
     else:
         tl.store(y_ptr + out_row * H + cols, y, mask=mask)
+    if NUM_NEXT > 0:
+        # the next sandwich norms read the stored (rounded) y; they share its mean square, not their weights
+        yf = y.to(tl.float32)
+        y_hat = yf * tl.rsqrt(tl.sum(tl.sum(yf * yf, axis=1), axis=0) / H + eps)
+        w1 = tl.load(next_w1_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(next_y1_ptr + out_row * H + cols, _weighted(y_hat, w1, dt, GEMMA, UNIT_OFFSET), mask=mask)
+        if NUM_NEXT > 1:
+            w2 = tl.load(next_w2_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(next_y2_ptr + out_row * H + cols, _weighted(y_hat, w2, dt, GEMMA, UNIT_OFFSET), mask=mask)

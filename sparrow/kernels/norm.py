@@ -44,15 +44,21 @@ def rms_norm_ref(
     post_scale: torch.Tensor | None = None,
     pre_weight: torch.Tensor | None = None,
     pre_add: torch.Tensor | None = None,
+    pre_add_weight: torch.Tensor | None = None,
+    next_weights: tuple[torch.Tensor, ...] = (),
 ):
     """Torch twin of ``rms_norm``; see the module doc for the formulas and ``rms_norm`` for the returns."""
-    _check(x, weight, residual, fp8_out, post_add, post_scale, pre_weight, pre_add)
+    _check(x, weight, residual, fp8_out, post_add, post_scale, pre_weight, pre_add, pre_add_weight, next_weights)
     dtype = x.dtype
     new_residual = None
     if pre_add is not None:
         xf = x.float()
         pre_hat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        x = (pre_add.float() + _weighted(pre_hat, pre_weight, dtype, gemma, unit_offset).float()).to(dtype)
+        a = pre_add.float()
+        if pre_add_weight is not None:
+            a_hat = a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + eps)
+            a = _weighted(a_hat, pre_add_weight, dtype, gemma, unit_offset).float()
+        x = (a + _weighted(pre_hat, pre_weight, dtype, gemma, unit_offset).float()).to(dtype)
     if residual is not None:
         x = (x.float() + residual.float()).to(dtype)  # HF adds in the model dtype
         new_residual = x
@@ -66,6 +72,10 @@ def rms_norm_ref(
     outs: tuple = quantize_fp8_per_group_ref(y, GROUP) if fp8_out else (y,)
     if new_residual is not None:
         outs = outs + (new_residual,)
+    if next_weights:
+        yf = y.float()
+        y_hat = yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + eps)
+        outs = outs + tuple(_weighted(y_hat, w, dtype, gemma, unit_offset) for w in next_weights)
     return outs[0] if len(outs) == 1 else outs
 
 
@@ -90,11 +100,13 @@ def rms_norm_triton(
     post_scale: torch.Tensor | None = None,
     pre_weight: torch.Tensor | None = None,
     pre_add: torch.Tensor | None = None,
+    pre_add_weight: torch.Tensor | None = None,
+    next_weights: tuple[torch.Tensor, ...] = (),
 ):
     """Triton launcher of ``rms_norm`` (same signature and returns); one program per (row, head)."""
     from sparrow.kernels._norm_jit import rms_norm_kernel
 
-    _check(x, weight, residual, fp8_out, post_add, post_scale, pre_weight, pre_add)
+    _check(x, weight, residual, fp8_out, post_add, post_scale, pre_weight, pre_add, pre_add_weight, next_weights)
     hidden = x.shape[-1]
     rows = x.shape[0]
     heads = x.shape[1] if x.dim() == 3 else 1
@@ -110,6 +122,9 @@ def rms_norm_triton(
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         scales = y  # dummy pointer, never touched
     new_residual = torch.empty_like(x) if residual is not None else None
+    nexts = tuple(torch.empty_like(x) for _ in next_weights)
+    next_w = tuple(next_weights) + (x,) * (2 - len(next_weights))  # dummies past the last
+    next_y = nexts + (x,) * (2 - len(nexts))
     if rows > 0:
         rms_norm_kernel[(rows, heads)](
             x,
@@ -122,6 +137,9 @@ def rms_norm_triton(
             post_scale if post_scale is not None else x,
             pre_weight if pre_weight is not None else x,
             pre_add if pre_add is not None else x,
+            pre_add_weight if pre_add_weight is not None else x,
+            *next_w,
+            *next_y,
             hidden,
             heads,
             x.stride(0),
@@ -135,6 +153,8 @@ def rms_norm_triton(
             HAS_POST_ADD=post_add is not None,
             HAS_POST_SCALE=post_scale is not None,
             HAS_PRE=pre_add is not None,
+            PRE_ADD_NORM=pre_add_weight is not None,
+            NUM_NEXT=len(next_weights),
             BLOCK_G=block_g,
             GROUP=group,
             num_warps=num_warps,
@@ -142,6 +162,7 @@ def rms_norm_triton(
     outs: tuple = (y, scales) if fp8_out else (y,)
     if new_residual is not None:
         outs = outs + (new_residual,)
+    outs = outs + nexts
     return outs[0] if len(outs) == 1 else outs
 
 
@@ -158,6 +179,8 @@ def rms_norm(
     post_scale: torch.Tensor | None = None,
     pre_weight: torch.Tensor | None = None,
     pre_add: torch.Tensor | None = None,
+    pre_add_weight: torch.Tensor | None = None,
+    next_weights: tuple[torch.Tensor, ...] = (),
 ):
     """RMSNorm of x over its last dim; Triton by ``sparrow.kernels.use_triton`` (CUDA, or forced), the torch twin otherwise.
 
@@ -172,22 +195,29 @@ def rms_norm(
     pre_weight [H] and pre_add [R, H] (together; 2-D x, no residual / fp8_out): x is first replaced by
     ``pre_add + norm(x, pre_weight)`` (same eps and convention, rounded as above), so two sandwich norms
     ``(post_add + norm(pre_add + norm(x, pre_weight), weight)) * post_scale`` are one kernel (Gemma 4's
-    post_feedforward_layernorm_2 then post_feedforward_layernorm).
+    post_feedforward_layernorm_2 then post_feedforward_layernorm). pre_add_weight [H] (with pre_add): pre_add is
+    normalized too, ``norm(pre_add, pre_add_weight) + norm(x, pre_weight)`` (Gemma 4's post_feedforward_layernorm_1
+    of the dense branch). next_weights: up to 2 weights [H] (2-D x, no fp8_out): each further norm of the output,
+    ``norm(y, w)`` with the same eps and convention, is returned after y (the next sandwich's pre-norms: Gemma 4's
+    pre_feedforward_layernorm / _2, and the next layer's input_layernorm), so a chain of norms is one launch.
 
     Returns ``y`` [R, H] in x's dtype, or with fp8_out ``(q e4m3 [R, H], scales fp32 [R, G])``, with
-    ``new_residual`` [R, H] appended when residual is given: ``(y, new_residual)`` / ``(q, scales, new_residual)``.
+    ``new_residual`` [R, H] appended when residual is given: ``(y, new_residual)`` / ``(q, scales, new_residual)``;
+    then one [R, H] tensor in x's dtype per next_weights entry.
     Raises ValueError naming the bad shape, dtype or stride.
     """
     fn = rms_norm_triton if use_triton(x) else rms_norm_ref
     return fn(x, weight, eps, gemma=gemma, unit_offset=unit_offset, residual=residual, fp8_out=fp8_out,
-              post_add=post_add, post_scale=post_scale, pre_weight=pre_weight, pre_add=pre_add)
+              post_add=post_add, post_scale=post_scale, pre_weight=pre_weight, pre_add=pre_add,
+              pre_add_weight=pre_add_weight, next_weights=next_weights)
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _check(x, weight, residual, fp8_out, post_add=None, post_scale=None, pre_weight=None, pre_add=None) -> None:
+def _check(x, weight, residual, fp8_out, post_add=None, post_scale=None, pre_weight=None, pre_add=None,
+           pre_add_weight=None, next_weights=()) -> None:
     if x.dim() not in (2, 3):
         raise ValueError(f"rms_norm: x must be [R, H] or [R, nH, D], got shape {tuple(x.shape)}")
     if x.dtype not in _FLOAT_DTYPES:
@@ -231,6 +261,24 @@ def _check(x, weight, residual, fp8_out, post_add=None, post_scale=None, pre_wei
                              f"got {tuple(pre_weight.shape)} on {pre_weight.device}")
         if not x.is_contiguous():
             raise ValueError(f"rms_norm: pre_add needs a contiguous x, got strides {x.stride()}")
+    if pre_add_weight is not None:
+        if pre_add is None:
+            raise ValueError("rms_norm: pre_add_weight needs pre_add")
+        _check_vector("pre_add_weight", pre_add_weight, x)
+    if len(next_weights) > 2:
+        raise ValueError(f"rms_norm: at most 2 next_weights, got {len(next_weights)}")
+    if next_weights and (x.dim() != 2 or fp8_out):
+        raise ValueError("rms_norm: next_weights need a 2-D x [R, H] and no fp8_out")
+    for w in next_weights:
+        _check_vector("next_weights entry", w, x)
+
+
+def _check_vector(name: str, w: torch.Tensor, x: torch.Tensor) -> None:
+    """A per-column weight: contiguous float [H] on x's device."""
+    if not isinstance(w, torch.Tensor) or w.shape != x.shape[-1:] or not w.is_contiguous() \
+            or w.dtype not in _FLOAT_DTYPES or w.device != x.device:
+        raise ValueError(f"rms_norm: {name} must be a contiguous float [{x.shape[-1]}] tensor on {x.device}, got "
+                         f"{getattr(w, 'shape', w)}")
 
 
 def _check_addend(name: str, t: torch.Tensor, x: torch.Tensor, residual, fp8_out: bool) -> None:

@@ -67,26 +67,42 @@ class RMSNorm(nn.Module):
         return rms_norm_torch(x, self.weight, self.eps, kind=self.kind)
 
     def norm_add(self, x: torch.Tensor, add: torch.Tensor, scale: torch.Tensor | None = None,
-                 pre: tuple[RMSNorm, torch.Tensor] | None = None) -> torch.Tensor:
+                 pre: tuple[RMSNorm, torch.Tensor] | None = None, pre_add_norm: RMSNorm | None = None,
+                 next_norms: tuple[RMSNorm, ...] = ()):
         """``(add + norm(x)) * scale`` for x, add [R, H] and scale [1] or None: the post-norm residual add of
         Gemma-style sandwich norms (and Gemma 4's layer_scalar), each step rounded to x's dtype as
-        transformers computes it; one kernel on the Triton path. ``pre = (norm2, add2)``: x is first
-        ``norm2.norm_add(x, add2)``, in the same kernel when both norms share kind and eps."""
+        transformers computes it. ``pre = (norm2, add2)``: x is first ``norm2.norm_add(x, add2)``, and with
+        ``pre_add_norm`` add2 is first ``pre_add_norm(add2)`` (Gemma 4's two branch post-norms before their sum).
+        ``next_norms`` (at most 2): the norms of the result that the next ops read (the next sandwich's
+        pre-norms), returned after it: ``(y, *[n(y) for n in next_norms])``.
+
+        On the Triton path all of it is one kernel when every norm has a weight and shares this one's kind and
+        eps (sparrow.kernels.norm.rms_norm); otherwise the ops run one by one, with the same results."""
         from sparrow.kernels import use_triton
 
+        norms = (self,) + ((pre[0],) if pre is not None else ()) + ((pre_add_norm,) if pre_add_norm is not None else ()) \
+            + tuple(next_norms)
+        if use_triton(x) and x.dim() == 2 and len(next_norms) <= 2 and (pre is not None or pre_add_norm is None) \
+                and all(n.kind == self.kind and n.eps == self.eps and n.weight is not None for n in norms):
+            from sparrow.kernels.norm import rms_norm_triton
+
+            return rms_norm_triton(
+                x.contiguous(), self.weight, self.eps, gemma=self.kind != "llama", unit_offset=self.kind == "gemma",
+                post_add=add.contiguous(), post_scale=scale,
+                pre_weight=pre[0].weight if pre is not None else None,
+                pre_add=pre[1].contiguous() if pre is not None else None,
+                pre_add_weight=pre_add_norm.weight if pre_add_norm is not None else None,
+                next_weights=tuple(n.weight for n in next_norms))
+        if pre is not None:
+            x = pre[0].norm_add(x, pre[1] if pre_add_norm is None else pre_add_norm(pre[1]))
         if use_triton(x) and x.dim() == 2:
             from sparrow.kernels.norm import rms_norm_triton
 
-            kw = dict(gemma=self.kind != "llama", unit_offset=self.kind == "gemma", post_add=add.contiguous(),
-                      post_scale=scale)
-            if pre is not None and pre[0].kind == self.kind and pre[0].eps == self.eps and self.weight is not None \
-                    and pre[0].weight is not None:
-                return rms_norm_triton(x.contiguous(), self.weight, self.eps, pre_weight=pre[0].weight,
-                                       pre_add=pre[1].contiguous(), **kw)
-            if pre is not None:
-                x = pre[0].norm_add(x, pre[1])
-            return rms_norm_triton(x, self.weight, self.eps, **kw)
-        if pre is not None:
-            x = pre[0].norm_add(x, pre[1])
-        y = add + self(x)
-        return y if scale is None else y * scale
+            y = rms_norm_triton(x, self.weight, self.eps, gemma=self.kind != "llama", unit_offset=self.kind == "gemma",
+                                post_add=add.contiguous(), post_scale=scale)
+        else:
+            y = add + self(x)
+            y = y if scale is None else y * scale
+        if not next_norms:
+            return y
+        return (y,) + tuple(n(y) for n in next_norms)

@@ -72,6 +72,13 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, soft_embeds=None, soft_mask=None):
         x = self.embed_tokens(input_ids, soft_embeds, soft_mask)
+        if getattr(self.layers[0], "chains_norms", False):
+            # each layer returns its output and the next norm of it, computed in its closing kernel
+            normed = self.layers[0].input_layernorm(x)
+            for i, layer in enumerate(self.layers):
+                next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+                x, normed = layer(x, normed, meta, next_norm)
+            return normed
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, meta)

@@ -7,6 +7,7 @@ Per layer (x the residual stream [R, H]):
     m   = post_feedforward_layernorm_2(experts(pre_feedforward_layernorm_2(h), router(h)))   MoE branch
     out = (h + post_feedforward_layernorm(d + m)) * layer_scalar
 (without ``enable_moe_block``: out = (h + post_feedforward_layernorm(mlp(...))) * layer_scalar).
+Each chain of norms between two matmuls is one kernel (Gemma4DecoderLayer.forward).
 Decode overlap (design §2): while a CUDA graph is being captured, the dense branch d runs on a second CUDA
 stream, concurrent with router + experts on the capturing stream, and joins before the sum; the graph
 keeps the fork/join, so every replay overlaps them. Eager steps (prefill) run the branches in order.
@@ -70,33 +71,37 @@ class Gemma4DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm_2 = norm()
             self.post_feedforward_layernorm_2 = norm()
 
-    def forward(self, x, residual, meta):
-        # the layer ends with x * layer_scalar, so it hands the whole stream on (residual is always None);
-        # each "a + norm(b)" (and the final * layer_scalar) is one fused kernel on the Triton path
-        h = self.post_attention_layernorm.norm_add(self.self_attn(self.input_layernorm(x), meta), x)
+    chains_norms = True
+    """DecoderModel hands each layer its input already normalized by input_layernorm and the norm that
+    follows it (the next layer's input_layernorm, the final norm after the last layer)."""
+
+    def forward(self, x, normed, meta, next_norm):
+        """x [R, H] the residual stream, normed = input_layernorm(x); returns (out, next_norm(out)).
+
+        Each chain of norms between two matmuls is one kernel on the Triton path (RMSNorm.norm_add): the
+        post-attention add with both pre-feedforward norms, and the closing kernel (both branch post-norms,
+        their sum, post_feedforward_layernorm + residual, x layer_scalar, then next_norm)."""
+        attn = self.self_attn(normed, meta)
         if not self.moe:
-            out = self.mlp(self.pre_feedforward_layernorm(h))
-        else:
-            stream = side_stream(h)  # fork: the dense branch on the side stream, joined before the sum
-            if stream is not None:
-                stream.wait_stream(torch.cuda.current_stream(h.device))
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                dense = self._dense(h)
-            moe = self._moe(h)
-            if stream is not None:
-                torch.cuda.current_stream(h.device).wait_stream(stream)
-            # post_feedforward_layernorm(dense + post_feedforward_layernorm_2(moe)) + h, x layer_scalar: one kernel
-            return self.post_feedforward_layernorm.norm_add(
-                moe, h, self.layer_scalar, pre=(self.post_feedforward_layernorm_2, dense)), None
-        return self.post_feedforward_layernorm.norm_add(out, h, self.layer_scalar), None
-
-    def _dense(self, h: torch.Tensor) -> torch.Tensor:
-        return self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
-
-    def _moe(self, h: torch.Tensor) -> torch.Tensor:
-        """The experts' output before post_feedforward_layernorm_2 (fused with the sum in forward)."""
+            h, pre = self.post_attention_layernorm.norm_add(attn, x, next_norms=(self.pre_feedforward_layernorm,))
+            return self.post_feedforward_layernorm.norm_add(self.mlp(pre), h, self.layer_scalar,
+                                                            next_norms=(next_norm,))
+        h, pre, pre2 = self.post_attention_layernorm.norm_add(
+            attn, x, next_norms=(self.pre_feedforward_layernorm, self.pre_feedforward_layernorm_2))
+        stream = side_stream(h)  # fork: the dense branch on the side stream, joined before the sum
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(h.device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            dense = self.mlp(pre)
         weights, ids = self.router(h)  # the router reads the raw residual
-        return self.experts(self.pre_feedforward_layernorm_2(h), weights, ids)
+        moe = self.experts(pre2, weights, ids)
+        if stream is not None:
+            torch.cuda.current_stream(h.device).wait_stream(stream)
+        # (h + post_feedforward_layernorm(post_feedforward_layernorm_1(dense) + post_feedforward_layernorm_2(moe)))
+        # x layer_scalar, and next_norm of it
+        return self.post_feedforward_layernorm.norm_add(
+            moe, h, self.layer_scalar, pre=(self.post_feedforward_layernorm_2, dense),
+            pre_add_norm=self.post_feedforward_layernorm_1, next_norms=(next_norm,))
 
 
 class Gemma4ForCausalLM(CausalLM):

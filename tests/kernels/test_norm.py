@@ -133,6 +133,30 @@ def test_twin_pre_norm_is_two_sandwich_norms(dtype):
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_twin_norm_chain_is_the_norms_one_by_one(dtype):
+    """``pre_add_weight`` normalizes pre_add first and ``next_weights`` appends norms of the output: the same
+    values as separate twin calls (Gemma 4's post_feedforward_layernorm_1 / _2 sum, then
+    post_feedforward_layernorm, then the next layer's input_layernorm; or post_attention_layernorm then both
+    pre_feedforward_layernorms)."""
+    x, w = _inputs(4, 40, dtype)
+    a, w2 = _inputs(4, 40, dtype, seed=1)
+    b, w3 = _inputs(4, 40, dtype, seed=2)
+    _, w4 = _inputs(4, 40, dtype, seed=3)
+    _, w5 = _inputs(4, 40, dtype, seed=4)
+    s = torch.tensor([0.37], dtype=dtype)
+    kw = CONVENTIONS["gemma4"]
+    a_normed = rms_norm_ref(a, w3, 1e-6, **kw)
+    y = rms_norm_ref(x, w, 1e-6, post_add=b, post_scale=s, pre_weight=w2, pre_add=a_normed, **kw)
+    got = rms_norm_ref(x, w, 1e-6, post_add=b, post_scale=s, pre_weight=w2, pre_add=a, pre_add_weight=w3,
+                       next_weights=(w4, w5), **kw)
+    for g, want in zip(got, (y, rms_norm_ref(y, w4, 1e-6, **kw), rms_norm_ref(y, w5, 1e-6, **kw))):
+        torch.testing.assert_close(g, want, atol=0, rtol=0)
+    y1 = rms_norm_ref(x, w, 1e-6, post_add=b, **kw)
+    torch.testing.assert_close(rms_norm_ref(x, w, 1e-6, post_add=b, next_weights=(w4,), **kw)[1],
+                               rms_norm_ref(y1, w4, 1e-6, **kw), atol=0, rtol=0)
+
+
 # ---- the Triton kernel against the twin --------------------------------------------------------------
 
 
@@ -203,6 +227,38 @@ def test_pre_norm_rejects():
         rms_norm_triton(x, w, 1e-6, pre_weight=w)
     with pytest.raises(ValueError, match="pre_add"):
         rms_norm_triton(x, w, 1e-6, pre_weight=w, pre_add=x[:1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("convention", ["gemma4", "llama", "gemma3"])
+@pytest.mark.parametrize("rows,hidden", [(1, 136), (3, 1000), (17, 40)])
+@pytest.mark.parametrize("pre", [False, True])
+@pytest.mark.parametrize("num_next", [1, 2])
+def test_kernel_norm_chain(rows, hidden, convention, dtype, pre, num_next):
+    """pre_add_weight and next_weights (1 or 2) in one launch, against the twin."""
+    x, w = _inputs(rows, hidden, dtype)
+    a, w2 = _inputs(rows, hidden, dtype, seed=1)
+    b, w3 = _inputs(rows, hidden, dtype, seed=2)
+    nexts = tuple(_inputs(rows, hidden, dtype, seed=3 + i)[1] for i in range(num_next))
+    kw = dict(CONVENTIONS[convention], post_add=b, next_weights=nexts)
+    if pre:
+        kw.update(pre_weight=w2, pre_add=a, pre_add_weight=w3, post_scale=torch.tensor([1.7], dtype=dtype, device=DEVICE))
+    got, ref = rms_norm_triton(x, w, 1e-6, **kw), rms_norm_ref(x, w, 1e-6, **kw)
+    assert len(got) == len(ref) == 1 + num_next
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, **TOL[dtype])
+
+
+def test_norm_chain_rejects():
+    x, w = _inputs(2, 40, torch.float32)
+    with pytest.raises(ValueError, match="pre_add_weight needs pre_add"):
+        rms_norm_triton(x, w, 1e-6, pre_add_weight=w)
+    with pytest.raises(ValueError, match="at most 2 next_weights"):
+        rms_norm_triton(x, w, 1e-6, next_weights=(w, w, w))
+    with pytest.raises(ValueError, match="next_weights need"):
+        rms_norm_triton(x, w, 1e-6, fp8_out=True, next_weights=(w,))
+    with pytest.raises(ValueError, match="next_weights entry"):
+        rms_norm_triton(x, w, 1e-6, next_weights=(w[:4],))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -306,6 +362,24 @@ def test_gpu_pre_norm(rows):
     s = torch.tensor([0.8], dtype=torch.bfloat16, device=DEVICE)
     kw = dict(CONVENTIONS["gemma4"], post_add=b, post_scale=s, pre_weight=w2, pre_add=a)
     torch.testing.assert_close(rms_norm_triton(x, w, 1e-6, **kw), rms_norm_ref(x, w, 1e-6, **kw), **TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_gpu_norm_chain(rows):
+    """The two Gemma 4 chains at the flagship width: the end of a layer (post_feedforward_layernorm_1 / _2 sum,
+    post_feedforward_layernorm + residual, layer_scalar, the next input_layernorm) and the post-attention add
+    with both pre_feedforward_layernorms."""
+    x, w = _inputs(rows, 2816, torch.bfloat16)
+    a, w2 = _inputs(rows, 2816, torch.bfloat16, seed=1)
+    b, w3 = _inputs(rows, 2816, torch.bfloat16, seed=2)
+    _, w4 = _inputs(rows, 2816, torch.bfloat16, seed=3)
+    s = torch.tensor([0.8], dtype=torch.bfloat16, device=DEVICE)
+    for kw in (dict(post_add=b, post_scale=s, pre_weight=w2, pre_add=a, pre_add_weight=w3, next_weights=(w4,)),
+               dict(post_add=b, next_weights=(w3, w4))):
+        kw.update(CONVENTIONS["gemma4"])
+        for g, r in zip(rms_norm_triton(x, w, 1e-6, **kw), rms_norm_ref(x, w, 1e-6, **kw)):
+            torch.testing.assert_close(g, r, **TOL[torch.bfloat16])
 
 
 if __name__ == "__main__":

@@ -40,3 +40,30 @@ def test_norm_add_with_pre_norm(kind2, eps2):
         torch.testing.assert_close(norm.norm_add(x, add, scale, pre=(norm2, add2)), want, atol=0, rtol=0)
     with backend("triton"):
         torch.testing.assert_close(norm.norm_add(x, add, scale, pre=(norm2, add2)), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind_other,eps_other", [("gemma4", 1e-6), ("gemma4", 1e-5), ("llama", 1e-6)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_add_chain(kind_other, eps_other, dtype):
+    """``pre_add_norm`` and ``next_norms``: the ops one by one on the torch path; on the Triton path one kernel
+    when every norm agrees in kind and eps (here the next norm may differ, which falls back to separate ops)."""
+    g = torch.Generator().manual_seed(2)
+    norm, norm2, norm3 = (RMSNorm(48, 1e-6, kind="gemma4", dtype=dtype) for _ in range(3))
+    nxt, nxt2 = RMSNorm(48, 1e-6, kind="gemma4", dtype=dtype), RMSNorm(48, eps_other, kind=kind_other, dtype=dtype)
+    with torch.no_grad():
+        for n in (norm, norm2, norm3, nxt, nxt2):
+            n.weight.copy_(torch.randn(48, generator=g))
+    x, add, add2 = ((torch.randn(5, 48, generator=g) * 3).to(dtype) for _ in range(3))
+    scale = torch.tensor([0.6], dtype=dtype)
+    y = (add + norm(norm3(add2) + norm2(x))) * scale
+    want = (y, nxt(y), nxt2(y))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for name, t in (("torch", dict(atol=0, rtol=0)), ("triton", tol)):
+        with backend(name):
+            got = norm.norm_add(x, add, scale, pre=(norm2, add2), pre_add_norm=norm3, next_norms=(nxt, nxt2))
+            assert len(got) == 3
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, **t)
+        with backend(name):  # without pre: the post-attention chain (h, pre_feedforward_layernorm(h), ...)
+            got = norm.norm_add(x, add, next_norms=(nxt,))
+            torch.testing.assert_close(got[1], nxt(add + norm(x)), **t)
