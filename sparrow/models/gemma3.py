@@ -23,15 +23,15 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_act, dtype=dtype)
         self.post_feedforward_layernorm = RMSNorm(h, eps, gemma=True, dtype=dtype)
 
-    def forward(self, x, residual, meta):
-        # HF: h = x + post_attn_norm(attn(input_norm(x))); out = h + post_ff_norm(mlp(pre_ff_norm(h)))
-        if residual is not None:
-            x = x + residual
-        residual = x
-        x = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), meta))
-        x, residual = self.pre_feedforward_layernorm(x, residual)
-        x = self.post_feedforward_layernorm(self.mlp(x))
-        return x, residual
+    chains_norms = True  # DecoderModel passes input_layernorm(x) and the norm after this layer (gemma4.py)
+
+    def forward(self, x, normed, meta, next_norm):
+        """x [R, H] the residual stream, normed = input_layernorm(x); returns (out, next_norm(out)).
+        HF: h = x + post_attn_norm(attn(input_norm(x))); out = h + post_ff_norm(mlp(pre_ff_norm(h))); each norm
+        chain between two matmuls is one kernel on the Triton path (RMSNorm.norm_add)."""
+        h, pre = self.post_attention_layernorm.norm_add(self.self_attn(normed, meta), x,
+                                                        next_norms=(self.pre_feedforward_layernorm,))
+        return self.post_feedforward_layernorm.norm_add(self.mlp(pre), h, next_norms=(next_norm,))
 
 
 class Gemma3ForCausalLM(CausalLM):
