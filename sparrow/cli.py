@@ -11,6 +11,17 @@ import sys
 from sparrow.errors import SparrowError
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (the error names the value)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF checkpoint folder or .gguf file (default: the packaged Gemma 3 270M Q4_K_M)")
@@ -138,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="benchmark a random-weight model of a named shape instead of --model "
                         "(gemma4-26b-a4b, qwen3-30b-a3b, llama3-8b, gemma3-270m, tiny-moe, tiny-gemma4, tiny-dense)")
     b.add_argument("--profile", action="store_true",
-                   help="print torch.profiler's top ops for one batch-1 decode step of each engine")
+                   help="print torch.profiler's top ops for one decode step of each engine (batch: --profile-batch)")
+    b.add_argument("--profile-batch", type=_positive_int, default=1, metavar="N",
+                   help="batch size of the --profile step (default 1)")
     b.add_argument("--profile-prefill", action="store_true",
                    help="print torch.profiler's top ops for sparrow's prefill of the largest batch x longest prompt")
     b.add_argument("--out", default=None, help="also write every number to this JSON file")

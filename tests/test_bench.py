@@ -54,7 +54,7 @@ def test_kv_bytes_respect_the_sliding_window():
 
 
 def test_tiny_dense_bench_table_and_json(tmp_path, capsys):
-    report = _bench(tmp_path, "--model-shape", "tiny-dense", "--profile", "--profile-prefill")
+    report = _bench(tmp_path, "--model-shape", "tiny-dense", "--profile", "--profile-batch", "2", "--profile-prefill")
     rows = report["results"]
     assert {(r["engine"], r["batch"]) for r in rows} == {(e, b) for e in ("sparrow", "transformers") for b in (1, 3)}
     for r in rows:
@@ -66,7 +66,7 @@ def test_tiny_dense_bench_table_and_json(tmp_path, capsys):
     assert set(report["profiles"]) == {"sparrow", "transformers", "sparrow prefill"}
     assert "prefill of 3 x 9 tokens" in report["profiles"]["sparrow prefill"]
     text = capsys.readouterr().out
-    assert "speedup" in text and "% of bound" in text and "one decode step at batch 1" in text
+    assert "speedup" in text and "% of bound" in text and "one decode step at batch 2" in text
 
 
 def test_tiny_moe_bench(tmp_path):
@@ -113,7 +113,7 @@ def test_sparrow_and_transformers_run_the_same_weights(name):
     runner = bench.SparrowRunner(bench.sparrow_from_hf(hf, full_config_dict(shape_config(name)), s,
                                                        bench.engine_kwargs(s, None)))
     prompt = list(range(5, 25))
-    step, cleanup = runner.decode_stepper(prompt)  # prefill + 2 greedy steps
+    step, cleanup = runner.decode_stepper([prompt])  # prefill + 2 greedy steps
     ids = []
     for _ in range(3):
         ids += [o.outputs[0].token_ids for o in step()]

@@ -95,7 +95,8 @@ def run_bench(args) -> int:
                 report["results"].append(row)
                 _write_json(out_path, report)
         if getattr(args, "profile", False):
-            text = profile_step(runner, random_prompts(1, s.prompt_lens[0], vocab, gen)[0], s.device)
+            text = profile_step(runner, random_prompts(getattr(args, "profile_batch", 1), s.prompt_lens[0], vocab, gen),
+                                s.device)
             print(text, flush=True)
             report["profiles"][runner.name] = text
         if getattr(args, "profile_prefill", False) and isinstance(runner, SparrowRunner):

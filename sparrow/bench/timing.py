@@ -114,16 +114,19 @@ class SparrowRunner:
         t_first = now if t_first is None else t_first
         return Timing(t_first - t0, now - t_first, after, steps, sum(counts.values()))
 
-    def decode_stepper(self, prompt: list[int]):
-        """(one decode step of batch 1, cleanup): the prompt is prefilled and two steps are warmed first."""
+    def decode_stepper(self, prompts: list[list[int]]):
+        """(one decode step of the batch of ``prompts``, cleanup): they are prefilled and two steps are
+        warmed first."""
         from sparrow.sampling_params import SamplingParams
 
         eng = self.engine
-        rid = eng.add_request({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
-        produced = 0
-        while produced < 3:  # prefill (maybe several chunks) + two decode steps
-            produced = max([len(o.outputs[0].token_ids) for o in eng.step()] or [produced])
-        return eng.step, lambda: eng.abort(rid)
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        rids = [eng.add_request({"prompt_token_ids": p}, params) for p in prompts]
+        produced = dict.fromkeys(rids, 0)
+        while min(produced.values()) < 3:  # prefill (maybe several chunks) + two decode steps
+            for o in eng.step():
+                produced[o.request_id] = len(o.outputs[0].token_ids)
+        return eng.step, lambda: [eng.abort(r) for r in rids]
 
 
 class _StepClock:
@@ -180,9 +183,9 @@ class HFRunner:
                       (out.shape[1] - ids.shape[1]) * len(prompts))
 
     @torch.inference_mode()
-    def decode_stepper(self, prompt: list[int]):
-        """(one decode step of batch 1 with the KV cache, cleanup)."""
-        out = self.model(input_ids=torch.tensor([prompt], device=self.device), use_cache=True)
+    def decode_stepper(self, prompts: list[list[int]]):
+        """(one decode step of the batch of equal-length ``prompts`` with the KV cache, cleanup)."""
+        out = self.model(input_ids=torch.tensor(prompts, device=self.device), use_cache=True)
         state = {"past": out.past_key_values, "next": out.logits[:, -1:].argmax(-1)}
 
         @torch.inference_mode()
@@ -228,12 +231,12 @@ def measure(runner, s: Settings, batch: int, prompt_len: int, vocab: int, fp: Fo
     }
 
 
-def profile_step(runner, prompt: list[int], device: str, rows: int = 20) -> str:
-    """torch.profiler table of one batch-1 decode step: the top ``rows`` ops by self device time (CUDA)
-    or self CPU time (CPU), with the step's wall time on top."""
+def profile_step(runner, prompts: list[list[int]], device: str, rows: int = 20) -> str:
+    """torch.profiler table of one decode step of the batch of ``prompts`` (equal lengths): the top ``rows``
+    ops by self device time (CUDA) or self CPU time (CPU), with the step's wall time on top."""
     from torch.profiler import ProfilerActivity, profile
 
-    step, cleanup = runner.decode_stepper(prompt)
+    step, cleanup = runner.decode_stepper(prompts)
     cuda = device.startswith("cuda")
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     try:
@@ -244,7 +247,8 @@ def profile_step(runner, prompt: list[int], device: str, rows: int = 20) -> str:
     finally:
         cleanup()
     table = _table(prof, cuda, rows)
-    return f"{runner.name}: one decode step at batch 1, prompt {len(prompt)}: {wall * 1e3:.2f} ms wall\n{table}"
+    return (f"{runner.name}: one decode step at batch {len(prompts)}, prompt {len(prompts[0])}: "
+            f"{wall * 1e3:.2f} ms wall\n{table}")
 
 
 def profile_prefill(runner, prompts: list[list[int]], device: str, rows: int = 25) -> str:
