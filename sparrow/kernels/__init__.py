@@ -9,11 +9,17 @@ TRITON_INTERPRET=1, for tests), and ``set_backend(None)`` restores the default.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Iterator
 
 import torch
 
 _BACKEND: str | None = None
+
+PDL = os.environ.get("SPARROW_PDL", "1") != "0"
+"""Launch the decode-path kernels with programmatic dependent launch where the GPU has it (``use_pdl``);
+``SPARROW_PDL=0`` in the environment (or ``PDL = False`` before the kernels first run) turns it off."""
+_PDL_DEVICES: dict[int, bool] = {}
 
 
 def set_backend(name: str | None) -> None:
@@ -44,6 +50,25 @@ def use_triton(x: torch.Tensor) -> bool:
     if _BACKEND is not None:
         return _BACKEND == "triton"
     return x.is_cuda
+
+
+def use_pdl(x: torch.Tensor) -> bool:
+    """Whether a kernel on x's device launches with programmatic dependent launch (``launch_pdl=True`` and its
+    ``pdl_enter`` prologue, sparrow/kernels/_pdl_jit.py): ``PDL`` is on, x is a CUDA tensor of a device of
+    compute capability >= 9.0 (Hopper), and Triton is not the interpreter."""
+    if not (PDL and x.is_cuda) or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    able = _PDL_DEVICES.get(index)
+    if able is None:
+        able = _PDL_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return able
+
+
+def pdl_kwargs(x: torch.Tensor) -> dict:
+    """Launch keywords of a kernel with a ``pdl_enter`` prologue: ``USE_PDL`` and ``launch_pdl`` by ``use_pdl(x)``."""
+    on = use_pdl(x)
+    return {"USE_PDL": on, "launch_pdl": on}
 
 
 class ForcedConfig:

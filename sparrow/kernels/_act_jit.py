@@ -6,6 +6,8 @@ One program computes BLOCK_I outputs of one row.
 import triton
 import triton.language as tl
 
+from sparrow.kernels._pdl_jit import pdl_enter
+
 SILU = 0
 GELU_TANH = 1
 
@@ -18,7 +20,9 @@ def act_and_mul_kernel(
     stride_xr,
     ACT: tl.constexpr,  # SILU or GELU_TANH
     BLOCK_I: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = cols < I

@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from sparrow.kernels._pdl_jit import pdl_enter
+
 
 @triton.jit
 def _tanh(x):
@@ -73,6 +75,7 @@ def paged_decode_kernel(
     DV: tl.constexpr, DV_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
     UPCAST: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
 ):
     """One decode row (sequence s), one KV head and its G query heads, one KV split.
 
@@ -81,6 +84,7 @@ def paged_decode_kernel(
     split's softmax sum) and part_lse [S, Hq, P]; else write out [R, Hq, Dv] directly. Empty splits
     write nothing (the reduce recomputes how many splits are live).
     """
+    pdl_enter(USE_PDL)
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -151,9 +155,11 @@ def paged_decode_reduce_kernel(
     stride_pas, stride_pah, stride_pap, stride_pls, stride_plh, stride_or, stride_oh,
     DV: tl.constexpr, DV_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_P: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
 ):
     """Merge the live splits of one (sequence, q head): out = sum_p exp(lse_p - lse) * acc_p. grid (S, Hq).
     BLOCK_P splits per loop step, loaded as one [BLOCK_P, DV_PAD] tile (independent loads in flight)."""
+    pdl_enter(USE_PDL)
     s = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.load(query_start_loc_ptr + s)

@@ -19,6 +19,7 @@ fp32 bit arithmetic and the dot runs on fp32 values (same numbers, exact product
 import triton
 import triton.language as tl
 
+from sparrow.kernels._pdl_jit import pdl_enter
 from sparrow.kernels._split_k_jit import split_k_and, split_k_range, split_k_reduce
 
 
@@ -58,7 +59,9 @@ def fp8_gemm_kernel(
     BLOCK_K: tl.constexpr,  # must be 128: one scale group per step
     GROUP_M: tl.constexpr,  # programs of GROUP_M row tiles sweep N together (L2 reuse of w)
     SPLIT_K: tl.constexpr,  # programs per output tile (grid axis 1), each over a contiguous run of K groups
+    USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
 ):
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)

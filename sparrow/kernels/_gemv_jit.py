@@ -12,6 +12,7 @@ once, after the loop (no cross-lane reduction per step; registers grow with BLOC
 import triton
 import triton.language as tl
 
+from sparrow.kernels._pdl_jit import pdl_enter
 from sparrow.kernels._split_k_jit import split_k_and, split_k_range, split_k_reduce
 
 
@@ -39,7 +40,9 @@ def gemv_kernel(
     BLOCK_K: tl.constexpr,  # K elements per loop step
     SUB_K: tl.constexpr,  # K per inner product inside a step: divides 128 when FP8_W (one scale block each)
     SPLIT_K: tl.constexpr,  # programs per N tile (grid axis 1), each over a contiguous run of BLOCK_K steps
+    USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
 ):
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     rr = tl.arange(0, BLOCK_R)

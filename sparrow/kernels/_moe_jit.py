@@ -31,6 +31,7 @@ RNE_BF16 (round to bf16 in fp32 before the store); the GPU uses tl.dot and the h
 import triton
 import triton.language as tl
 
+from sparrow.kernels._pdl_jit import pdl_enter
 from sparrow.kernels._split_k_jit import split_k_and, split_k_arrive, split_k_range, split_k_store, split_k_sum
 
 SILU = 0
@@ -170,7 +171,9 @@ def moe_gemm_kernel(
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, FP8_W: tl.constexpr,
     EMULATE_FP8: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
 ):
+    pdl_enter(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     total = tl.load(total_ptr)
@@ -204,7 +207,9 @@ def moe_gemv_kernel(
     BLOCK_R: tl.constexpr,  # dot rows per pass (>= 16); experts with more pairs loop
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
     SPLIT_K: tl.constexpr,  # programs per (pair, N tile) (grid axis 2), each over a contiguous K range
+    USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
 ):
+    pdl_enter(USE_PDL)
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -256,7 +261,9 @@ def moe_reduce_kernel(
     H, stride_wr, stride_sr, stride_g,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr, RNE_BF16: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
 ):
+    pdl_enter(USE_PDL)
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H

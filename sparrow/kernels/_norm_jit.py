@@ -7,6 +7,8 @@ held in registers as a [BLOCK_G, GROUP] tile (so the fp8 group amax is a reducti
 import triton
 import triton.language as tl
 
+from sparrow.kernels._pdl_jit import pdl_enter
+
 
 @triton.jit
 def _weighted(xhat, w, dt: tl.constexpr, GEMMA: tl.constexpr, UNIT_OFFSET: tl.constexpr):
@@ -37,6 +39,8 @@ def rms_norm_kernel(
     next_w2_ptr,  # [H] any float dtype, or dummy when NUM_NEXT < 2
     next_y1_ptr,  # [R, H] contiguous, x's dtype, or dummy when NUM_NEXT < 1
     next_y2_ptr,  # [R, H] contiguous, x's dtype, or dummy when NUM_NEXT < 2
+    pair_w_ptr,  # [R, TOPK] routing weights, unit stride on TOPK, or dummy when TOPK == 0
+    stride_pw,
     H,
     NUM_HEADS,
     stride_xr,
@@ -52,9 +56,12 @@ def rms_norm_kernel(
     HAS_PRE: tl.constexpr,  # x = pre_add + norm(x, pre_w) (rounded) first: a second sandwich norm (Gemma 4)
     PRE_ADD_NORM: tl.constexpr,  # with HAS_PRE: pre_add is normalized too, norm(pre_add, pre_add_w) (rounded)
     NUM_NEXT: tl.constexpr,  # 0-2 further norms of the output y, norm(y, next_w_i) -> next_y_i (same eps)
+    TOPK: tl.constexpr,  # > 0: x is [R * TOPK, H] per-pair expert outputs, x = sum_k w[r, k] x[r TOPK + k] (moe_reduce)
     BLOCK_G: tl.constexpr,
     GROUP: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     dt = x_ptr.dtype.element_ty
@@ -62,7 +69,15 @@ def rms_norm_kernel(
     cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [BLOCK_G, GROUP]
     mask = cols < H
 
-    x = tl.load(x_ptr + row * stride_xr + head * stride_xh + cols, mask=mask, other=0.0).to(tl.float32)
+    if TOPK > 0:
+        # the experts' weighted reduce, as moe_reduce_kernel: fp32 in slot order, rounded once
+        x = tl.zeros([BLOCK_G, GROUP], dtype=tl.float32)
+        for k in tl.static_range(TOPK):
+            wk = tl.load(pair_w_ptr + row * stride_pw + k).to(tl.float32)
+            x += wk * tl.load(x_ptr + (row * TOPK + k) * stride_xr + cols, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(dt).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + row * stride_xr + head * stride_xh + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_PRE:
         pre_hat = x * tl.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / H + eps)
         pre_w = tl.load(pre_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from sparrow.kernels._pdl_jit import pdl_enter
+
 
 @triton.jit
 def _normed(x, w_ptr, offs, mask, rstd, HAS_NORM: tl.constexpr, GEMMA: tl.constexpr, norm_offset,
@@ -77,10 +79,12 @@ def qk_norm_rope_kv_write_kernel(
     DV_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr,
     HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, GEMMA: tl.constexpr, V_NORM: tl.constexpr,
     K_EQ_V: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
 ):
     """grid (R, Hq + Hkv): program (r, h) normalizes and rotates q head h (h < Hq) or k head h - Hq, and
     for a k head also writes K and the (optionally scale-free-normed) V of row r to the cache at
     slot_mapping[r] (skipped when the slot is < 0). With K_EQ_V, V is the raw k head (before norm/RoPE)."""
+    pdl_enter(USE_PDL)
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     pos = tl.load(pos_ptr + r)

@@ -7,6 +7,8 @@ e = g * (E / G) + j), so grouped top-k needs no reshape. Formulas: ``sparrow.lay
 import triton
 import triton.language as tl
 
+from sparrow.kernels._pdl_jit import pdl_enter
+
 SOFTMAX = 0
 SIGMOID = 1
 SQRTSOFTPLUS = 2
@@ -32,7 +34,9 @@ def router_kernel(
     PER_GROUP: tl.constexpr,  # E // N_GROUP
     G_PAD: tl.constexpr,
     PER_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, G_PAD)
     j = tl.arange(0, PER_PAD)
@@ -112,10 +116,12 @@ def router_logits_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
 ):
     """logits[r, e] = sum_h x[r, h] * w[e, h] in fp32 for a [BLOCK_R, BLOCK_E] tile; grid (E / BLOCK_E,
     R / BLOCK_R). With RMS_NORM the per-row factor rsqrt(mean(x^2) + eps) multiplies the dot (norm(x) . w
     = rsqrt(..) * (x . w)), its sum of squares taken in the same pass over x."""
+    pdl_enter(USE_PDL)
     re = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     rr = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     rh = tl.arange(0, BLOCK_H)

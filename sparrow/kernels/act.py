@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sparrow.kernels import use_triton
+from sparrow.kernels import pdl_kwargs, use_triton
 
 
 # (largest I, BLOCK_I, num_warps): one program per (row, BLOCK_I outputs).
@@ -82,7 +82,7 @@ def _launch(x: torch.Tensor, act: int, name: str) -> torch.Tensor:
     _, block, num_warps = next(c for c in ACT_CONFIGS if inter <= c[0])
     block = min(block, _next_pow2(inter))
     grid = (rows, -(-inter // block))
-    act_and_mul_kernel[grid](x, y, inter, x.stride(0), ACT=act, BLOCK_I=block, num_warps=num_warps)
+    act_and_mul_kernel[grid](x, y, inter, x.stride(0), ACT=act, BLOCK_I=block, num_warps=num_warps, **pdl_kwargs(x))
     return y
 
 

@@ -17,7 +17,7 @@ import torch
 import triton
 
 from sparrow.kernels._attention_jit import paged_decode_kernel, paged_decode_reduce_kernel, paged_prefill_kernel
-from sparrow.kernels import use_triton
+from sparrow.kernels import pdl_kwargs, use_triton
 from sparrow.kernels.paged_attention import paged_attention_ref
 
 # head dim (padded to a power of two) -> tile config. BLOCK_D chunks the q.k product so D = 512 fits.
@@ -166,7 +166,7 @@ def paged_decode_attention(
         block_tables.stride(0), out.stride(0), out.stride(1),
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_lse.stride(0), part_lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, SPLIT=split,
-        **meta, **cfg,
+        **meta, **cfg, **pdl_kwargs(q),
     )
     if split:
         paged_decode_reduce_kernel[(num_seqs, hq)](
@@ -175,6 +175,7 @@ def paged_decode_attention(
             out.stride(0), out.stride(1),
             DV=meta["DV"], DV_PAD=meta["DV_PAD"], SPLITS_PAD=(splits_pad := max(2, triton.next_power_of_2(splits))),
             BLOCK_P=min(splits_pad, max(2, 8192 // meta["DV_PAD"])), USE_WINDOW=meta["USE_WINDOW"], num_warps=4,
+            **pdl_kwargs(q),
         )
     return out
 

@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from sparrow.kernels import ForcedConfig, split_k, use_triton
+from sparrow.kernels import ForcedConfig, pdl_kwargs, split_k, use_triton
 
 from sparrow.kernels.fp8 import (
     FP8_DTYPE,
@@ -127,7 +127,7 @@ def fp8_gemm_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, x_s
         GROUP_M=cfg.group_m,
         SPLIT_K=split,
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, **pdl_kwargs(x),
     )
     return y
 

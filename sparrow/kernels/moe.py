@@ -37,7 +37,7 @@ import os
 
 import torch
 
-from sparrow.kernels import split_k, use_triton
+from sparrow.kernels import pdl_kwargs, split_k, use_triton
 from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, dequantize_fp8_block_ref, dequantize_fp8_per_group_ref, \
     quantize_fp8_per_group_ref
 from sparrow.kernels.moe_configs import MoeConfig, Tile, pick_config
@@ -169,7 +169,7 @@ def moe_reduce_triton(y: torch.Tensor, topk_weights: torch.Tensor, out_dtype: to
         gate.stride(0) if gate is not None else 0,
         TOPK=top_k, HAS_SHARED=shared_output is not None, HAS_GATE=gate is not None,
         RNE_BF16=_interpret() and out.dtype == torch.bfloat16, BLOCK_H=block_h,
-        num_warps=4,
+        num_warps=4, **pdl_kwargs(y),
     )
     return out
 
@@ -198,6 +198,7 @@ def fused_moe_fp8_ref(
     *,
     w13_scale: torch.Tensor,
     w2_scale: torch.Tensor,
+    reduce: bool = True,
 ) -> torch.Tensor:
     """Torch twin of the FP8 W8A8 experts: x and the intermediate quantized per 128-column group
     (fp8.py), weights dequantized per 128 x 128 block, matmuls in fp32, the intermediate and each pair's
@@ -212,38 +213,40 @@ def fused_moe_fp8_ref(
         a = _gate_up_act(h, activation, swiglu_limit).to(x.dtype)  # [n, I]
         aq = dequantize_fp8_per_group_ref(*quantize_fp8_per_group_ref(a))
         y[pairs] = (aq @ dequantize_fp8_block_ref(down_proj[e], w2_scale[e]).t()).to(x.dtype)
-    return moe_reduce_ref(y, topk_weights, x.dtype)
+    return moe_reduce_ref(y, topk_weights, x.dtype) if reduce else y
 
 
 def fused_moe_ref(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu", *, w13_scale=None,
-                  w2_scale=None, pair_threshold=64, swiglu_limit=None, shared_output=None, shared_gate=None):
+                  w2_scale=None, pair_threshold=64, swiglu_limit=None, shared_output=None, shared_gate=None,
+                  reduce=True):
     """Torch twin of ``fused_moe`` (same contract): the layer references for x-dtype weights, the FP8 twin
     otherwise, then the shared-expert blend in fp32."""
     _check_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, w13_scale, w2_scale)
-    _check_reduce_shared(x.shape[0], x.shape[1], shared_output, shared_gate)
+    _check_reduce_shared(x.shape[0], x.shape[1], shared_output, shared_gate, reduce)
     if w13_scale is not None:
         out = fused_moe_fp8_ref(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, swiglu_limit,
-                                w13_scale=w13_scale, w2_scale=w2_scale)
+                                w13_scale=w13_scale, w2_scale=w2_scale, reduce=reduce)
     else:
         ref = fused_moe_grouped_ref if topk_ids.numel() > pair_threshold else fused_moe_per_pair_ref
-        out = ref(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, swiglu_limit)
+        out = ref(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, swiglu_limit, reduce=reduce)
     if shared_output is None:
         return out
     return _blend_ref(out.float(), shared_output, shared_gate).to(x.dtype)
 
 
 def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu", *, w13_scale=None,
-                     w2_scale=None, pair_threshold=64, swiglu_limit=None, shared_output=None, shared_gate=None):
+                     w2_scale=None, pair_threshold=64, swiglu_limit=None, shared_output=None, shared_gate=None,
+                     reduce=True):
     """Triton launcher of ``fused_moe`` (same contract): the small path for P <= pair_threshold (and
     <= SMALL_MAX_PAIRS), the grouped path above; 3 launches small, 6 grouped, no host sync."""
     _check_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, w13_scale, w2_scale)
-    _check_reduce_shared(x.shape[0], x.shape[1], shared_output, shared_gate)
+    _check_reduce_shared(x.shape[0], x.shape[1], shared_output, shared_gate, reduce)
     rows, hidden = x.shape
     num_experts, two_width = gate_up_proj.shape[:2]
     width = two_width // 2
     pairs = topk_ids.numel()
     if rows == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if reduce else x.new_zeros(0, hidden)
     small = pairs <= min(pair_threshold, SMALL_MAX_PAIRS)
     fp8 = w13_scale is not None
     cfg = pick_config(rows, topk_ids.shape[1], num_experts, hidden, width, small, fp8,
@@ -279,7 +282,7 @@ def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activat
                 s.stride(0) if fp8 else 0, s.stride(1) if fp8 else 0, GATED=gated, P_PAD=p_pad,
                 BLOCK_R=block_r, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                 SUB_K=min(tile.block_k, GROUP) if fp8 else tile.block_k, SPLIT_K=split,
-                num_warps=tile.num_warps, num_stages=tile.num_stages, **common,
+                num_warps=tile.num_warps, num_stages=tile.num_stages, **common, **pdl_kwargs(x),
             )
     else:
         from sparrow.kernels._moe_jit import moe_gemm_kernel
@@ -291,19 +294,22 @@ def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activat
                 w.stride(0), w.stride(1), s.stride(0) if fp8 else 0, s.stride(1) if fp8 else 0, GATED=gated,
                 BLOCK_M=cfg.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                 SUB_K=min(tile.block_k, GROUP) if fp8 else tile.block_k,
-                num_warps=tile.num_warps, num_stages=tile.num_stages, **common,
+                num_warps=tile.num_warps, num_stages=tile.num_stages, **common, **pdl_kwargs(x),
             )
-    return moe_reduce_triton(y, topk_weights, x.dtype, shared_output, shared_gate)
+    return moe_reduce_triton(y, topk_weights, x.dtype, shared_output, shared_gate) if reduce else y
 
 
 def fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu", *, w13_scale=None,
-              w2_scale=None, pair_threshold=64, swiglu_limit=None, shared_output=None, shared_gate=None):
+              w2_scale=None, pair_threshold=64, swiglu_limit=None, shared_output=None, shared_gate=None,
+              reduce=True):
     """Routed experts (+ shared-expert blend) of x [R, H] -> [R, H] in x's dtype; see the module doc.
-    Triton where ``use_triton(x)``, else ``fused_moe_ref``. Raises ValueError on bad shapes / dtypes."""
+    ``reduce=False`` (no shared expert): the unweighted per-pair outputs [P, H] in pair order instead, for a
+    consumer that fuses the weighted reduce (``moe_reduce``'s y). Triton where ``use_triton(x)``, else
+    ``fused_moe_ref``. Raises ValueError on bad shapes / dtypes."""
     fn = fused_moe_triton if use_triton(x) else fused_moe_ref
     return fn(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, w13_scale=w13_scale,
               w2_scale=w2_scale, pair_threshold=pair_threshold, swiglu_limit=swiglu_limit,
-              shared_output=shared_output, shared_gate=shared_gate)
+              shared_output=shared_output, shared_gate=shared_gate, reduce=reduce)
 
 
 # ---------------------------------------------------------------------------------------- checks
@@ -350,7 +356,9 @@ def _check_moe(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_sca
             raise ValueError(f"fused_moe: {name} is on {t.device}, x on {x.device}")
 
 
-def _check_reduce_shared(rows, hidden, shared_output, shared_gate) -> None:
+def _check_reduce_shared(rows, hidden, shared_output, shared_gate, reduce=True) -> None:
+    if not reduce and shared_output is not None:
+        raise ValueError("fused_moe: reduce=False returns the per-pair outputs; blend shared_output after the reduce")
     if shared_output is not None and (tuple(shared_output.shape) != (rows, hidden) or shared_output.stride(1) != 1):
         raise ValueError(f"moe_reduce: shared_output must be [R={rows}, H={hidden}] with unit stride on H, got "
                          f"{tuple(shared_output.shape)}")

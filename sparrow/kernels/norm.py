@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from sparrow.kernels import use_triton
+from sparrow.kernels import pdl_kwargs, use_triton
 from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, quantize_fp8_per_group_ref
 
 
@@ -46,11 +46,16 @@ def rms_norm_ref(
     pre_add: torch.Tensor | None = None,
     pre_add_weight: torch.Tensor | None = None,
     next_weights: tuple[torch.Tensor, ...] = (),
+    pair_weights: torch.Tensor | None = None,
 ):
     """Torch twin of ``rms_norm``; see the module doc for the formulas and ``rms_norm`` for the returns."""
-    _check(x, weight, residual, fp8_out, post_add, post_scale, pre_weight, pre_add, pre_add_weight, next_weights)
+    _check(x, weight, residual, fp8_out, post_add, post_scale, pre_weight, pre_add, pre_add_weight, next_weights,
+           pair_weights)
     dtype = x.dtype
     new_residual = None
+    if pair_weights is not None:  # moe_reduce_ref: fp32 weighted sum over the K slots, rounded once
+        rows, top_k = pair_weights.shape
+        x = (x.float().view(rows, top_k, -1) * pair_weights.float().unsqueeze(-1)).sum(dim=1).to(dtype)
     if pre_add is not None:
         xf = x.float()
         pre_hat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -102,27 +107,30 @@ def rms_norm_triton(
     pre_add: torch.Tensor | None = None,
     pre_add_weight: torch.Tensor | None = None,
     next_weights: tuple[torch.Tensor, ...] = (),
+    pair_weights: torch.Tensor | None = None,
 ):
     """Triton launcher of ``rms_norm`` (same signature and returns); one program per (row, head)."""
     from sparrow.kernels._norm_jit import rms_norm_kernel
 
-    _check(x, weight, residual, fp8_out, post_add, post_scale, pre_weight, pre_add, pre_add_weight, next_weights)
+    _check(x, weight, residual, fp8_out, post_add, post_scale, pre_weight, pre_add, pre_add_weight, next_weights,
+           pair_weights)
     hidden = x.shape[-1]
-    rows = x.shape[0]
+    rows = x.shape[0] if pair_weights is None else pair_weights.shape[0]
     heads = x.shape[1] if x.dim() == 3 else 1
+    out_shape = x.shape if pair_weights is None else (rows, hidden)
     stride_xh = x.stride(1) if x.dim() == 3 else 0
     group = GROUP if (fp8_out or hidden >= GROUP) else max(16, _next_pow2(hidden))
     block_g = _next_pow2(-(-hidden // group))
     num_warps = next(w for limit, w in NORM_WARPS if block_g * group <= limit)
 
     if fp8_out:
-        y = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+        y = torch.empty(out_shape, dtype=FP8_DTYPE, device=x.device)
         scales = torch.empty(rows, -(-hidden // GROUP), dtype=torch.float32, device=x.device)
     else:
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        y = torch.empty(out_shape, dtype=x.dtype, device=x.device)
         scales = y  # dummy pointer, never touched
     new_residual = torch.empty_like(x) if residual is not None else None
-    nexts = tuple(torch.empty_like(x) for _ in next_weights)
+    nexts = tuple(torch.empty_like(y) for _ in next_weights)
     next_w = tuple(next_weights) + (x,) * (2 - len(next_weights))  # dummies past the last
     next_y = nexts + (x,) * (2 - len(nexts))
     if rows > 0:
@@ -140,6 +148,8 @@ def rms_norm_triton(
             pre_add_weight if pre_add_weight is not None else x,
             *next_w,
             *next_y,
+            pair_weights if pair_weights is not None else x,
+            pair_weights.stride(0) if pair_weights is not None else 0,
             hidden,
             heads,
             x.stride(0),
@@ -155,9 +165,10 @@ def rms_norm_triton(
             HAS_PRE=pre_add is not None,
             PRE_ADD_NORM=pre_add_weight is not None,
             NUM_NEXT=len(next_weights),
+            TOPK=pair_weights.shape[1] if pair_weights is not None else 0,
             BLOCK_G=block_g,
             GROUP=group,
-            num_warps=num_warps,
+            num_warps=num_warps, **pdl_kwargs(x),
         )
     outs: tuple = (y, scales) if fp8_out else (y,)
     if new_residual is not None:
@@ -181,6 +192,7 @@ def rms_norm(
     pre_add: torch.Tensor | None = None,
     pre_add_weight: torch.Tensor | None = None,
     next_weights: tuple[torch.Tensor, ...] = (),
+    pair_weights: torch.Tensor | None = None,
 ):
     """RMSNorm of x over its last dim; Triton by ``sparrow.kernels.use_triton`` (CUDA, or forced), the torch twin otherwise.
 
@@ -200,6 +212,9 @@ def rms_norm(
     of the dense branch). next_weights: up to 2 weights [H] (2-D x, no fp8_out): each further norm of the output,
     ``norm(y, w)`` with the same eps and convention, is returned after y (the next sandwich's pre-norms: Gemma 4's
     pre_feedforward_layernorm / _2, and the next layer's input_layernorm), so a chain of norms is one launch.
+    pair_weights [R, K] (2-D x, no residual / fp8_out): x is [R K, H], the MoE's unweighted per-pair outputs in
+    pair order, first reduced as ``moe.moe_reduce_ref`` does (fp32 sum over k of w[r, k] x[r K + k], rounded to
+    x's dtype); every other tensor and each output is then [R, H] (the experts' weighted reduce fused).
 
     Returns ``y`` [R, H] in x's dtype, or with fp8_out ``(q e4m3 [R, H], scales fp32 [R, G])``, with
     ``new_residual`` [R, H] appended when residual is given: ``(y, new_residual)`` / ``(q, scales, new_residual)``;
@@ -209,7 +224,7 @@ def rms_norm(
     fn = rms_norm_triton if use_triton(x) else rms_norm_ref
     return fn(x, weight, eps, gemma=gemma, unit_offset=unit_offset, residual=residual, fp8_out=fp8_out,
               post_add=post_add, post_scale=post_scale, pre_weight=pre_weight, pre_add=pre_add,
-              pre_add_weight=pre_add_weight, next_weights=next_weights)
+              pre_add_weight=pre_add_weight, next_weights=next_weights, pair_weights=pair_weights)
 
 
 def _next_pow2(n: int) -> int:
@@ -217,7 +232,7 @@ def _next_pow2(n: int) -> int:
 
 
 def _check(x, weight, residual, fp8_out, post_add=None, post_scale=None, pre_weight=None, pre_add=None,
-           pre_add_weight=None, next_weights=()) -> None:
+           pre_add_weight=None, next_weights=(), pair_weights=None) -> None:
     if x.dim() not in (2, 3):
         raise ValueError(f"rms_norm: x must be [R, H] or [R, nH, D], got shape {tuple(x.shape)}")
     if x.dtype not in _FLOAT_DTYPES:
@@ -245,8 +260,19 @@ def _check(x, weight, residual, fp8_out, post_add=None, post_scale=None, pre_wei
             raise ValueError(f"rms_norm: residual must be contiguous, got strides {residual.stride()}")
     if fp8_out and x.dim() != 2:
         raise ValueError("rms_norm: fp8_out needs a 2-D x [R, H]")
+    out_shape = tuple(x.shape)
+    if pair_weights is not None:
+        if not isinstance(pair_weights, torch.Tensor) or pair_weights.dim() != 2 or x.dim() != 2 \
+                or x.shape[0] != pair_weights.numel() or pair_weights.stride(-1) != 1 \
+                or not pair_weights.is_floating_point() or pair_weights.device != x.device:
+            raise ValueError(f"rms_norm: pair_weights must be a float [R, K] tensor with unit stride on K and x "
+                             f"[R K, H] on its device, got {getattr(pair_weights, 'shape', pair_weights)} and x "
+                             f"{tuple(x.shape)}")
+        if residual is not None or fp8_out or not x.is_contiguous():
+            raise ValueError("rms_norm: pair_weights need a contiguous x and neither residual nor fp8_out")
+        out_shape = (pair_weights.shape[0], hidden)
     if post_add is not None:
-        _check_addend("post_add", post_add, x, residual, fp8_out)
+        _check_addend("post_add", post_add, x, residual, fp8_out, out_shape)
     if post_scale is not None:
         if x.dim() != 2 or fp8_out or post_scale.numel() != 1 or not post_scale.is_floating_point():
             raise ValueError("rms_norm: post_scale must be a one-element float tensor, with a 2-D x and no fp8_out")
@@ -255,7 +281,7 @@ def _check(x, weight, residual, fp8_out, post_add=None, post_scale=None, pre_wei
     if (pre_weight is None) != (pre_add is None):
         raise ValueError("rms_norm: pre_weight and pre_add go together")
     if pre_add is not None:
-        _check_addend("pre_add", pre_add, x, residual, fp8_out)
+        _check_addend("pre_add", pre_add, x, residual, fp8_out, out_shape)
         if pre_weight.shape != x.shape[-1:] or not pre_weight.is_contiguous() or pre_weight.device != x.device:
             raise ValueError(f"rms_norm: pre_weight must be a contiguous [{x.shape[-1]}] tensor on {x.device}, "
                              f"got {tuple(pre_weight.shape)} on {pre_weight.device}")
@@ -281,10 +307,10 @@ def _check_vector(name: str, w: torch.Tensor, x: torch.Tensor) -> None:
                          f"{getattr(w, 'shape', w)}")
 
 
-def _check_addend(name: str, t: torch.Tensor, x: torch.Tensor, residual, fp8_out: bool) -> None:
-    """post_add / pre_add: a contiguous tensor like the 2-D x, without residual or fp8_out."""
+def _check_addend(name: str, t: torch.Tensor, x: torch.Tensor, residual, fp8_out: bool, shape: tuple) -> None:
+    """post_add / pre_add: a contiguous tensor of the output's shape and x's dtype (2-D x, no residual / fp8_out)."""
     if x.dim() != 2 or residual is not None or fp8_out:
         raise ValueError(f"rms_norm: {name} needs a 2-D x [R, H] and neither residual nor fp8_out")
-    if t.shape != x.shape or t.dtype != x.dtype or not t.is_contiguous():
+    if tuple(t.shape) != tuple(shape) or t.dtype != x.dtype or not t.is_contiguous():
         raise ValueError(f"rms_norm: {name} {tuple(t.shape)} {t.dtype} must be a contiguous "
-                         f"tensor like x {tuple(x.shape)} {x.dtype}")
+                         f"{tuple(shape)} tensor of x's dtype {x.dtype}")

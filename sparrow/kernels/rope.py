@@ -29,7 +29,7 @@ import torch
 import triton
 
 from sparrow.kernels._rope_jit import qk_norm_rope_kv_write_kernel
-from sparrow.kernels import use_triton
+from sparrow.kernels import pdl_kwargs, use_triton
 from sparrow.kernels.paged_attention import write_kv_ref
 
 
@@ -204,6 +204,6 @@ def qk_norm_rope_kv_write(
         HALF=half, HALF_PAD=triton.next_power_of_2(half),
         PASS_PAD=triton.next_power_of_2(d - rotary_dim) if d > rotary_dim else 0,
         HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None, GEMMA=bool(gemma_norm),
-        V_NORM=bool(v_norm), K_EQ_V=bool(k_eq_v), num_warps=4 if d <= 256 else 8,
+        V_NORM=bool(v_norm), K_EQ_V=bool(k_eq_v), num_warps=4 if d <= 256 else 8, **pdl_kwargs(q),
     )
     return q_out, k_out

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sparrow.kernels import use_triton
+from sparrow.kernels import pdl_kwargs, use_triton
 from sparrow.layers.router import SCORING_FUNCS, select_experts
 
 MAX_EXPERTS = 4096  # one row's logits live in one program's registers
@@ -79,6 +79,7 @@ def fused_router_triton(
         HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, RENORM=bool(renormalize),
         TOPK=top_k, K_PAD=_next_pow2(top_k), N_GROUP=groups, TOPK_GROUP=keep, PER_GROUP=per_group,
         G_PAD=_next_pow2(groups), PER_PAD=_next_pow2(per_group), num_warps=4 if num_experts >= 512 else 1,
+        **pdl_kwargs(logits),
     )
     return weights, ids
 
@@ -134,7 +135,7 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, rms_eps: float |
     grid = (-(-num_experts // block_e), -(-rows // block_r))
     router_logits_kernel[grid](
         x, weight, out, rows, num_experts, hidden, x.stride(0), weight.stride(0), float(rms_eps or 0.0),
-        RMS_NORM=rms_eps is not None, BLOCK_R=block_r, BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4,
+        RMS_NORM=rms_eps is not None, BLOCK_R=block_r, BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4, **pdl_kwargs(x),
     )
     return out
 

@@ -51,9 +51,12 @@ def fused_moe_grouped_ref(
     topk_ids: torch.Tensor,
     activation: str = "silu",
     swiglu_limit: float | None = None,
+    reduce: bool = True,
 ) -> torch.Tensor:
     """Sorted / grouped expert path. x [R, H], gate_up_proj [E, 2I, H], down_proj [E, H, I],
-    topk_weights [R, K] (any float dtype), topk_ids [R, K] int (each in [0, E)) -> [R, H] in x's dtype."""
+    topk_weights [R, K] (any float dtype), topk_ids [R, K] int (each in [0, E)) -> [R, H] in x's dtype.
+    ``reduce=False``: the per-pair outputs [R K, H] in pair order (pair p = row p // K, slot p % K), x's
+    dtype, unweighted (the caller reduces them, as ``sparrow.kernels.moe.moe_reduce``)."""
     num_rows, top_k = topk_ids.shape
     num_experts = gate_up_proj.shape[0]
     flat_ids = topk_ids.reshape(-1).long()  # [P], pair p = row p // K, slot p % K
@@ -72,6 +75,10 @@ def fused_moe_grouped_ref(
     for e in active:
         s, t = offsets[e], offsets[e + 1]
         y[s:t] = a[s:t] @ down_proj[e].t()
+    if not reduce:
+        pairs = torch.empty_like(y)
+        pairs[order] = y
+        return pairs
     w = topk_weights.reshape(-1)[order].float()  # [P]
     out = torch.zeros(num_rows, x.shape[1], dtype=torch.float32, device=x.device)
     out.index_add_(0, rows, y.float() * w[:, None])
@@ -86,6 +93,7 @@ def fused_moe_per_pair_ref(
     topk_ids: torch.Tensor,
     activation: str = "silu",
     swiglu_limit: float | None = None,
+    reduce: bool = True,
 ) -> torch.Tensor:
     """Per-pair GEMV path, no sort: same signature and result as ``fused_moe_grouped_ref``."""
     num_rows, top_k = topk_ids.shape
@@ -94,6 +102,8 @@ def fused_moe_per_pair_ref(
     h = torch.bmm(gate_up_proj[flat_ids], xp.unsqueeze(-1)).squeeze(-1)  # [P, 2I, H] @ [P, H, 1] -> [P, 2I]
     a = _gate_up_act(h, activation, swiglu_limit)  # [P, I]
     y = torch.bmm(down_proj[flat_ids], a.unsqueeze(-1)).squeeze(-1)  # [P, H]
+    if not reduce:
+        return y
     out = (y.float().view(num_rows, top_k, -1) * topk_weights.float().unsqueeze(-1)).sum(dim=1)  # [R, H]
     return out.to(x.dtype)
 
@@ -104,7 +114,9 @@ class FusedMoE(nn.Module):
     ``swiglu_limit``: DeepSeek-V4's clamp (None = off); ``pair_threshold``: more than this many
     (row, expert) pairs take the grouped path, otherwise the per-pair path.
 
-    forward(x [R, H], topk_weights [R, K], topk_ids [R, K]) -> [R, H] in x's dtype.
+    forward(x [R, H], topk_weights [R, K], topk_ids [R, K], reduce=True) -> [R, H] in x's dtype; with
+    ``reduce=False`` the unweighted per-pair outputs [R K, H] in pair order, for a consumer that fuses the
+    weighted reduce (``RMSNorm.norm_add(pair_weights=...)``, Gemma 4).
     """
 
     def __init__(
@@ -188,7 +200,8 @@ class FusedMoE(nn.Module):
         self.w13_scale = nn.Parameter(scales["gate_up_proj"], requires_grad=False)
         self.w2_scale = nn.Parameter(scales["down_proj"], requires_grad=False)
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                reduce: bool = True) -> torch.Tensor:
         from sparrow.kernels import use_triton
 
         if use_triton(x):  # Triton grouped GEMM / per-expert GEMV (sparrow/kernels/moe.py)
@@ -196,16 +209,16 @@ class FusedMoE(nn.Module):
 
             return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.activation,
                              w13_scale=self.w13_scale, w2_scale=self.w2_scale,
-                             pair_threshold=self.pair_threshold, swiglu_limit=self.swiglu_limit)
+                             pair_threshold=self.pair_threshold, swiglu_limit=self.swiglu_limit, reduce=reduce)
         if self.is_fp8:
             from sparrow.kernels.moe import fused_moe_fp8_ref
 
             return fused_moe_fp8_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
                                      self.activation, self.swiglu_limit, w13_scale=self.w13_scale,
-                                     w2_scale=self.w2_scale)
+                                     w2_scale=self.w2_scale, reduce=reduce)
         path = fused_moe_grouped_ref if topk_ids.numel() > self.pair_threshold else fused_moe_per_pair_ref
         return path(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.activation,
-                    self.swiglu_limit)
+                    self.swiglu_limit, reduce=reduce)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, width={self.intermediate_size}, "

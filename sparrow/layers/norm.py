@@ -68,13 +68,14 @@ class RMSNorm(nn.Module):
 
     def norm_add(self, x: torch.Tensor, add: torch.Tensor, scale: torch.Tensor | None = None,
                  pre: tuple[RMSNorm, torch.Tensor] | None = None, pre_add_norm: RMSNorm | None = None,
-                 next_norms: tuple[RMSNorm, ...] = ()):
+                 next_norms: tuple[RMSNorm, ...] = (), pair_weights: torch.Tensor | None = None):
         """``(add + norm(x)) * scale`` for x, add [R, H] and scale [1] or None: the post-norm residual add of
         Gemma-style sandwich norms (and Gemma 4's layer_scalar), each step rounded to x's dtype as
         transformers computes it. ``pre = (norm2, add2)``: x is first ``norm2.norm_add(x, add2)``, and with
         ``pre_add_norm`` add2 is first ``pre_add_norm(add2)`` (Gemma 4's two branch post-norms before their sum).
         ``next_norms`` (at most 2): the norms of the result that the next ops read (the next sandwich's
-        pre-norms), returned after it: ``(y, *[n(y) for n in next_norms])``.
+        pre-norms), returned after it: ``(y, *[n(y) for n in next_norms])``. ``pair_weights`` [R, K]: x is the
+        experts' unweighted per-pair outputs [R K, H] (``FusedMoE(..., reduce=False)``), weighted and summed first.
 
         On the Triton path all of it is one kernel when every norm has a weight and shares this one's kind and
         eps (sparrow.kernels.norm.rms_norm); otherwise the ops run one by one, with the same results."""
@@ -92,7 +93,11 @@ class RMSNorm(nn.Module):
                 pre_weight=pre[0].weight if pre is not None else None,
                 pre_add=pre[1].contiguous() if pre is not None else None,
                 pre_add_weight=pre_add_norm.weight if pre_add_norm is not None else None,
-                next_weights=tuple(n.weight for n in next_norms))
+                next_weights=tuple(n.weight for n in next_norms), pair_weights=pair_weights)
+        if pair_weights is not None:
+            from sparrow.kernels.moe import moe_reduce_ref, moe_reduce_triton
+
+            x = (moe_reduce_triton if use_triton(x) else moe_reduce_ref)(x, pair_weights, x.dtype)
         if pre is not None:
             x = pre[0].norm_add(x, pre[1] if pre_add_norm is None else pre_add_norm(pre[1]))
         if use_triton(x) and x.dim() == 2:

@@ -79,8 +79,9 @@ class Gemma4DecoderLayer(nn.Module):
         """x [R, H] the residual stream, normed = input_layernorm(x); returns (out, next_norm(out)).
 
         Each chain of norms between two matmuls is one kernel on the Triton path (RMSNorm.norm_add): the
-        post-attention add with both pre-feedforward norms, and the closing kernel (both branch post-norms,
-        their sum, post_feedforward_layernorm + residual, x layer_scalar, then next_norm)."""
+        post-attention add with both pre-feedforward norms, and the closing kernel (the experts' weighted
+        reduce, both branch post-norms, their sum, post_feedforward_layernorm + residual, x layer_scalar, then
+        next_norm)."""
         attn = self.self_attn(normed, meta)
         if not self.moe:
             h, pre = self.post_attention_layernorm.norm_add(attn, x, next_norms=(self.pre_feedforward_layernorm,))
@@ -94,14 +95,14 @@ class Gemma4DecoderLayer(nn.Module):
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             dense = self.mlp(pre)
         weights, ids = self.router(h)  # the router reads the raw residual
-        moe = self.experts(pre2, weights, ids)
+        moe = self.experts(pre2, weights, ids, reduce=False)  # [R K, H]: the reduce is fused below
         if stream is not None:
             torch.cuda.current_stream(h.device).wait_stream(stream)
-        # (h + post_feedforward_layernorm(post_feedforward_layernorm_1(dense) + post_feedforward_layernorm_2(moe)))
-        # x layer_scalar, and next_norm of it
+        # (h + post_feedforward_layernorm(post_feedforward_layernorm_1(dense) + post_feedforward_layernorm_2(
+        # sum_k weights[:, k] moe[:, k]))) x layer_scalar, and next_norm of it
         return self.post_feedforward_layernorm.norm_add(
             moe, h, self.layer_scalar, pre=(self.post_feedforward_layernorm_2, dense),
-            pre_add_norm=self.post_feedforward_layernorm_1, next_norms=(next_norm,))
+            pre_add_norm=self.post_feedforward_layernorm_1, next_norms=(next_norm,), pair_weights=weights)
 
 
 class Gemma4ForCausalLM(CausalLM):

@@ -207,6 +207,21 @@ def test_fp8(path, num_experts, top_k, rows):
     assert _nmse(out, deq) < FP8_NMSE
 
 
+@pytest.mark.parametrize("path", ["grouped", "small"])
+def test_unreduced_pairs(path):
+    """``reduce=False``: the per-pair outputs [P, H] that moe_reduce_triton turns into the reduced output."""
+    x, w13, w2, tw, ti = _case(8, 2, 17, torch.float32, seed=5)
+    threshold = GROUPED if path == "grouped" else SMALL
+    with _cfg():
+        pairs = fused_moe_triton(x, w13, w2, tw, ti, pair_threshold=threshold, reduce=False)
+        out = fused_moe_triton(x, w13, w2, tw, ti, pair_threshold=threshold)
+    assert pairs.shape == (34, x.shape[1])
+    torch.testing.assert_close(moe_reduce_triton(pairs, tw, x.dtype), out, atol=0, rtol=0)
+    torch.testing.assert_close(pairs, fused_moe_ref(x, w13, w2, tw, ti, reduce=False), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="reduce=False"):
+        fused_moe_triton(x, w13, w2, tw, ti, reduce=False, shared_output=x)
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("num_experts,top_k,rows", [(8, 8, 1), (8, 2, 17), (64, 1, 65), (128, 8, 4)])
 def test_small_path_split_k(num_experts, top_k, rows, fp8):

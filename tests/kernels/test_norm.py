@@ -157,6 +157,20 @@ def test_twin_norm_chain_is_the_norms_one_by_one(dtype):
                                rms_norm_ref(y1, w4, 1e-6, **kw), atol=0, rtol=0)
 
 
+def test_twin_pair_weights_are_moe_reduce_first():
+    """``pair_weights``: x [R K, H] is reduced exactly as moe_reduce_ref before the norm chain."""
+    from sparrow.kernels.moe import moe_reduce_ref
+
+    pairs, w = _inputs(12, 40, torch.bfloat16)
+    weights = torch.rand(4, 3)
+    b, w2 = _inputs(4, 40, torch.bfloat16, seed=1)
+    kw = CONVENTIONS["gemma4"]
+    got = rms_norm_ref(pairs, w, 1e-6, post_add=b, pair_weights=weights, next_weights=(w2,), **kw)
+    want = rms_norm_ref(moe_reduce_ref(pairs, weights), w, 1e-6, post_add=b, next_weights=(w2,), **kw)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, atol=0, rtol=0)
+
+
 # ---- the Triton kernel against the twin --------------------------------------------------------------
 
 
@@ -249,6 +263,21 @@ def test_kernel_norm_chain(rows, hidden, convention, dtype, pre, num_next):
         torch.testing.assert_close(g, r, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,top_k,hidden", [(1, 8, 136), (3, 2, 1000), (5, 1, 40)])
+def test_kernel_pair_weights(rows, top_k, hidden, dtype):
+    """The experts' weighted reduce fused in front of the whole Gemma 4 closing chain."""
+    pairs, w = _inputs(rows * top_k, hidden, dtype)
+    weights = torch.rand(rows, top_k, device=DEVICE)
+    a, w2 = _inputs(rows, hidden, dtype, seed=1)
+    b, w3 = _inputs(rows, hidden, dtype, seed=2)
+    kw = dict(CONVENTIONS["gemma4"], post_add=b, post_scale=torch.tensor([0.7], dtype=dtype, device=DEVICE),
+              pre_weight=w2, pre_add=a, pre_add_weight=w3, next_weights=(w,), pair_weights=weights)
+    for g, r in zip(rms_norm_triton(pairs, w, 1e-6, **kw), rms_norm_ref(pairs, w, 1e-6, **kw)):
+        assert g.shape == (rows, hidden)
+        torch.testing.assert_close(g, r, **TOL[dtype])
+
+
 def test_norm_chain_rejects():
     x, w = _inputs(2, 40, torch.float32)
     with pytest.raises(ValueError, match="pre_add_weight needs pre_add"):
@@ -259,6 +288,10 @@ def test_norm_chain_rejects():
         rms_norm_triton(x, w, 1e-6, fp8_out=True, next_weights=(w,))
     with pytest.raises(ValueError, match="next_weights entry"):
         rms_norm_triton(x, w, 1e-6, next_weights=(w[:4],))
+    with pytest.raises(ValueError, match="pair_weights must be"):
+        rms_norm_triton(x, w, 1e-6, pair_weights=torch.ones(3, 1))  # 2 rows are not 3 x 1 pairs
+    with pytest.raises(ValueError, match="post_add"):
+        rms_norm_triton(x, w, 1e-6, post_add=x, pair_weights=torch.ones(1, 2))  # post_add must be [1, H]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -367,7 +400,8 @@ def test_gpu_pre_norm(rows):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 8, 64])
 def test_gpu_norm_chain(rows):
-    """The two Gemma 4 chains at the flagship width: the end of a layer (post_feedforward_layernorm_1 / _2 sum,
+    """The two Gemma 4 chains at the flagship width: the end of a layer (the top-8 experts' reduce, their
+    post_feedforward_layernorm_2 and the dense branch's post_feedforward_layernorm_1 summed,
     post_feedforward_layernorm + residual, layer_scalar, the next input_layernorm) and the post-attention add
     with both pre_feedforward_layernorms."""
     x, w = _inputs(rows, 2816, torch.bfloat16)
@@ -375,10 +409,13 @@ def test_gpu_norm_chain(rows):
     b, w3 = _inputs(rows, 2816, torch.bfloat16, seed=2)
     _, w4 = _inputs(rows, 2816, torch.bfloat16, seed=3)
     s = torch.tensor([0.8], dtype=torch.bfloat16, device=DEVICE)
-    for kw in (dict(post_add=b, post_scale=s, pre_weight=w2, pre_add=a, pre_add_weight=w3, next_weights=(w4,)),
-               dict(post_add=b, next_weights=(w3, w4))):
+    pairs = _inputs(rows * 8, 2816, torch.bfloat16, seed=4)[0]
+    weights = torch.rand(rows, 8, device=DEVICE)
+    for src, kw in ((pairs, dict(post_add=b, post_scale=s, pre_weight=w2, pre_add=a, pre_add_weight=w3,
+                                 next_weights=(w4,), pair_weights=weights)),
+                    (x, dict(post_add=b, next_weights=(w3, w4)))):
         kw.update(CONVENTIONS["gemma4"])
-        for g, r in zip(rms_norm_triton(x, w, 1e-6, **kw), rms_norm_ref(x, w, 1e-6, **kw)):
+        for g, r in zip(rms_norm_triton(src, w, 1e-6, **kw), rms_norm_ref(src, w, 1e-6, **kw)):
             torch.testing.assert_close(g, r, **TOL[torch.bfloat16])
 
 

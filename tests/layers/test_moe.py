@@ -58,6 +58,33 @@ def test_paths_agree(rows, num_experts, top_k):
         torch.testing.assert_close(grouped, _naive(x, moe, w, ids), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("rows,threshold", [(3, 64), (17, 8)])  # per-pair and grouped reference paths
+@pytest.mark.parametrize("fp8", [False, True])
+def test_unreduced_pairs_reduce_to_the_output(rows, threshold, fp8):
+    """``FusedMoE(..., reduce=False)``: the per-pair outputs [R K, H] in pair order, which moe_reduce turns into
+    the reduced output."""
+    from sparrow.kernels.moe import moe_reduce_ref
+
+    torch.manual_seed(rows)
+    moe = _experts(8)
+    moe.pair_threshold = threshold
+    if fp8:
+        moe = FusedMoE(8, 128, 128)
+        with torch.no_grad():
+            moe.gate_up_proj.normal_(0, 0.1)
+            moe.down_proj.normal_(0, 0.1)
+        moe.pair_threshold = threshold
+        moe.quantize_fp8()
+    x = torch.randn(rows, moe.hidden_size)
+    w, ids = _routing(rows, 8, 3)
+    pairs = moe(x, w, ids, reduce=False)
+    assert pairs.shape == (rows * 3, moe.hidden_size)
+    torch.testing.assert_close(moe_reduce_ref(pairs, w, x.dtype), moe(x, w, ids), atol=1e-6, rtol=1e-6)
+    for r, k in ((0, 0), (rows - 1, 2)):  # pair p = row p // K, slot p % K: that expert alone
+        alone = moe(x[r:r + 1], torch.ones(1, 1), ids[r:r + 1, k:k + 1])
+        torch.testing.assert_close(pairs[r * 3 + k], alone[0], atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("activation", ["gelu_pytorch_tanh", "gelu"])
 @pytest.mark.parametrize("swiglu_limit", [None, 0.5])
 def test_paths_agree_activations_and_clamp(activation, swiglu_limit):
@@ -75,7 +102,7 @@ def test_dispatch_by_pair_threshold(monkeypatch):
     calls = []
     for name in ("fused_moe_grouped_ref", "fused_moe_per_pair_ref"):
         fn = getattr(moe_mod, name)
-        monkeypatch.setattr(moe_mod, name, lambda *a, _fn=fn, _n=name: calls.append(_n) or _fn(*a))
+        monkeypatch.setattr(moe_mod, name, lambda *a, _fn=fn, _n=name, **kw: calls.append(_n) or _fn(*a, **kw))
     moe = _experts(8, pair_threshold=8)
     for rows in (4, 5):  # 8 pairs -> per-pair, 10 pairs -> grouped
         moe(torch.randn(rows, H), *_routing(rows, 8, 2))

@@ -67,3 +67,26 @@ def test_norm_add_chain(kind_other, eps_other, dtype):
         with backend(name):  # without pre: the post-attention chain (h, pre_feedforward_layernorm(h), ...)
             got = norm.norm_add(x, add, next_norms=(nxt,))
             torch.testing.assert_close(got[1], nxt(add + norm(x)), **t)
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+def test_norm_add_pair_weights(backend_name):
+    """``pair_weights``: the experts' per-pair outputs are reduced (moe_reduce) before the chain; the same result
+    as reducing first, fused or not (a differing next norm falls back to separate ops)."""
+    from sparrow.kernels.moe import moe_reduce_ref
+
+    g = torch.Generator().manual_seed(3)
+    norm, norm2, norm3 = (RMSNorm(48, 1e-6, kind="gemma4") for _ in range(3))
+    other = RMSNorm(48, 1e-5, kind="gemma4")
+    for n in (norm, norm2, norm3, other):
+        with torch.no_grad():
+            n.weight.copy_(torch.randn(48, generator=g))
+    pairs, add, add2 = torch.randn(10, 48, generator=g), torch.randn(5, 48, generator=g), torch.randn(5, 48, generator=g)
+    weights = torch.rand(5, 2, generator=g)
+    tol = dict(atol=0, rtol=0) if backend_name == "torch" else dict(atol=1e-5, rtol=1e-5)
+    with backend(backend_name):
+        for nxt in (norm3, other):
+            got = norm.norm_add(pairs, add, pre=(norm2, add2), next_norms=(nxt,), pair_weights=weights)
+            want = norm.norm_add(moe_reduce_ref(pairs, weights), add, pre=(norm2, add2), next_norms=(nxt,))
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, **tol)
