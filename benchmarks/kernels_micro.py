@@ -170,6 +170,39 @@ def tune_fp8_gemm(peak: float) -> None:
                   f"{100 * n * k / t / peak:5.1f} %  {cfg}", flush=True)
 
 
+def tune_fp8_rows(peak: float) -> None:
+    """FP8 linears at 32 and 64 rows (decode batches past the GEMV's 16): the W8A8 ``fp8_gemm`` (its table
+    config) against the W8A16 GEMV with rows padded to 32 / 64 (swept) and cuBLAS on the bf16 weight."""
+    import itertools
+
+    import torch.nn.functional as F
+
+    from sparrow.kernels import gemv
+    from sparrow.kernels.fp8 import quantize_fp8_block_ref
+    from sparrow.kernels.fp8_gemm import fp8_gemm_triton
+
+    configs = [gemv.GemvConfig(bn, bk, True, num_warps=warps, split_k=sk) for bn, bk, sk, warps
+               in itertools.product((32, 64), (128, 256), (0, 1), (4,))]
+    table = gemv.FP8_GEMV_CONFIGS
+    gemv.FP8_GEMV_CONFIGS = ((64, table[-1][1]),)  # let the launcher take 64 rows
+    try:
+        for k, n in ((2816, 8192), (4096, 2816), (2112, 2816), (2816, 4224)):
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+            nxt = _rotating(lambda: quantize_fp8_block_ref(w), n * k)
+            nxt16 = _rotating(lambda: (w.clone(),), 2 * n * k)
+            for rows in (32, 64):
+                x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+                t_gemm = time_s(lambda: fp8_gemm_triton(x, *nxt()), rep=20)
+                t_cublas = time_s(lambda: F.linear(x, *nxt16()), rep=20)
+                results = _sweep(configs, gemv.forced_config, lambda: gemv.gemv_fp8_triton(x, *nxt()))
+                print(f"fp8 rows R={rows} K={k} N={n}: fp8_gemm {t_gemm * 1e6:6.1f} us "
+                      f"({100 * n * k / t_gemm / peak:4.1f} %)  cuBLAS bf16 {t_cublas * 1e6:6.1f} us", flush=True)
+                for t, cfg in results[:3]:
+                    print(f"    W8A16 GEMV {t * 1e6:6.1f} us ({100 * n * k / t / peak:4.1f} %)  {cfg}", flush=True)
+    finally:
+        gemv.FP8_GEMV_CONFIGS = table
+
+
 def main(which: list[str]) -> None:
     if not torch.cuda.is_available():
         print("kernels_micro: needs a CUDA GPU")
@@ -180,7 +213,8 @@ def main(which: list[str]) -> None:
     for name in which:
         {"norm": bench_norm, "act": bench_act, "gemv": bench_gemv, "tune_gemv": tune_gemv,
          "tune_gemv_fp8": lambda p: tune_gemv(p, (True,)),
-         "tune_gemv_bf16": lambda p: tune_gemv(p, (False,)), "tune_fp8_gemm": tune_fp8_gemm}[name](peak)
+         "tune_gemv_bf16": lambda p: tune_gemv(p, (False,)), "tune_fp8_gemm": tune_fp8_gemm,
+         "tune_fp8_rows": tune_fp8_rows}[name](peak)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, dequantize_fp8_block_ref
 from sparrow.kernels import split_k
 
 MAX_ROWS = 16  # the GEMV path ends here; more rows are a GEMM
+FP8_MAX_ROWS = 16
+"""Rows up to which FP8 linears take the W8A16 GEMV (quant/fp8.py); more rows take the W8A8 ``fp8_gemm``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +105,8 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def gemv_fp8_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """Triton launcher of ``gemv_fp8_ref`` (same contract) for R <= MAX_ROWS."""
-    _check(x, w, "gemv_fp8", max_rows=MAX_ROWS, w_scale=w_scale)
+    """Triton launcher of ``gemv_fp8_ref`` (same contract) for R <= the last FP8_GEMV_CONFIGS bound."""
+    _check(x, w, "gemv_fp8", max_rows=FP8_GEMV_CONFIGS[-1][0], w_scale=w_scale)
     return _launch(x, w, w_scale)
 
 
@@ -120,7 +122,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def gemv_fp8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """y = x @ dequant(w, w_scale).T for e4m3 block-scaled w; see the module doc for the dispatch."""
-    if x.shape[0] <= MAX_ROWS and use_triton(x):
+    if x.shape[0] <= FP8_MAX_ROWS and use_triton(x):
         return gemv_fp8_triton(x, w, w_scale)
     return gemv_fp8_ref(x, w, w_scale)
 
@@ -140,7 +142,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> t
     sub_k = min(cfg.block_k, GROUP) if fp8 else cfg.block_k
     if fp8 and (GROUP % sub_k != 0 or cfg.block_k % sub_k != 0):
         raise ValueError(f"gemv_fp8: block_k {cfg.block_k} must divide or be a multiple of the 128 scale block")
-    block_r = 16 if cfg.use_dot else _next_pow2(rows)
+    block_r = max(16, _next_pow2(rows)) if cfg.use_dot else _next_pow2(rows)
     tiles = -(-n // cfg.block_n)
     split, ws, locks = split_k.plan(x.device, tiles, -(-k // cfg.block_k), cfg.split_k, block_r * cfg.block_n, y)
     gemv_kernel[(tiles, split)](

@@ -21,7 +21,7 @@ of a layer (None = stay unquantized). ``Fp8LinearMethod`` is the method object o
   the buffer, so peak memory is the FP8 model plus the layers in flight (one or two: checkpoints store a
   layer's tensors together). Quantizing the packed weight equals quantizing each shard when shards are
   128-aligned, so an FP8 checkpoint made offline from the same weights loads to the same bytes.
-apply(x [R, K]) -> [R, N] in x's dtype: R <= 16 -> ``gemv_fp8`` (weights dequantized in registers,
+apply(x [R, K]) -> [R, N] in x's dtype: R <= ``gemv.FP8_MAX_ROWS`` -> ``gemv_fp8`` (weights dequantized in registers,
 activations unquantized); more rows -> ``fp8_gemm`` (activations quantized per 128-group, e4m3 tensor
 cores). Each runs Triton on the GPU and its torch twin on CPU (``sparrow.kernels.use_triton``).
 """
@@ -227,15 +227,15 @@ class Fp8LinearMethod:
         """x [..., K] -> [..., N] in x's dtype (+ bias); see the module doc for the kernel choice."""
         from sparrow.kernels import use_triton
         from sparrow.kernels.fp8_gemm import fp8_gemm_ref, fp8_gemm_triton
-        from sparrow.kernels.gemv import MAX_ROWS, gemv_fp8_ref, gemv_fp8_triton
+        from sparrow.kernels import gemv
 
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         triton_path = use_triton(x2)
-        if x2.shape[0] <= MAX_ROWS:
-            y = (gemv_fp8_triton if triton_path else gemv_fp8_ref)(x2, layer.weight, layer.weight_scale_inv)
+        if x2.shape[0] <= gemv.FP8_MAX_ROWS:
+            y = (gemv.gemv_fp8_triton if triton_path else gemv.gemv_fp8_ref)(x2, layer.weight, layer.weight_scale_inv)
         else:
             y = (fp8_gemm_triton if triton_path else fp8_gemm_ref)(x2, layer.weight, layer.weight_scale_inv)
         if layer.bias is not None:

@@ -100,6 +100,20 @@ def test_gemv_fp8_matches_twin(rows, k, n, dtype, config):
     torch.testing.assert_close(_run(config, gemv_fp8_triton, x, wq, ws), gemv_fp8_ref(x, wq, ws), **TOL[dtype])
 
 
+@pytest.mark.parametrize("rows", [17, 40])
+def test_gemv_fp8_above_16_rows(rows, monkeypatch):
+    """With a table entry past 16 rows the W8A16 GEMV pads the rows to a power of two >= 16 (BLOCK_R 32 / 64),
+    and FP8 linears take it up to ``FP8_MAX_ROWS``."""
+    from sparrow.kernels import gemv
+
+    monkeypatch.setattr(gemv, "FP8_GEMV_CONFIGS", ((64, GemvConfig(block_n=16, block_k=128, use_dot=True, split_k=2)),))
+    x, w = _inputs(rows, 256, 48, torch.float32)
+    wq, ws = quantize_fp8_block_ref(w)
+    torch.testing.assert_close(gemv_fp8_triton(x, wq, ws), gemv_fp8_ref(x, wq, ws), **TOL[torch.float32])
+    with pytest.raises(ValueError, match="rows"):
+        gemv_fp8_triton(x.repeat(4, 1), wq, ws)  # past the table's last bound
+
+
 def test_split_k_counters_reset_and_result_deterministic():
     """Each tile's last program resets its counter, so calls can follow each other without a memset; the
     partials are summed in split order, so repeated calls agree bit for bit."""
@@ -183,6 +197,18 @@ def test_launcher_rejects(bad):
     x, w = _inputs(2, 136, 40, torch.float32)
     with pytest.raises(ValueError, match="gemv"):
         bad(x, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(2816, 4096), (4096, 2816)])
+@pytest.mark.parametrize("rows", [17, 32, 64])
+def test_gpu_fp8_above_16_rows(rows, k, n, monkeypatch):
+    from sparrow.kernels import gemv
+
+    monkeypatch.setattr(gemv, "FP8_GEMV_CONFIGS", ((64, GemvConfig(block_n=32, block_k=256, use_dot=True, split_k=0)),))
+    x, w = _inputs(rows, k, n, torch.bfloat16)
+    wq, ws = quantize_fp8_block_ref(w)
+    torch.testing.assert_close(gemv_fp8_triton(x, wq, ws), gemv_fp8_ref(x, wq, ws), **TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu
