@@ -1,6 +1,6 @@
 """GEMV for few rows (decode, speculative verify): y = x @ w.T with each weight element read once.
 
-Shapes: R = rows (<= MAX_ROWS = 16), K = input width, N = output width.
+Shapes: R = rows (<= MAX_ROWS = 16; FP8 weights <= FP8_MAX_ROWS = 64), K = input width, N = output width.
 
     gemv(x [R, K], w [N, K]) -> y [R, N]                         w: bf16 / fp16 / fp32, x's dtype
     gemv_fp8(x [R, K], w [N, K] e4m3, w_scale [ceil(N/128), ceil(K/128)] fp32) -> y [R, N]
@@ -9,8 +9,8 @@ Shapes: R = rows (<= MAX_ROWS = 16), K = input width, N = output width.
 
 Accumulation is fp32; y is rounded once to x's dtype. ``*_ref`` are the torch twins (CPU path and
 oracle), ``*_triton`` the launchers (same signatures), ``gemv`` / ``gemv_fp8`` the dispatchers: Triton for
-CUDA tensors with R <= MAX_ROWS (or anywhere under ``sparrow.kernels.backend("triton")``), otherwise the twin (on CUDA,
-``gemv`` with R > MAX_ROWS goes to cuBLAS through ``F.linear``; larger R is a GEMM's job).
+CUDA tensors with R <= MAX_ROWS (``gemv_fp8``: FP8_MAX_ROWS; or anywhere under ``sparrow.kernels.backend("triton")``),
+otherwise the twin (on CUDA, ``gemv`` with R > MAX_ROWS goes to cuBLAS through ``F.linear``; larger R is a GEMM's job).
 
 Tile configs are data (style.md 9): ``GEMV_CONFIGS`` (``FP8_GEMV_CONFIGS`` for e4m3 weights) maps a row
 bound to a ``GemvConfig``; the launcher takes the first entry whose bound covers R; an entry without
@@ -30,8 +30,11 @@ from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, dequantize_fp8_block_ref
 from sparrow.kernels import split_k
 
 MAX_ROWS = 16  # the GEMV path ends here; more rows are a GEMM
-FP8_MAX_ROWS = 16
-"""Rows up to which FP8 linears take the W8A16 GEMV (quant/fp8.py); more rows take the W8A8 ``fp8_gemm``."""
+FP8_MAX_ROWS = 64
+"""Rows up to which FP8 linears take the W8A16 GEMV (quant/fp8.py); more rows take the W8A8 ``fp8_gemm``.
+H200 (kernels_micro.py tune_fp8_rows), 64 rows, GEMV / fp8_gemm us: 2816 x 8192 24.6 / 42.5, 4096 x 2816
+13.5 / 29.1, 2112 x 2816 10.3 / 20.0, 2816 x 4224 13.2 / 23.9 (32 rows: 15.6 / 23.8, 11.9 / 23.1, 8.3 / 16.1,
+12.2 / 19.0); end to end, gemma4-26b-a4b FP8 at batch 64: 4,202 against 4,179 tok/s."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +69,12 @@ class GemvConfig:
 GEMV_CONFIGS: tuple[tuple[int, GemvConfig], ...] = (
     (MAX_ROWS, GemvConfig(block_n=32, block_k=256, use_dot=True, num_warps=4, num_stages=3, split_k=0)),
 )
-FP8_GEMV_CONFIGS: tuple[tuple[int, GemvConfig], ...] = GEMV_CONFIGS
+# Past 16 rows (FP8 only, rows padded to 32 / 64): the best of tune_fp8_rows' sweep (block_n 32-64, block_k
+# 128-256, split-K automatic or 1) at most shapes.
+FP8_GEMV_CONFIGS: tuple[tuple[int, GemvConfig], ...] = GEMV_CONFIGS + (
+    (32, GemvConfig(block_n=64, block_k=128, use_dot=True, num_warps=4, num_stages=3, split_k=0)),
+    (FP8_MAX_ROWS, GemvConfig(block_n=32, block_k=128, use_dot=True, num_warps=4, num_stages=3, split_k=0)),
+)
 MIN_PROGRAMS = 132  # one program per SM of an H100 / H200 before BLOCK_N narrows
 
 forced_config = ForcedConfig()  # ``with forced_config(GemvConfig(...)):`` overrides the heuristic

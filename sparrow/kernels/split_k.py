@@ -20,7 +20,7 @@ import torch
 WORKSPACE_FLOATS = 1 << 21  # 8 MiB of fp32 partials per stream
 MAX_TILES = 4096  # output tiles of one split-K launch (more tiles fill the GPU without splitting)
 MAX_SPLIT = 16
-SETS = 2  # buffer sets per device: all ordinary streams, and one concurrent stream
+SETS = 4  # buffer sets per device: all ordinary streams, and up to 3 registered concurrent streams (8 MB each)
 FILL_PROGRAMS = 352
 """``choose_split`` auto target: programs (tiles x splits), about 2.7 per SM of an H100 / H200. From the H200
 GEMV sweep (kernels_micro.py): N = 2816 in 32-wide tiles is fastest at split 4 (352 programs), N = 4224 at
