@@ -102,8 +102,9 @@ def fused_router(
               routed_scaling_factor, per_expert_scale, ids_dtype)
 
 
-MAX_LOGIT_ROWS = 64  # above this, router_logits goes to torch's (cuBLAS) fp32 matmul
-# (at 64 rows on the H200 that path took a cast, a norm, a SIMT sgemm and a split-K reduce: ~38 us a layer)
+MAX_LOGIT_ROWS = 16  # above this, router_logits goes to torch's (cuBLAS) fp32 matmul
+# (H200, gemma4-26b-a4b at 64 rows: this kernel took 51 us a layer, torch's cast + norm + SIMT sgemm + split-K
+# reduce about 25-38 us; both are far from the 1.4 MB weight's bound: a tiled router GEMM is left to do)
 
 
 def router_logits_ref(x: torch.Tensor, weight: torch.Tensor, rms_eps: float | None = None) -> torch.Tensor:
