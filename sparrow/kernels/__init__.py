@@ -18,7 +18,9 @@ _BACKEND: str | None = None
 
 PDL = os.environ.get("SPARROW_PDL", "1") != "0"
 """Launch the decode-path kernels with programmatic dependent launch where the GPU has it (``use_pdl``);
-``SPARROW_PDL=0`` in the environment (or ``PDL = False`` before the kernels first run) turns it off."""
+``SPARROW_PDL=0`` in the environment (or ``PDL = False`` before the kernels first run) turns it off. H200,
+gemma4-26b-a4b bf16 decode with CUDA graphs: 309.4 / 1,032.8 tok/s at batch 1 / 8, against 294.7 / 961.4
+without (benchmarks/README.md)."""
 _PDL_DEVICES: dict[int, bool] = {}
 
 
