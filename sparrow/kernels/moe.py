@@ -174,6 +174,13 @@ def moe_reduce_triton(y: torch.Tensor, topk_weights: torch.Tensor, out_dtype: to
     return out
 
 
+def moe_reduce(y: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype | None = None,
+               shared_output: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """``moe_reduce_ref``'s contract: Triton where ``use_triton(y)``, else the twin."""
+    fn = moe_reduce_triton if use_triton(y) else moe_reduce_ref
+    return fn(y, topk_weights, out_dtype, shared_output, shared_gate)
+
+
 def _blend_ref(out: torch.Tensor, shared_output, shared_gate) -> torch.Tensor:
     """out (fp32) + [sigmoid(gate) *] shared, in fp32."""
     if shared_output is None:
@@ -413,5 +420,5 @@ def _next_pow2(n: int) -> int:
 
 __all__ = [
     "align_sizes", "fused_moe", "fused_moe_fp8_ref", "fused_moe_ref", "fused_moe_triton",
-    "moe_align", "moe_align_ref", "moe_align_triton", "moe_reduce_ref", "moe_reduce_triton",
+    "moe_align", "moe_align_ref", "moe_align_triton", "moe_reduce", "moe_reduce_ref", "moe_reduce_triton",
 ]

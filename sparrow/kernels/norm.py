@@ -243,12 +243,7 @@ def _check(x, weight, residual, fp8_out, post_add=None, post_scale=None, pre_wei
     if x.stride(-1) != 1:
         raise ValueError(f"rms_norm: x must have unit stride on its last dim, got strides {x.stride()}")
     if weight is not None:
-        if weight.shape != (hidden,):
-            raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} != ({hidden},)")
-        if weight.dtype not in _FLOAT_DTYPES or not weight.is_contiguous():
-            raise ValueError(f"rms_norm: weight must be a contiguous fp32/bf16/fp16 tensor, got {weight.dtype}")
-        if weight.device != x.device:
-            raise ValueError(f"rms_norm: weight on {weight.device}, x on {x.device}")
+        _check_vector("weight", weight, x)
     if residual is not None:
         if x.dim() != 2:
             raise ValueError("rms_norm: residual needs a 2-D x [R, H]")
@@ -282,9 +277,7 @@ def _check(x, weight, residual, fp8_out, post_add=None, post_scale=None, pre_wei
         raise ValueError("rms_norm: pre_weight and pre_add go together")
     if pre_add is not None:
         _check_addend("pre_add", pre_add, x, residual, fp8_out, out_shape)
-        if pre_weight.shape != x.shape[-1:] or not pre_weight.is_contiguous() or pre_weight.device != x.device:
-            raise ValueError(f"rms_norm: pre_weight must be a contiguous [{x.shape[-1]}] tensor on {x.device}, "
-                             f"got {tuple(pre_weight.shape)} on {pre_weight.device}")
+        _check_vector("pre_weight", pre_weight, x)
         if not x.is_contiguous():
             raise ValueError(f"rms_norm: pre_add needs a contiguous x, got strides {x.stride()}")
     if pre_add_weight is not None:
@@ -303,8 +296,9 @@ def _check_vector(name: str, w: torch.Tensor, x: torch.Tensor) -> None:
     """A per-column weight: contiguous float [H] on x's device."""
     if not isinstance(w, torch.Tensor) or w.shape != x.shape[-1:] or not w.is_contiguous() \
             or w.dtype not in _FLOAT_DTYPES or w.device != x.device:
-        raise ValueError(f"rms_norm: {name} must be a contiguous float [{x.shape[-1]}] tensor on {x.device}, got "
-                         f"{getattr(w, 'shape', w)}")
+        raise ValueError(f"rms_norm: {name} must be a contiguous fp32/bf16/fp16 [{x.shape[-1]}] tensor on "
+                         f"{x.device}, got {getattr(w, 'shape', w)} {getattr(w, 'dtype', '')} on "
+                         f"{getattr(w, 'device', '')}")
 
 
 def _check_addend(name: str, t: torch.Tensor, x: torch.Tensor, residual, fp8_out: bool, shape: tuple) -> None:

@@ -59,12 +59,15 @@ class RMSNorm(nn.Module):
         if use_triton(x) and (residual is None or x.dim() == 2):
             from sparrow.kernels.norm import rms_norm_triton
 
-            return rms_norm_triton(x, self.weight, self.eps, gemma=self.kind != "llama",
-                                   unit_offset=self.kind == "gemma", residual=residual)
+            return rms_norm_triton(x, self.weight, self.eps, residual=residual, **self._convention())
         if residual is not None:
             x = x + residual
             return rms_norm_torch(x, self.weight, self.eps, kind=self.kind), x
         return rms_norm_torch(x, self.weight, self.eps, kind=self.kind)
+
+    def _convention(self) -> dict:
+        """The kernel's weight-convention flags for this norm's kind (sparrow.kernels.norm)."""
+        return {"gemma": self.kind != "llama", "unit_offset": self.kind == "gemma"}
 
     def norm_add(self, x: torch.Tensor, add: torch.Tensor, scale: torch.Tensor | None = None,
                  pre: tuple[RMSNorm, torch.Tensor] | None = None, pre_add_norm: RMSNorm | None = None,
@@ -81,30 +84,29 @@ class RMSNorm(nn.Module):
         eps (sparrow.kernels.norm.rms_norm); otherwise the ops run one by one, with the same results."""
         from sparrow.kernels import use_triton
 
-        norms = (self,) + ((pre[0],) if pre is not None else ()) + ((pre_add_norm,) if pre_add_norm is not None else ()) \
-            + tuple(next_norms)
+        first = pre[0] if pre is not None else None
+        norms = [n for n in (self, first, pre_add_norm) if n is not None] + list(next_norms)
         if use_triton(x) and x.dim() == 2 and len(next_norms) <= 2 and (pre is not None or pre_add_norm is None) \
                 and all(n.kind == self.kind and n.eps == self.eps and n.weight is not None for n in norms):
             from sparrow.kernels.norm import rms_norm_triton
 
             return rms_norm_triton(
-                x.contiguous(), self.weight, self.eps, gemma=self.kind != "llama", unit_offset=self.kind == "gemma",
-                post_add=add.contiguous(), post_scale=scale,
+                x.contiguous(), self.weight, self.eps, post_add=add.contiguous(), post_scale=scale,
                 pre_weight=pre[0].weight if pre is not None else None,
                 pre_add=pre[1].contiguous() if pre is not None else None,
                 pre_add_weight=pre_add_norm.weight if pre_add_norm is not None else None,
-                next_weights=tuple(n.weight for n in next_norms), pair_weights=pair_weights)
+                next_weights=tuple(n.weight for n in next_norms), pair_weights=pair_weights, **self._convention())
         if pair_weights is not None:
-            from sparrow.kernels.moe import moe_reduce_ref, moe_reduce_triton
+            from sparrow.kernels.moe import moe_reduce
 
-            x = (moe_reduce_triton if use_triton(x) else moe_reduce_ref)(x, pair_weights, x.dtype)
+            x = moe_reduce(x, pair_weights, x.dtype)
         if pre is not None:
             x = pre[0].norm_add(x, pre[1] if pre_add_norm is None else pre_add_norm(pre[1]))
         if use_triton(x) and x.dim() == 2:
             from sparrow.kernels.norm import rms_norm_triton
 
-            y = rms_norm_triton(x, self.weight, self.eps, gemma=self.kind != "llama", unit_offset=self.kind == "gemma",
-                                post_add=add.contiguous(), post_scale=scale)
+            y = rms_norm_triton(x, self.weight, self.eps, post_add=add.contiguous(), post_scale=scale,
+                                **self._convention())
         else:
             y = add + self(x)
             y = y if scale is None else y * scale

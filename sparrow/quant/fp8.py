@@ -225,19 +225,15 @@ class Fp8LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype (+ bias); see the module doc for the kernel choice."""
-        from sparrow.kernels import use_triton
-        from sparrow.kernels.fp8_gemm import fp8_gemm_ref, fp8_gemm_triton
         from sparrow.kernels import gemv
+        from sparrow.kernels.fp8_gemm import fp8_gemm
 
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        triton_path = use_triton(x2)
-        if x2.shape[0] <= gemv.FP8_MAX_ROWS:
-            y = (gemv.gemv_fp8_triton if triton_path else gemv.gemv_fp8_ref)(x2, layer.weight, layer.weight_scale_inv)
-        else:
-            y = (fp8_gemm_triton if triton_path else fp8_gemm_ref)(x2, layer.weight, layer.weight_scale_inv)
+        kernel = gemv.gemv_fp8 if x2.shape[0] <= gemv.FP8_MAX_ROWS else fp8_gemm  # each: Triton or its twin
+        y = kernel(x2, layer.weight, layer.weight_scale_inv)
         if layer.bias is not None:
             y = y + layer.bias
         return y.reshape(*shape[:-1], y.shape[-1])
