@@ -4,6 +4,7 @@
     python benchmarks/kernels_micro.py tune_gemv                 (sweep GemvConfig for GEMV_CONFIGS)
     python benchmarks/kernels_micro.py tune_gemv_fp8             (the same, FP8 weights only; tune_gemv_bf16)
     python benchmarks/kernels_micro.py tune_fp8_gemm             (sweep Fp8GemmConfig at M = 64)
+    python benchmarks/kernels_micro.py tune_w8a8                 (W8A8 GEMV tiles vs W8A16, fp8_gemm, cuBLAS)
 
 Each line: kernel, shape, time per call (CUDA-graph replay, so launch overhead is excluded), bytes moved
 (each input read once + each output written once), GB/s and % of the device-to-device copy bandwidth
@@ -203,6 +204,40 @@ def tune_fp8_rows(peak: float) -> None:
         gemv.FP8_GEMV_CONFIGS = table
 
 
+def tune_w8a8(peak: float) -> None:
+    """FP8 linears, W8A8 GEMV (x quantized in registers, e4m3 tensor-core dots; swapped or plain dots) against
+    the W8A16 GEMV (FP8_GEMV_CONFIGS), fp8_gemm and cuBLAS on the bf16 weight, at rows 1 / 8 / 64; the last
+    two shapes hold the bytes of 8 experts' gate|up and down (Gemma 4 26B-A4B), as one dense weight."""
+    import itertools
+
+    import torch.nn.functional as F
+
+    from sparrow.kernels import gemv
+    from sparrow.kernels.fp8 import quantize_fp8_block_ref
+    from sparrow.kernels.fp8_gemm import fp8_gemm_triton
+
+    swap = [gemv.GemvConfig(bn, bk, True, num_stages=st, swap_ab=True, split_k=sk) for bn, bk, st, sk
+            in itertools.product((64, 128), (128, 256, 512), (3, 4), (0,))]
+    plain = [gemv.GemvConfig(bn, bk, True, split_k=0) for bn, bk in itertools.product((32, 64), (128, 256))]
+    shapes = ((2816, 8192), (4096, 2816), (2112, 2816), (2816, 4224), (2816, 8 * 1408), (704, 8 * 2816))
+    for k, n in shapes:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        nxt = _rotating(lambda: quantize_fp8_block_ref(w), n * k)
+        nxt16 = _rotating(lambda: (w.clone(),), 2 * n * k)
+        for rows in (1, 8, 64):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            pct = lambda t: 100 * n * k / t / peak  # noqa: E731  (% of copy bandwidth, FP8 weight bytes)
+            t_a16 = time_s(lambda: gemv.gemv_fp8_triton(x, *nxt()), rep=20)
+            t_gemm = time_s(lambda: fp8_gemm_triton(x, *nxt()), rep=20)
+            t_cublas = time_s(lambda: F.linear(x, *nxt16()), rep=20)
+            print(f"w8a8 R={rows:<2} K={k} N={n}: W8A16 GEMV {t_a16 * 1e6:6.1f} us ({pct(t_a16):4.1f} %)  fp8_gemm "
+                  f"{t_gemm * 1e6:6.1f} us  cuBLAS bf16 {t_cublas * 1e6:6.1f} us ({2 * pct(t_cublas):4.1f} %)", flush=True)
+            results = _sweep(swap + plain, gemv.forced_config, lambda: gemv.gemv_w8a8_triton(x, *nxt()))
+            for t, cfg in results[:3] + [r for r in results if not r[1].swap_ab][:1]:
+                print(f"    W8A8 GEMV {t * 1e6:6.1f} us ({pct(t):4.1f} %)  {cfg}", flush=True)
+        del w, nxt, nxt16
+
+
 def main(which: list[str]) -> None:
     if not torch.cuda.is_available():
         print("kernels_micro: needs a CUDA GPU")
@@ -214,7 +249,7 @@ def main(which: list[str]) -> None:
         {"norm": bench_norm, "act": bench_act, "gemv": bench_gemv, "tune_gemv": tune_gemv,
          "tune_gemv_fp8": lambda p: tune_gemv(p, (True,)),
          "tune_gemv_bf16": lambda p: tune_gemv(p, (False,)), "tune_fp8_gemm": tune_fp8_gemm,
-         "tune_fp8_rows": tune_fp8_rows}[name](peak)
+         "tune_fp8_rows": tune_fp8_rows, "tune_w8a8": tune_w8a8}[name](peak)
 
 
 if __name__ == "__main__":

@@ -115,9 +115,11 @@ def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path) -> pathlib.Path:
         small = rows * K <= 64
         best = moe_configs.default_config(rows, rows * K, E, small, fp8)
         ms = (16,) if small else (16, 32, 64, 128)
-        if small:  # 27 tiles per GEMM: K split over programs (reduced in the kernel), FP8 up to 1024-wide K steps
+        if small:  # 45 tiles per GEMM: K split over programs (reduced in the kernel), FP8 up to 1024-wide K steps
             ks = (256, 512, 1024) if fp8 else (128, 256, 512)
             tiles = [Tile(n, k, 4, 3, split) for n, k, split in itertools.product((16, 32, 64), ks, (1, 2, 4))]
+            # swapped dots: the weight tile as the wgmma's M side (64 / 128 rows)
+            tiles += [Tile(n, k, 4, 3, split, swap_ab=True) for n, k, split in itertools.product((64, 128), ks, (1, 2, 4))]
         else:  # 18 tiles per GEMM (12 for FP8)
             ks = (128,) if fp8 else (32, 64, 128)
             stages = (3, 4) if fp8 else (3,)

@@ -5,13 +5,15 @@ nn.Linear layout), y [R, N]; FP8 weights carry block scales s [ceil(N/128), ceil
 One program owns BLOCK_N output columns for *all* R rows and walks its K range in BLOCK_K steps, so each
 weight element is read from memory exactly once per call (decode is bound by those bytes); with SPLIT_K > 1
 the K range is split over programs and reduced in the kernel (``_split_k_jit``). FP8 weights are W8A16
-(e4m3 widened to x's dtype, exact). Two inner products: tensor-core ``tl.dot`` with the rows padded to
-16 (USE_DOT), or CUDA-core FMAs into a [BLOCK_R, BLOCK_N, SUB_K] fp32 accumulator that is summed over K
-once, after the loop (no cross-lane reduction per step; registers grow with BLOCK_R, so few rows).
+(e4m3 widened to x's dtype, exact), or W8A8 with QUANT_X (x quantized per 128-column group in registers,
+e4m3 tensor-core dots). Two inner products: tensor-core ``tl.dot`` with the rows padded to 16 (USE_DOT),
+or CUDA-core FMAs into a [BLOCK_R, BLOCK_N, SUB_K] fp32 accumulator that is summed over K once, after the
+loop (no cross-lane reduction per step; registers grow with BLOCK_R, so few rows).
 """
 import triton
 import triton.language as tl
 
+from sparrow.kernels._fp8_jit import dot_upcast, quant_fp8
 from sparrow.kernels._pdl_jit import pdl_enter
 from sparrow.kernels._split_k_jit import split_k_and, split_k_range, split_k_reduce
 
@@ -40,6 +42,9 @@ def gemv_kernel(
     BLOCK_K: tl.constexpr,  # K elements per loop step
     SUB_K: tl.constexpr,  # K per inner product inside a step: divides 128 when FP8_W (one scale block each)
     SPLIT_K: tl.constexpr,  # programs per N tile (grid axis 1), each over a contiguous run of BLOCK_K steps
+    QUANT_X: tl.constexpr = False,  # FP8_W and USE_DOT: W8A8, x quantized per row and 128-column group in
+    # registers (SUB_K = 128) and the dot run on e4m3 tensor cores
+    EMULATE_FP8: tl.constexpr = False,  # QUANT_X under the interpreter: e4m3 rounding emulated, fp32 dots (_fp8_jit)
     USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
 ):
     pdl_enter(USE_PDL)
@@ -67,7 +72,13 @@ def gemv_kernel(
             if FP8_W:
                 # a sub-step wholly past K (w = 0) reads the last scale column instead of out of bounds
                 s = tl.load(s_ptr + (rn // 128) * stride_sn + tl.minimum(ks, k_end - 1) // 128, mask=n_mask, other=0.0)
-            if USE_DOT:
+            if USE_DOT and QUANT_X:
+                xq, xs = quant_fp8(x.to(tl.float32), EMULATE_FP8)
+                if SWAP_AB:
+                    acc += dot_upcast(w, tl.trans(xq), EMULATE_FP8) * (s[:, None] * xs[None, :])
+                else:
+                    acc += dot_upcast(xq, tl.trans(w), EMULATE_FP8) * (xs[:, None] * s[None, :])
+            elif USE_DOT:
                 if FP8_W:
                     w = w.to(x.dtype)  # e4m3 -> bf16 / fp16 / fp32 is exact; the block scale is applied per SUB_K
                 if SWAP_AB:

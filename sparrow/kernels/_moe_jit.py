@@ -23,14 +23,12 @@ FP8 activations are quantized per 128-column group when the consumer loads them 
 e4m3), so no fp8 copy of x or of the intermediate is written. Accumulation is fp32; act(gate) * up is
 computed in fp32 from the accumulators and rounded once.
 
-Triton 3.9's interpreter reads bf16 ``tl.dot`` operands as raw integers and rounds fp32 -> e4m3 wrongly
-across binades and truncates fp32 -> bf16, so under TRITON_INTERPRET the launchers set UPCAST (dots in
-fp32 on exactly widened operands), EMULATE_FP8 (e4m3 rounding in fp32 arithmetic, ties to even) and
-RNE_BF16 (round to bf16 in fp32 before the store); the GPU uses tl.dot and the hardware conversions.
+UPCAST / EMULATE_FP8 / RNE_BF16: the interpreter's workarounds (``_fp8_jit``).
 """
 import triton
 import triton.language as tl
 
+from sparrow.kernels._fp8_jit import dot_upcast as _dot, quant_fp8 as _quant_fp8, rne_bf16 as _rne_bf16
 from sparrow.kernels._pdl_jit import pdl_enter
 from sparrow.kernels._split_k_jit import split_k_and, split_k_arrive, split_k_range, split_k_store, split_k_sum
 
@@ -43,48 +41,6 @@ GELU = 2
 
 
 @triton.jit
-def _dot(a, b, UPCAST: tl.constexpr):
-    """a [M, Kb] @ b [Kb, N] -> fp32. UPCAST: through an exact fp32 dot (interpreter, fp32 operands)."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
-def _round_e4m3(v):
-    """Nearest e4m3 value (ties to even) of fp32 v with |v| <= 448, as fp32: steps of 2^(exp - 3), the
-    subnormal step 2^-9 below 2^-6; rounding by the 1.5 * 2^23 magic constant (exact for |t| < 2^22)."""
-    bits = v.to(tl.int32, bitcast=True)
-    exp = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
-    step = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    t = v / step
-    return ((t + 12582912.0) - 12582912.0) * step
-
-
-@triton.jit
-def _rne_bf16(v):
-    """fp32 v rounded to the nearest bf16 (ties to even), still fp32: the interpreter's fp32 -> bf16 cast
-    truncates, so it is fed values it can truncate exactly."""
-    bits = v.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _quant_fp8(a, EMULATE_FP8: tl.constexpr):
-    """a [M, 128] fp32 (masked columns 0) -> (q [M, 128] e4m3 (fp32 holding e4m3 values when EMULATE_FP8),
-    scale [M] fp32): fp8.py's per-group activation quantization."""
-    scale = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-10) / 448.0
-    q = tl.minimum(tl.maximum(a / scale[:, None], -448.0), 448.0)
-    if EMULATE_FP8:
-        q = _round_e4m3(q)
-    else:
-        q = q.to(tl.float8e4nv)
-    return q, scale
-
-
-@triton.jit
 def _mm_rows(
     a_ptr, arow, m_mask, stride_ar,  # A rows arow [BM] (int64) of a [*, K]
     w_ptr, stride_wn,  # this expert's weight [N_w, K]
@@ -93,36 +49,66 @@ def _mm_rows(
     # GATED) and the K range, k_start a multiple of BLOCK_K
     GATED: tl.constexpr, FP8_W: tl.constexpr, EMULATE_FP8: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+    SWAP_AB: tl.constexpr = False,  # dots as W [BN, SUB_K] @ A^T (the weight tile fills the MMA's M side;
+    # few rows become its N side), accumulators [BN, BM], transposed once at the end
 ):
     """(acc_gate, acc_up) [BM, BN] fp32 = A @ W[rn]^T (and A @ W[N_UP + rn]^T when GATED) over k_start:k_end."""
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     rk = tl.arange(0, SUB_K)
     a_rows = a_ptr + arow[:, None] * stride_ar
-    wg_cols = w_ptr + rn[None, :].to(tl.int64) * stride_wn
-    wu_cols = w_ptr + (rn[None, :] + N_UP).to(tl.int64) * stride_wn
+    if SWAP_AB:  # [BN, SUB_K] weight tiles
+        wg_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+        wu_rows = w_ptr + (rn[:, None] + N_UP).to(tl.int64) * stride_wn
+    else:  # [SUB_K, BN]
+        wg_rows = w_ptr + rn[None, :].to(tl.int64) * stride_wn
+        wu_rows = w_ptr + (rn[None, :] + N_UP).to(tl.int64) * stride_wn
     for k0 in range(k_start, k_end, BLOCK_K):
         for j in tl.static_range(BLOCK_K // SUB_K):
             ks = k0 + j * SUB_K
             kk = ks + rk
             k_mask = kk < k_end
             a = tl.load(a_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            wmask = k_mask[:, None] & n_mask[None, :]
-            wg = tl.load(wg_cols + kk[:, None], mask=wmask, other=0.0)  # [SUB_K, BN]
-            if GATED:
-                wu = tl.load(wu_cols + kk[:, None], mask=wmask, other=0.0)
+            if SWAP_AB:
+                wmask = n_mask[:, None] & k_mask[None, :]
+                wg = tl.load(wg_rows + kk[None, :], mask=wmask, other=0.0)
+                if GATED:
+                    wu = tl.load(wu_rows + kk[None, :], mask=wmask, other=0.0)
+            else:
+                wmask = k_mask[:, None] & n_mask[None, :]
+                wg = tl.load(wg_rows + kk[:, None], mask=wmask, other=0.0)
+                if GATED:
+                    wu = tl.load(wu_rows + kk[:, None], mask=wmask, other=0.0)
             if FP8_W:
                 aq, a_s = _quant_fp8(a.to(tl.float32), EMULATE_FP8)
                 kb = tl.minimum(ks, k_end - 1) // 128  # a sub-step wholly past K adds 0; keep the scale in bounds
                 sg = tl.load(s_ptr + (rn // 128) * stride_sn + kb, mask=n_mask, other=0.0)
-                acc_g += _dot(aq, wg, UPCAST) * (a_s[:, None] * sg[None, :])
                 if GATED:
                     su = tl.load(s_ptr + ((rn + N_UP) // 128) * stride_sn + kb, mask=n_mask, other=0.0)
-                    acc_u += _dot(aq, wu, UPCAST) * (a_s[:, None] * su[None, :])
+                if SWAP_AB:
+                    aqt = tl.trans(aq)
+                    acc_g += _dot(wg, aqt, UPCAST) * (sg[:, None] * a_s[None, :])
+                    if GATED:
+                        acc_u += _dot(wu, aqt, UPCAST) * (su[:, None] * a_s[None, :])
+                else:
+                    acc_g += _dot(aq, wg, UPCAST) * (a_s[:, None] * sg[None, :])
+                    if GATED:
+                        acc_u += _dot(aq, wu, UPCAST) * (a_s[:, None] * su[None, :])
+            elif SWAP_AB:
+                at = tl.trans(a)
+                acc_g += _dot(wg, at, UPCAST)
+                if GATED:
+                    acc_u += _dot(wu, at, UPCAST)
             else:
                 acc_g += _dot(a, wg, UPCAST)
                 if GATED:
                     acc_u += _dot(a, wu, UPCAST)
+    if SWAP_AB:
+        return tl.trans(acc_g), tl.trans(acc_u)
     return acc_g, acc_u
 
 
@@ -207,6 +193,7 @@ def moe_gemv_kernel(
     BLOCK_R: tl.constexpr,  # dot rows per pass (>= 16); experts with more pairs loop
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
     SPLIT_K: tl.constexpr,  # programs per (pair, N tile) (grid axis 2), each over a contiguous K range
+    SWAP_AB: tl.constexpr = False,  # _mm_rows' swapped dots (the weight tile as the MMA's M side)
     USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
 ):
     pdl_enter(USE_PDL)
@@ -234,7 +221,7 @@ def moe_gemv_kernel(
             acc_g, acc_u = _mm_rows(
                 a_ptr, arow, m_mask, stride_ar, w_ptr + expert * stride_we, stride_wn,
                 s_ptr + expert * stride_se, stride_sn, rn, n_mask, N, k_start, k_end,
-                GATED, FP8_W, EMULATE_FP8, UPCAST, BLOCK_R, BLOCK_N, BLOCK_K, SUB_K,
+                GATED, FP8_W, EMULATE_FP8, UPCAST, BLOCK_R, BLOCK_N, BLOCK_K, SUB_K, SWAP_AB,
             )
             if SPLIT_K > 1:
                 # the chunk's tile is named by its first pair (each pair is in one chunk of one expert)

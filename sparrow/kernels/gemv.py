@@ -6,6 +6,8 @@ Shapes: R = rows (<= MAX_ROWS = 16; FP8 weights <= FP8_MAX_ROWS = 64), K = input
     gemv_fp8(x [R, K], w [N, K] e4m3, w_scale [ceil(N/128), ceil(K/128)] fp32) -> y [R, N]
         w = w_e4m3 * w_scale[n // 128, k // 128] (DeepSeek / Qwen FP8 ``weight_scale_inv``, see fp8.py);
         x unquantized (W8A16)
+    gemv_w8a8_triton(x, w, w_scale) -> y [R, N]: the same weights, x quantized per row and 128-column group
+        (W8A8, the numbers of ``fp8_gemm_ref``; twin: fp8_gemm_ref)
 
 Accumulation is fp32; y is rounded once to x's dtype. ``*_ref`` are the torch twins (CPU path and
 oracle), ``*_triton`` the launchers (same signatures), ``gemv`` / ``gemv_fp8`` the dispatchers: Triton for
@@ -75,6 +77,12 @@ FP8_GEMV_CONFIGS: tuple[tuple[int, GemvConfig], ...] = GEMV_CONFIGS + (
     (32, GemvConfig(block_n=64, block_k=128, use_dot=True, num_warps=4, num_stages=3, split_k=0)),
     (FP8_MAX_ROWS, GemvConfig(block_n=32, block_k=128, use_dot=True, num_warps=4, num_stages=3, split_k=0)),
 )
+# W8A8 (``gemv_w8a8``): x quantized per 128-column group in registers, e4m3 tensor-core dots; swap_ab puts
+# the weight tile on the MMA's M side (wgmma needs 64 rows there). Untuned first guess.
+W8A8_GEMV_CONFIGS: tuple[tuple[int, GemvConfig], ...] = (
+    (FP8_MAX_ROWS, GemvConfig(block_n=64, block_k=256, use_dot=True, num_warps=4, num_stages=3, swap_ab=True,
+                              split_k=0)),
+)
 MIN_PROGRAMS = 132  # one program per SM of an H100 / H200 before BLOCK_N narrows
 
 forced_config = ForcedConfig()  # ``with forced_config(GemvConfig(...)):`` overrides the heuristic
@@ -82,12 +90,13 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 
-def pick_config(rows: int, n: int, fp8: bool) -> GemvConfig:
+def pick_config(rows: int, n: int, fp8: bool, w8a8: bool = False) -> GemvConfig:
     """The forced config, else the table's entry for ``rows``; without split-K, BLOCK_N narrowed to fill the GPU
     (automatic split-K fills it with K splits instead, at the tile size the sweep measured)."""
     if forced_config.value is not None:
         return forced_config.value
-    config = next(c for bound, c in (FP8_GEMV_CONFIGS if fp8 else GEMV_CONFIGS) if rows <= bound)
+    table = W8A8_GEMV_CONFIGS if w8a8 else FP8_GEMV_CONFIGS if fp8 else GEMV_CONFIGS
+    config = next(c for bound, c in table if rows <= bound)
     block_n = config.block_n
     while config.split_k == 1 and block_n > 16 and -(-n // block_n) < MIN_PROGRAMS:
         block_n //= 2
@@ -118,6 +127,13 @@ def gemv_fp8_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> 
     return _launch(x, w, w_scale)
 
 
+def gemv_w8a8_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """W8A8 GEMV for R <= FP8_MAX_ROWS: the contract of ``fp8_gemm_ref(x, w, w_scale)`` (x quantized per row
+    and 128-column group, e4m3 tensor-core dots, fp32 accumulation) with each weight element read once."""
+    _check(x, w, "gemv_w8a8", max_rows=W8A8_GEMV_CONFIGS[-1][0], w_scale=w_scale)
+    return _launch(x, w, w_scale, quant_x=True)
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """y = x @ w.T for x [R, K], w [N, K] of x's dtype -> [R, N]; see the module doc for the dispatch."""
     if x.shape[0] <= MAX_ROWS and use_triton(x):
@@ -135,7 +151,9 @@ def gemv_fp8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.T
     return gemv_fp8_ref(x, w, w_scale)
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> torch.Tensor:
+def _launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, quant_x: bool = False) -> torch.Tensor:
+    import os
+
     from sparrow.kernels._gemv_jit import gemv_kernel
 
     rows, k = x.shape
@@ -146,10 +164,12 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> t
         return y
     if k == 0:
         return y.zero_()
-    cfg = pick_config(rows, n, fp8)
+    cfg = pick_config(rows, n, fp8, quant_x)
     sub_k = min(cfg.block_k, GROUP) if fp8 else cfg.block_k
     if fp8 and (GROUP % sub_k != 0 or cfg.block_k % sub_k != 0):
         raise ValueError(f"gemv_fp8: block_k {cfg.block_k} must divide or be a multiple of the 128 scale block")
+    if quant_x and (sub_k != GROUP or not cfg.use_dot):
+        raise ValueError(f"gemv_w8a8: needs use_dot and block_k a multiple of {GROUP}, got {cfg}")
     block_r = max(16, _next_pow2(rows)) if cfg.use_dot else _next_pow2(rows)
     tiles = -(-n // cfg.block_n)
     split, ws, locks = split_k.plan(x.device, tiles, -(-k // cfg.block_k), cfg.split_k, block_r * cfg.block_n, y)
@@ -175,6 +195,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> t
         BLOCK_K=cfg.block_k,
         SUB_K=sub_k,
         SPLIT_K=split,
+        QUANT_X=quant_x,
+        EMULATE_FP8=quant_x and os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_kwargs(x),
     )

@@ -288,7 +288,7 @@ def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activat
                 pairs, n, k, div, a.stride(0), w.stride(0), w.stride(1),
                 s.stride(0) if fp8 else 0, s.stride(1) if fp8 else 0, GATED=gated, P_PAD=p_pad,
                 BLOCK_R=block_r, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                SUB_K=min(tile.block_k, GROUP) if fp8 else tile.block_k, SPLIT_K=split,
+                SUB_K=min(tile.block_k, GROUP) if fp8 else tile.block_k, SPLIT_K=split, SWAP_AB=tile.swap_ab,
                 num_warps=tile.num_warps, num_stages=tile.num_stages, **common, **pdl_kwargs(x),
             )
     else:

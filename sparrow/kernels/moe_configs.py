@@ -31,6 +31,9 @@ class Tile:
     split_k: int = 1
     """Small path only: programs per (pair, N tile) over contiguous K ranges, reduced in the kernel; 0:
     automatic (``split_k.choose_split``). The grouped path ignores it."""
+    swap_ab: bool = False
+    """Small path only: each dot is weight tile [block_n, K step] @ rows^T, so the weight fills the MMA's M
+    side (Hopper wgmma needs M >= 64: block_n >= 64) and the few rows its N side. The grouped path ignores it."""
 
 
 @dataclasses.dataclass(frozen=True)

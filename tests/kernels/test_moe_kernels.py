@@ -223,14 +223,16 @@ def test_unreduced_pairs(path):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("num_experts,top_k,rows", [(8, 8, 1), (8, 2, 17), (64, 1, 65), (128, 8, 4)])
-def test_small_path_split_k(num_experts, top_k, rows, fp8):
-    """The small path with K split over programs and reduced in the kernel (ragged splits, some empty)."""
+@pytest.mark.parametrize("num_experts,top_k,rows,swap", [(8, 8, 1, False), (8, 2, 17, False), (64, 1, 65, False),
+                                                         (128, 8, 4, False), (8, 8, 1, True), (8, 2, 17, True)])
+def test_small_path_split_k(num_experts, top_k, rows, fp8, swap):
+    """The small path with K split over programs and reduced in the kernel (ragged splits, some empty);
+    ``swap``: the swapped dots (weight tile as the MMA's M side, accumulators transposed at the end)."""
     dtype = torch.bfloat16 if fp8 or rows == 1 else torch.float32
     x, w13, w2, tw, ti = _case(num_experts, top_k, rows, dtype, hidden=384 if fp8 else H,
                                width=136 if fp8 else I, seed=rows)
     if fp8:
-        cfg = MoeConfig(16, Tile(32, 128, split_k=2), Tile(64, 128, split_k=0))
+        cfg = MoeConfig(16, Tile(32, 128, split_k=2, swap_ab=swap), Tile(64, 128, split_k=0, swap_ab=swap))
         q13, s13 = _quantize_experts(w13)
         q2, s2 = _quantize_experts(w2)
         with forced_config(cfg):
@@ -239,7 +241,7 @@ def test_small_path_split_k(num_experts, top_k, rows, fp8):
         torch.testing.assert_close(out.float(), fused_moe_ref(x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2).float(),
                                    **FP8_TOL)
     else:
-        cfg = MoeConfig(16, Tile(32, 16, split_k=3), Tile(64, 16, split_k=2))
+        cfg = MoeConfig(16, Tile(32, 16, split_k=3, swap_ab=swap), Tile(64, 16, split_k=2, swap_ab=swap))
         with forced_config(cfg):
             out = fused_moe_triton(x, w13, w2, tw, ti, pair_threshold=SMALL)
             again = fused_moe_triton(x, w13, w2, tw, ti, pair_threshold=SMALL)
@@ -392,12 +394,14 @@ def test_gpu_paths_and_align(num_experts, top_k, rows, path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("split", [2, 4])
 @pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_gpu_small_path_split_k(rows, fp8, split):
+def test_gpu_small_path_split_k(rows, fp8, split, swap):
     x, w13, w2, tw, ti = _case(128, 8, rows, torch.bfloat16, hidden=2816, width=704, seed=rows)
-    cfg = MoeConfig(16, Tile(32, 256, split_k=split), Tile(64, 256, split_k=split))
+    n = 64 if swap else 32  # swapped: the weight tile is the wgmma's M side (64 rows)
+    cfg = MoeConfig(16, Tile(n, 256, split_k=split, swap_ab=swap), Tile(2 * n, 256, split_k=split, swap_ab=swap))
     with forced_config(cfg):
         if fp8:
             q13, s13 = _quantize_experts(w13)
