@@ -102,8 +102,8 @@ def bench_one(rows: int, fp8: bool, layer, peak: float, with_torch: bool = False
     return res
 
 
-def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path) -> pathlib.Path:
-    """Coordinate search per rows: BLOCK_M, then the gate|up tile, then the down tile (27 tiles each on the
+def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path, verbose: bool = False) -> pathlib.Path:
+    """Coordinate search per rows: BLOCK_M, then the gate|up tile, then the down tile (45 tiles each on the
     small path, 18 grouped, 12 FP8 grouped).
     Writes the data file ``pick_config`` reads for this shape and device."""
     from sparrow.kernels import moe_configs
@@ -128,10 +128,13 @@ def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path) -> pathlib.Path:
         def timed(cfg):
             try:
                 with forced_config(cfg):
-                    return time_s(call, rep=20)
+                    t = time_s(call, rep=20)
             except Exception as exc:  # out of shared memory / registers for this tile
-                print(f"  skip {cfg}: {type(exc).__name__}")
+                print(f"  skip {cfg}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
                 return float("inf")
+            if verbose:
+                print(f"  {t * 1e6:8.2f} us  {cfg}", flush=True)
+            return t
 
         best_t = timed(best)
         for bm in ms:  # BLOCK_M with the default tiles, then the gate|up tile, then the down tile
@@ -177,6 +180,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--out", type=pathlib.Path, help="write the results as JSON here")
     p.add_argument("--torch", action="store_true", help="also time the torch reference path")
     p.add_argument("--tune", action="store_true", help="sweep tiles and write the config data files")
+    p.add_argument("--verbose", action="store_true", help="with --tune: print every candidate's time")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("moe_layer.py needs a CUDA GPU")
@@ -189,7 +193,7 @@ def main(argv=None) -> list[dict]:
     for dtype in args.dtypes:
         layer = make_layer(dtype == "fp8")
         if args.tune:
-            print("wrote", tune(args.rows, dtype == "fp8", layer, CONFIG_DIR))
+            print("wrote", tune(args.rows, dtype == "fp8", layer, CONFIG_DIR, args.verbose))
         print(f"{'rows':>5} {'dtype':>5} {'path':>8} {'us':>9} {'bound us':>9} {'GB/s':>8} {'% copy':>7} "
               f"{'x bound':>7}" + (f" {'torch us':>9}" if args.torch else ""))
         for rows in args.rows:

@@ -6,8 +6,8 @@ Shapes: R = rows (<= MAX_ROWS = 16; FP8 weights <= FP8_MAX_ROWS = 64), K = input
     gemv_fp8(x [R, K], w [N, K] e4m3, w_scale [ceil(N/128), ceil(K/128)] fp32) -> y [R, N]
         w = w_e4m3 * w_scale[n // 128, k // 128] (DeepSeek / Qwen FP8 ``weight_scale_inv``, see fp8.py);
         x unquantized (W8A16)
-    gemv_w8a8_triton(x, w, w_scale) -> y [R, N]: the same weights, x quantized per row and 128-column group
-        (W8A8, the numbers of ``fp8_gemm_ref``; twin: fp8_gemm_ref)
+    gemv_w8a8(x [R, K], w, w_scale) -> y [R, N]: the same weights, x quantized per row and 128-column group
+        (W8A8, the numbers of ``fp8_gemm_ref``, its twin); R <= W8A8_MAX_ROWS = 16
 
 Accumulation is fp32; y is rounded once to x's dtype. ``*_ref`` are the torch twins (CPU path and
 oracle), ``*_triton`` the launchers (same signatures), ``gemv`` / ``gemv_fp8`` the dispatchers: Triton for
@@ -77,11 +77,17 @@ FP8_GEMV_CONFIGS: tuple[tuple[int, GemvConfig], ...] = GEMV_CONFIGS + (
     (32, GemvConfig(block_n=64, block_k=128, use_dot=True, num_warps=4, num_stages=3, split_k=0)),
     (FP8_MAX_ROWS, GemvConfig(block_n=32, block_k=128, use_dot=True, num_warps=4, num_stages=3, split_k=0)),
 )
-# W8A8 (``gemv_w8a8``): x quantized per 128-column group in registers, e4m3 tensor-core dots; swap_ab puts
-# the weight tile on the MMA's M side (wgmma needs 64 rows there). Untuned first guess.
+W8A8_MAX_ROWS = 16
+"""Rows up to which FP8 linears take the W8A8 GEMV (``gemv_w8a8``); 17 to FP8_MAX_ROWS take the W8A16 GEMV."""
+# W8A8: x quantized per 128-column group in registers, e4m3 tensor-core dots with swapped operands (the weight
+# tile is the wgmma's M side, 64 rows; the plain orientation, e4m3 dots with 16 rows as M, lost in the sweep
+# and gave wrong sums on the H200, so the launcher refuses it). H200 (kernels_micro.py tune_w8a8), R = 1,
+# us, W8A8 / W8A16 GEMV / cuBLAS bf16: 2816 x 8192 11.0 / 16.4 / 13.8; 4096 x 2816 7.9 / 8.4 / 11.5; 2112 x
+# 2816 7.0 / 8.3 / 6.5; 2816 x 4224 7.7 / 8.3 / 11.3 (R = 8 within 0.3 us). At 64 rows W8A16 won at three
+# of four shapes (4096 x 2816: 20.4 against 13.5 us).
 W8A8_GEMV_CONFIGS: tuple[tuple[int, GemvConfig], ...] = (
-    (FP8_MAX_ROWS, GemvConfig(block_n=64, block_k=256, use_dot=True, num_warps=4, num_stages=3, swap_ab=True,
-                              split_k=0)),
+    (W8A8_MAX_ROWS, GemvConfig(block_n=64, block_k=128, use_dot=True, num_warps=4, num_stages=3, swap_ab=True,
+                               split_k=0)),
 )
 MIN_PROGRAMS = 132  # one program per SM of an H100 / H200 before BLOCK_N narrows
 
@@ -128,10 +134,23 @@ def gemv_fp8_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> 
 
 
 def gemv_w8a8_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """W8A8 GEMV for R <= FP8_MAX_ROWS: the contract of ``fp8_gemm_ref(x, w, w_scale)`` (x quantized per row
-    and 128-column group, e4m3 tensor-core dots, fp32 accumulation) with each weight element read once."""
+    """W8A8 GEMV for R <= the last W8A8_GEMV_CONFIGS bound: the contract of ``fp8_gemm_ref(x, w, w_scale)``
+    (x quantized per row and 128-column group, e4m3 tensor-core dots, fp32 accumulation) with each weight
+    element read once. Raises ValueError on bad inputs or a forced config other than swapped dots with
+    block_k a multiple of 128."""
     _check(x, w, "gemv_w8a8", max_rows=W8A8_GEMV_CONFIGS[-1][0], w_scale=w_scale)
     return _launch(x, w, w_scale, quant_x=True)
+
+
+def gemv_w8a8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """y = quant(x) @ dequant(w, w_scale).T (W8A8): Triton for R <= W8A8_MAX_ROWS where ``use_triton``, else
+    the twin ``fp8_gemm_ref``."""
+    if x.shape[0] <= W8A8_MAX_ROWS and use_triton(x):
+        return gemv_w8a8_triton(x, w, w_scale)
+    from sparrow.kernels.fp8_gemm import fp8_gemm_ref
+
+    _check(x, w, "gemv_w8a8", max_rows=None, w_scale=w_scale)
+    return fp8_gemm_ref(x, w, w_scale)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -168,8 +187,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, quan
     sub_k = min(cfg.block_k, GROUP) if fp8 else cfg.block_k
     if fp8 and (GROUP % sub_k != 0 or cfg.block_k % sub_k != 0):
         raise ValueError(f"gemv_fp8: block_k {cfg.block_k} must divide or be a multiple of the 128 scale block")
-    if quant_x and (sub_k != GROUP or not cfg.use_dot):
-        raise ValueError(f"gemv_w8a8: needs use_dot and block_k a multiple of {GROUP}, got {cfg}")
+    if quant_x and (sub_k != GROUP or not (cfg.use_dot and cfg.swap_ab)):
+        raise ValueError(f"gemv_w8a8: needs use_dot, swap_ab and block_k a multiple of {GROUP}, got {cfg}")
     block_r = max(16, _next_pow2(rows)) if cfg.use_dot else _next_pow2(rows)
     tiles = -(-n // cfg.block_n)
     split, ws, locks = split_k.plan(x.device, tiles, -(-k // cfg.block_k), cfg.split_k, block_r * cfg.block_n, y)

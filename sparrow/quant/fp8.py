@@ -21,9 +21,11 @@ of a layer (None = stay unquantized). ``Fp8LinearMethod`` is the method object o
   the buffer, so peak memory is the FP8 model plus the layers in flight (one or two: checkpoints store a
   layer's tensors together). Quantizing the packed weight equals quantizing each shard when shards are
   128-aligned, so an FP8 checkpoint made offline from the same weights loads to the same bytes.
-apply(x [R, K]) -> [R, N] in x's dtype: R <= ``gemv.FP8_MAX_ROWS`` -> ``gemv_fp8`` (weights dequantized in registers,
-activations unquantized); more rows -> ``fp8_gemm`` (activations quantized per 128-group, e4m3 tensor
-cores). Each runs Triton on the GPU and its torch twin on CPU (``sparrow.kernels.use_triton``).
+apply(x [R, K]) -> [R, N] in x's dtype: R <= ``gemv.W8A8_MAX_ROWS`` (16) -> ``gemv_w8a8`` (W8A8: activations
+quantized per 128-group in registers, e4m3 tensor cores, each weight byte read once); R <= ``gemv.FP8_MAX_ROWS``
+(64) -> ``gemv_fp8`` (W8A16: weights widened in registers, activations unquantized; faster than both W8A8
+kernels there on the H200); more rows -> ``fp8_gemm`` (W8A8). So a row's numbers depend on the batch size
+(as in vLLM). Each runs Triton on the GPU and its torch twin on CPU (``sparrow.kernels.use_triton``).
 """
 from __future__ import annotations
 
@@ -232,7 +234,9 @@ class Fp8LinearMethod:
         x2 = x.reshape(-1, shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        kernel = gemv.gemv_fp8 if x2.shape[0] <= gemv.FP8_MAX_ROWS else fp8_gemm  # each: Triton or its twin
+        rows = x2.shape[0]
+        kernel = (gemv.gemv_w8a8 if rows <= gemv.W8A8_MAX_ROWS else gemv.gemv_fp8 if rows <= gemv.FP8_MAX_ROWS
+                  else fp8_gemm)  # each: Triton or its twin
         y = kernel(x2, layer.weight, layer.weight_scale_inv)
         if layer.bias is not None:
             y = y + layer.bias
