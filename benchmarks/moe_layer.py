@@ -102,9 +102,11 @@ def bench_one(rows: int, fp8: bool, layer, peak: float, with_torch: bool = False
     return res
 
 
-def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path, verbose: bool = False) -> pathlib.Path:
-    """Coordinate search per rows: BLOCK_M, then the gate|up tile, then the down tile (45 tiles each on the
-    small path, 18 grouped, 12 FP8 grouped).
+def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path, verbose: bool = False,
+         swapped_only: bool = False) -> pathlib.Path:
+    """Coordinate search per rows, from the data file's entry for those rows (else the default): BLOCK_M, then
+    the gate|up tile, then the down tile (45 tiles each on the small path, 18 with ``swapped_only``; 18
+    grouped, 12 FP8 grouped).
     Writes the data file ``pick_config`` reads for this shape and device."""
     from sparrow.kernels import moe_configs
     from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config
@@ -113,13 +115,15 @@ def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path, verbose: bool = Fal
     for rows in rows_list:
         _, _, call = make_call(rows, layer)
         small = rows * K <= 64
-        best = moe_configs.default_config(rows, rows * K, E, small, fp8)
+        old = moe_configs.tuned_configs(E, H, I, fp8, torch.cuda.get_device_name())
+        best = old.get(rows) or moe_configs.default_config(rows, rows * K, E, small, fp8)  # the search starts here
         ms = (16,) if small else (16, 32, 64, 128)
         if small:  # 45 tiles per GEMM: K split over programs (reduced in the kernel), FP8 up to 1024-wide K steps
             ks = (256, 512, 1024) if fp8 else (128, 256, 512)
             tiles = [Tile(n, k, 4, 3, split) for n, k, split in itertools.product((16, 32, 64), ks, (1, 2, 4))]
             # swapped dots: the weight tile as the wgmma's M side (64 / 128 rows)
-            tiles += [Tile(n, k, 4, 3, split, swap_ab=True) for n, k, split in itertools.product((64, 128), ks, (1, 2, 4))]
+            swapped = [Tile(n, k, 4, 3, split, swap_ab=True) for n, k, split in itertools.product((64, 128), ks, (1, 2, 4))]
+            tiles = swapped if swapped_only else tiles + swapped
         else:  # 18 tiles per GEMM (12 for FP8)
             ks = (128,) if fp8 else (32, 64, 128)
             stages = (3, 4) if fp8 else (3,)
@@ -181,6 +185,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--torch", action="store_true", help="also time the torch reference path")
     p.add_argument("--tune", action="store_true", help="sweep tiles and write the config data files")
     p.add_argument("--verbose", action="store_true", help="with --tune: print every candidate's time")
+    p.add_argument("--swapped-only", action="store_true",
+                   help="with --tune: on the small path try only the swapped-dot tiles against the current entry")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("moe_layer.py needs a CUDA GPU")
@@ -193,7 +199,7 @@ def main(argv=None) -> list[dict]:
     for dtype in args.dtypes:
         layer = make_layer(dtype == "fp8")
         if args.tune:
-            print("wrote", tune(args.rows, dtype == "fp8", layer, CONFIG_DIR, args.verbose))
+            print("wrote", tune(args.rows, dtype == "fp8", layer, CONFIG_DIR, args.verbose, args.swapped_only))
         print(f"{'rows':>5} {'dtype':>5} {'path':>8} {'us':>9} {'bound us':>9} {'GB/s':>8} {'% copy':>7} "
               f"{'x bound':>7}" + (f" {'torch us':>9}" if args.torch else ""))
         for rows in args.rows:

@@ -107,8 +107,9 @@ def _mm_rows(
                 acc_g += _dot(a, wg, UPCAST)
                 if GATED:
                     acc_u += _dot(a, wu, UPCAST)
-    if SWAP_AB:
-        return tl.trans(acc_g), tl.trans(acc_u)
+    if SWAP_AB:  # one return statement: Triton 3.6 refuses returns of different shapes, even under a constexpr if
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
     return acc_g, acc_u
 
 
