@@ -23,6 +23,11 @@ gemma4-26b-a4b bf16 decode with CUDA graphs: 309.4 / 1,032.8 tok/s at batch 1 / 
 without (benchmarks/README.md)."""
 _PDL_DEVICES: dict[int, bool] = {}
 
+PREFETCH_BYTES = int(os.environ.get("SPARROW_PREFETCH", "4096"))
+"""Weight kernels launched with PDL (the GEMV, the MoE down GEMV) first hint up to this many bytes of each
+weight row of their tile into L2, before they wait for the previous kernel (``_pdl_jit.prefetch_tile_l2``);
+``SPARROW_PREFETCH=0`` turns it off."""
+
 
 def set_backend(name: str | None) -> None:
     """'torch', 'triton' or None (by device). Raises ValueError for another name."""
@@ -71,6 +76,18 @@ def pdl_kwargs(x: torch.Tensor) -> dict:
     """Launch keywords of a kernel with a ``pdl_enter`` prologue: ``USE_PDL`` and ``launch_pdl`` by ``use_pdl(x)``."""
     on = use_pdl(x)
     return {"USE_PDL": on, "launch_pdl": on}
+
+
+def prefetch_bytes(x: torch.Tensor, w: torch.Tensor) -> int:
+    """The PREFETCH constexpr of a weight kernel on activations x and weight w [..., N, K] (unit stride on K):
+    PREFETCH_BYTES when x's kernels use PDL and w's base, row pitch and row length are multiples of 16 bytes
+    (the bulk prefetch's alignment), else 0."""
+    size = w.element_size()
+    if PREFETCH_BYTES <= 0 or not use_pdl(x) or w.stride(-1) != 1:
+        return 0
+    if w.data_ptr() % 16 or (w.stride(-2) * size) % 16 or (w.shape[-1] * size) % 16 or w.shape[-1] * size < 16:
+        return 0
+    return PREFETCH_BYTES
 
 
 class ForcedConfig:

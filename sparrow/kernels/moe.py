@@ -37,7 +37,7 @@ import os
 
 import torch
 
-from sparrow.kernels import pdl_kwargs, split_k, use_triton
+from sparrow.kernels import pdl_kwargs, prefetch_bytes, split_k, use_triton
 from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, dequantize_fp8_block_ref, dequantize_fp8_per_group_ref, \
     quantize_fp8_per_group_ref
 from sparrow.kernels.moe_configs import MoeConfig, Tile, pick_config
@@ -289,6 +289,7 @@ def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activat
                 s.stride(0) if fp8 else 0, s.stride(1) if fp8 else 0, GATED=gated, P_PAD=p_pad,
                 BLOCK_R=block_r, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                 SUB_K=min(tile.block_k, GROUP) if fp8 else tile.block_k, SPLIT_K=split, SWAP_AB=tile.swap_ab,
+                PREFETCH=0 if gated else prefetch_bytes(x, w),
                 num_warps=tile.num_warps, num_stages=tile.num_stages, **common, **pdl_kwargs(x),
             )
     else:

@@ -50,3 +50,65 @@ def test_gpu_pdl_chain_matches_plain_launches():
             torch.testing.assert_close(out, want, atol=0, rtol=0)
     finally:
         K.PDL = old
+
+
+def test_prefetch_bytes_needs_pdl_and_16_byte_rows(monkeypatch):
+    w = torch.zeros(64, 256, dtype=torch.bfloat16)
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    assert K.prefetch_bytes(x, w) == 0  # no PDL on CPU
+    monkeypatch.setattr(K, "use_pdl", lambda t: True)
+    assert K.prefetch_bytes(x, w) == K.PREFETCH_BYTES
+    assert K.prefetch_bytes(x, torch.zeros(64, 129, dtype=torch.bfloat16)) == 0  # 258-byte rows
+    assert K.prefetch_bytes(x, torch.zeros(64, 300, dtype=torch.bfloat16)[:, :256]) == 0  # 600-byte pitch
+    assert K.prefetch_bytes(x, torch.zeros(64 * 256 + 1, dtype=torch.bfloat16)[1:].view(64, 256)) == 0  # base
+    assert K.prefetch_bytes(x, torch.zeros(4, 64, 256, dtype=torch.bfloat16)[1]) == K.PREFETCH_BYTES
+    monkeypatch.setattr(K, "PREFETCH_BYTES", 0)
+    assert K.prefetch_bytes(x, w) == 0
+
+
+def _weights_chain(x, w8, s8, w16, experts, steps):
+    """Launches whose weights are prefetched before the PDL wait: W8A8 GEMV, bf16 GEMV, the MoE small path
+    (its down GEMM prefetches the routed experts), each reading the previous output."""
+    from sparrow.kernels.gemv import gemv_triton, gemv_w8a8_triton
+    from sparrow.kernels.moe import fused_moe_triton
+
+    gate_up, down, topk_w, topk_ids = experts
+    y = x
+    for _ in range(steps):
+        y = gemv_w8a8_triton(y, w8, s8)
+        y = gemv_triton(y, w16)
+        y = fused_moe_triton(y, gate_up, down, topk_w, topk_ids, "gelu_pytorch_tanh")
+    return y
+
+
+@pytest.mark.gpu
+def test_gpu_l2_prefetch_changes_no_result():
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
+    from sparrow.kernels.fp8 import quantize_fp8_block_ref
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    h, e, i = 1024, 16, 256
+    x = torch.randn(2, h, device="cuda", generator=g).bfloat16()
+    w8, s8 = quantize_fp8_block_ref(torch.randn(h, h, device="cuda", generator=g) / h**0.5)
+    w16 = (torch.randn(h, h, device="cuda", generator=g) / h**0.5).bfloat16()
+    gate_up = (torch.randn(e, 2 * i, h, device="cuda", generator=g) / h**0.5).bfloat16()
+    down = (torch.randn(e, h, i, device="cuda", generator=g) / i**0.5).bfloat16()
+    topk_w, topk_ids = torch.softmax(torch.randn(2, e, device="cuda", generator=g), -1).topk(4)
+    experts = (gate_up, down, topk_w, topk_ids.to(torch.int32))
+    old = K.PDL, K.PREFETCH_BYTES
+    try:
+        K.PDL = False
+        want = _weights_chain(x, w8, s8, w16, experts, 10)
+        K.PDL, K.PREFETCH_BYTES = True, 4096
+        assert K.prefetch_bytes(x, w16) == 4096
+        torch.testing.assert_close(_weights_chain(x, w8, s8, w16, experts, 10), want, atol=0, rtol=0)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _weights_chain(x, w8, s8, w16, experts, 10)
+        for _ in range(3):
+            out.zero_()
+            graph.replay()
+            torch.testing.assert_close(out, want, atol=0, rtol=0)
+    finally:
+        K.PDL, K.PREFETCH_BYTES = old
