@@ -38,12 +38,14 @@ class BlockManager:
 
     def _prefix_hashes(self, seq: Sequence) -> list[int]:
         # only blocks before the one holding the last prompt token: that token must be computed for logits
-        full = (seq.num_prompt_tokens - 1) // self.block_size
-        hashes, h = [], None
-        for i in range(full):
-            h = hash((h, tuple(seq.prompt_token_ids[i * self.block_size:(i + 1) * self.block_size])))
-            hashes.append(h)
-        return hashes
+        if seq.prefix_hashes is None:
+            full = (seq.num_prompt_tokens - 1) // self.block_size
+            hashes, h = [], None
+            for i in range(full):
+                h = hash((h, tuple(seq.prompt_token_ids[i * self.block_size:(i + 1) * self.block_size])))
+                hashes.append(h)
+            seq.prefix_hashes = hashes
+        return seq.prefix_hashes
 
     def allocate_prefix(self, seq: Sequence) -> int:
         """On admission: reuse cached blocks of the prompt's prefix; returns the tokens found cached."""
@@ -72,16 +74,18 @@ class BlockManager:
             seq.block_table.append(self._take_free())
 
     def commit_computed(self, seq: Sequence) -> None:
-        """Register hashes of the prompt blocks whose K/V are now fully computed."""
+        """Register hashes of the prompt blocks whose K/V are now fully computed (each block once: a decode
+        step costs nothing once the prompt's blocks are in)."""
         if not self.enable_prefix_caching or seq.soft_embeds is not None:
             return
-        for i, h in enumerate(self._prefix_hashes(seq)):
-            if (i + 1) * self.block_size > seq.num_computed_tokens:
-                break
-            block = seq.block_table[i]
+        hashes = self._prefix_hashes(seq)
+        done = min(len(hashes), seq.num_computed_tokens // self.block_size)
+        for i in range(seq.num_committed_blocks, done):
+            h, block = hashes[i], seq.block_table[i]
             if h not in self.hash_to_block and block not in self.block_hash:
                 self.hash_to_block[h] = block
                 self.block_hash[block] = h
+        seq.num_committed_blocks = max(seq.num_committed_blocks, done)
 
     def free_seq(self, seq: Sequence) -> None:
         """Drop the sequence's references; blocks reaching zero go to the free list (hash kept)."""
@@ -90,3 +94,4 @@ class BlockManager:
             if self.ref_counts[block] == 0:
                 self.free[block] = None
         seq.block_table = []
+        seq.num_committed_blocks = 0

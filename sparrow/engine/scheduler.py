@@ -55,7 +55,7 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq not in self.running:  # preempted below to make room for an earlier one
+            if seq.status is not SequenceStatus.RUNNING:  # preempted below to make room for an earlier one
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.bm.can_allocate(seq, seq.num_computed_tokens + n):

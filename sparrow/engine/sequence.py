@@ -18,7 +18,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's `in` / `remove` on its lists must not compare token lists
 class Sequence:
     request_id: str
     index: int
@@ -44,6 +44,10 @@ class Sequence:
     """[n_soft, H] vectors injected at ``soft_positions`` instead of embedding-table rows."""
     soft_positions: list[int] = field(default_factory=list)
     seq_id: int = field(default_factory=lambda: next(_ids))
+    prefix_hashes: list[int] | None = None
+    """The block manager's hashes of the prompt's full blocks (computed once: the prompt never changes)."""
+    num_committed_blocks: int = 0
+    """Leading prompt blocks already registered in the prefix cache (reset when the blocks are freed)."""
 
     @property
     def num_tokens(self) -> int:

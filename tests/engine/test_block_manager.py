@@ -76,6 +76,33 @@ def test_only_computed_blocks_are_hashed():
     assert bm.allocate_prefix(seq(range(13))) == 4
 
 
+def test_commit_registers_each_block_once_and_again_after_a_preemption():
+    """Chunked prefill commits block by block; decode steps after the prompt add nothing; the hashes are
+    computed once per sequence; freeing (preemption) resets the count so a recomputed prefill registers its
+    new blocks."""
+    bm = BlockManager(16, 4)
+    a = seq(range(13))
+    bm.allocate(a, 13)
+    for done, blocks in ((5, 1), (9, 2), (13, 3), (14, 3), (20, 3)):  # chunks, then decode steps
+        a.num_computed_tokens = done
+        bm.commit_computed(a)
+        assert a.num_committed_blocks == blocks
+        assert sorted(bm.block_hash) == sorted(a.block_table[:blocks])
+    hashes = a.prefix_hashes
+    assert len(hashes) == 3 and bm._prefix_hashes(a) is hashes  # computed once
+    bm.free_seq(a)  # preempted: blocks freed, their hashes kept until reused
+    assert a.num_committed_blocks == 0
+    filler = seq([100 + i for i in range(64)])
+    bm.allocate(filler, 64)  # every block, the freed prefix included: those hashes are dropped
+    assert not bm.block_hash
+    bm.free_seq(filler)
+    bm.allocate(a, 13)
+    a.num_computed_tokens = 13
+    bm.commit_computed(a)
+    assert a.num_committed_blocks == 3 and sorted(bm.block_hash) == sorted(a.block_table[:3])
+    assert bm.allocate_prefix(seq(range(13))) == 12
+
+
 def test_freed_blocks_keep_their_hash_until_reused():
     bm = BlockManager(6, 4)
     a = computed(bm, seq(range(13)))  # 4 blocks: 0, 1, 2 hashed, 3 holds the last token
