@@ -27,8 +27,8 @@ PREFETCH_BYTES = int(os.environ.get("SPARROW_PREFETCH", "0"))
 """When > 0, weight kernels launched with PDL (the GEMV, the MoE down GEMV) first hint up to this many bytes of
 each weight row of their tile into L2, before they wait for the previous kernel (``_pdl_jit.prefetch_tile_l2``;
 ``SPARROW_PREFETCH=4096`` in the environment). Off by default: on the H200, gemma4-26b-a4b bf16 at batch 1
-ran at 290.2 tok/s with the MoE down prefetch on and 242.9 with the dense linears on the prefetching GEMV,
-against 309.4 without either (benchmarks/README.md)."""
+ran at 290.2 tok/s with the MoE down prefetch on, 287.7 without it on another machine, and 242.9 with the
+dense linears on the prefetching GEMV instead of cuBLAS (benchmarks/README.md, sixth session)."""
 
 
 def set_backend(name: str | None) -> None:
