@@ -105,8 +105,8 @@ def bench_one(rows: int, fp8: bool, layer, peak: float, with_torch: bool = False
 def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path, verbose: bool = False,
          swapped_only: bool = False) -> pathlib.Path:
     """Coordinate search per rows, from the data file's entry for those rows (else the default): BLOCK_M, then
-    the gate|up tile, then the down tile (45 tiles each on the small path, 18 with ``swapped_only``; 18
-    grouped, 12 FP8 grouped).
+    the gate|up tile, then the down tile (45 tiles each on the small path, 18 with ``swapped_only``; 24
+    grouped, 16 FP8 grouped, 6 / 4 with ``swapped_only``).
     Writes the data file ``pick_config`` reads for this shape and device."""
     from sparrow.kernels import moe_configs
     from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config
@@ -124,10 +124,12 @@ def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path, verbose: bool = Fal
             # swapped dots: the weight tile as the wgmma's M side (64 / 128 rows)
             swapped = [Tile(n, k, 4, 3, split, swap_ab=True) for n, k, split in itertools.product((64, 128), ks, (1, 2, 4))]
             tiles = swapped if swapped_only else tiles + swapped
-        else:  # 18 tiles per GEMM (12 for FP8)
+        else:  # 24 tiles per GEMM (16 for FP8), the last 6 (4) with swapped dots
             ks = (128,) if fp8 else (32, 64, 128)
             stages = (3, 4) if fp8 else (3,)
             tiles = [Tile(n, k, w, s) for n, k, w, s in itertools.product((32, 64, 128), ks, (4, 8), stages)]
+            swapped = [Tile(n, k, 4, s, swap_ab=True) for n, k, s in itertools.product((64, 128), ks, stages)]
+            tiles = swapped if swapped_only else tiles + swapped
 
         def timed(cfg):
             try:
@@ -186,7 +188,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--tune", action="store_true", help="sweep tiles and write the config data files")
     p.add_argument("--verbose", action="store_true", help="with --tune: print every candidate's time")
     p.add_argument("--swapped-only", action="store_true",
-                   help="with --tune: on the small path try only the swapped-dot tiles against the current entry")
+                   help="with --tune: try only the swapped-dot tiles against the current entry")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("moe_layer.py needs a CUDA GPU")

@@ -159,6 +159,7 @@ def moe_gemm_kernel(
     EMULATE_FP8: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
+    SWAP_AB: tl.constexpr = False,  # _mm_rows' swapped dots (the weight tile as the MMA's M side)
 ):
     pdl_enter(USE_PDL)
     pid_m = tl.program_id(0)
@@ -174,7 +175,7 @@ def moe_gemm_kernel(
         acc_g, acc_u = _mm_rows(
             a_ptr, arow, m_mask, stride_ar, w_ptr + expert * stride_we, stride_wn,
             s_ptr + expert * stride_se, stride_sn, rn, n_mask, N, 0, K,
-            GATED, FP8_W, EMULATE_FP8, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K,
+            GATED, FP8_W, EMULATE_FP8, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, SWAP_AB,
         )
         _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit, GATED, ACT, HAS_LIMIT, RNE_BF16)
 

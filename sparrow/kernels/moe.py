@@ -301,7 +301,7 @@ def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activat
                 a, w, s if fp8 else w, out, sorted_ids, block_expert, total, pairs, n, k, div, a.stride(0),
                 w.stride(0), w.stride(1), s.stride(0) if fp8 else 0, s.stride(1) if fp8 else 0, GATED=gated,
                 BLOCK_M=cfg.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                SUB_K=min(tile.block_k, GROUP) if fp8 else tile.block_k,
+                SUB_K=min(tile.block_k, GROUP) if fp8 else tile.block_k, SWAP_AB=tile.swap_ab,
                 num_warps=tile.num_warps, num_stages=tile.num_stages, **common, **pdl_kwargs(x),
             )
     return moe_reduce_triton(y, topk_weights, x.dtype, shared_output, shared_gate) if reduce else y

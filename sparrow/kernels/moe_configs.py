@@ -32,8 +32,10 @@ class Tile:
     """Small path only: programs per (pair, N tile) over contiguous K ranges, reduced in the kernel; 0:
     automatic (``split_k.choose_split``). The grouped path ignores it."""
     swap_ab: bool = False
-    """Small path only: each dot is weight tile [block_n, K step] @ rows^T, so the weight fills the MMA's M
-    side (Hopper wgmma needs M >= 64: block_n >= 64) and the few rows its N side. The grouped path ignores it."""
+    """Each dot is weight tile [block_n, K step] @ rows^T, so the weight fills the MMA's M side (Hopper wgmma
+    needs M >= 64: block_n >= 64) and the few rows (or block_m sorted pairs) its N side. With e4m3 weights
+    this keeps the dot on e4m3 wgmma; Triton lowers a 16-row e4m3 dot to f16 mma.sync after converting both
+    operands."""
 
 
 @dataclasses.dataclass(frozen=True)

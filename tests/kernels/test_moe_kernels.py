@@ -192,6 +192,18 @@ def test_one_crowded_expert(path):
     _check_against_fp32_ref(out, x, w13, w2, tw, ti)
 
 
+@pytest.mark.parametrize("num_experts,top_k,rows", [(8, 2, 17), (64, 1, 16)])
+def test_fp8_swapped_dots_on_the_grouped_path(num_experts, top_k, rows):
+    x, w13, w2, tw, ti = _case(num_experts, top_k, rows, torch.bfloat16, seed=rows)
+    q13, s13 = _quantize_experts(w13)
+    q2, s2 = _quantize_experts(w2)
+    cfg = MoeConfig(16, Tile(64, 128, swap_ab=True), Tile(64, 128, swap_ab=True))
+    with forced_config(cfg):
+        out = fused_moe_triton(x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2, pair_threshold=GROUPED)
+    torch.testing.assert_close(out.float(), fused_moe_ref(x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2).float(),
+                               **FP8_TOL)
+
+
 @pytest.mark.parametrize("path", ["grouped", "small"])
 @pytest.mark.parametrize("num_experts,top_k,rows", [(8, 2, 17), (128, 8, 3), (64, 1, 16)])
 def test_fp8(path, num_experts, top_k, rows):
