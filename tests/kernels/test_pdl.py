@@ -26,30 +26,37 @@ def _chain(x, w, steps):
     return y
 
 
-@pytest.mark.gpu
-def test_gpu_pdl_chain_matches_plain_launches():
+def _same_as_plain_launches(run, x, prefetch: int = 0, weight=None) -> None:
+    """``run()`` with PDL off gives the reference; with PDL on (and ``prefetch`` bytes of L2 prefetch, which
+    ``weight`` must qualify for) it must give the same bits, eagerly and replayed from a CUDA graph."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(8, 2816, device="cuda", generator=g).bfloat16()
-    w = torch.rand(2816, device="cuda", generator=g).bfloat16()
-    old = K.PDL
+    old = K.PDL, K.PREFETCH_BYTES
     try:
         K.PDL = False
-        want = _chain(x, w, 40)
-        K.PDL = True
+        want = run()
+        K.PDL, K.PREFETCH_BYTES = True, prefetch
         assert K.use_pdl(x)
-        torch.testing.assert_close(_chain(x, w, 40), want, atol=0, rtol=0)
-        _chain(x, w, 40)  # compile outside the capture
+        if weight is not None:
+            assert K.prefetch_bytes(x, weight) == prefetch
+        torch.testing.assert_close(run(), want, atol=0, rtol=0)  # also compiles outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = _chain(x, w, 40)
+            out = run()
         for _ in range(3):
             out.zero_()
             graph.replay()
             torch.testing.assert_close(out, want, atol=0, rtol=0)
     finally:
-        K.PDL = old
+        K.PDL, K.PREFETCH_BYTES = old
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_chain_matches_plain_launches():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(8, 2816, device="cuda", generator=g).bfloat16()
+    w = torch.rand(2816, device="cuda", generator=g).bfloat16()
+    _same_as_plain_launches(lambda: _chain(x, w, 40), x)
 
 
 def test_prefetch_bytes_needs_pdl_and_16_byte_rows(monkeypatch):
@@ -83,8 +90,6 @@ def _weights_chain(x, w8, s8, w16, experts, steps):
 
 @pytest.mark.gpu
 def test_gpu_l2_prefetch_changes_no_result():
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
     from sparrow.kernels.fp8 import quantize_fp8_block_ref
 
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -96,19 +101,4 @@ def test_gpu_l2_prefetch_changes_no_result():
     down = (torch.randn(e, h, i, device="cuda", generator=g) / i**0.5).bfloat16()
     topk_w, topk_ids = torch.softmax(torch.randn(2, e, device="cuda", generator=g), -1).topk(4)
     experts = (gate_up, down, topk_w, topk_ids.to(torch.int32))
-    old = K.PDL, K.PREFETCH_BYTES
-    try:
-        K.PDL = False
-        want = _weights_chain(x, w8, s8, w16, experts, 10)
-        K.PDL, K.PREFETCH_BYTES = True, 4096
-        assert K.prefetch_bytes(x, w16) == 4096
-        torch.testing.assert_close(_weights_chain(x, w8, s8, w16, experts, 10), want, atol=0, rtol=0)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = _weights_chain(x, w8, s8, w16, experts, 10)
-        for _ in range(3):
-            out.zero_()
-            graph.replay()
-            torch.testing.assert_close(out, want, atol=0, rtol=0)
-    finally:
-        K.PDL, K.PREFETCH_BYTES = old
+    _same_as_plain_launches(lambda: _weights_chain(x, w8, s8, w16, experts, 10), x, prefetch=4096, weight=w16)
