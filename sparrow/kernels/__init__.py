@@ -61,11 +61,17 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
+def interpreting() -> bool:
+    """Whether Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``), where launchers switch on
+    their interpreter workarounds (``_fp8_jit``) and PDL stays off."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def use_pdl(x: torch.Tensor) -> bool:
     """Whether a kernel on x's device launches with programmatic dependent launch (``launch_pdl=True`` and its
     ``pdl_enter`` prologue, sparrow/kernels/_pdl_jit.py): ``PDL`` is on, x is a CUDA tensor of a device of
     compute capability >= 9.0 (Hopper), and Triton is not the interpreter."""
-    if not (PDL and x.is_cuda) or os.environ.get("TRITON_INTERPRET") == "1":
+    if not (PDL and x.is_cuda) or interpreting():
         return False
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     able = _PDL_DEVICES.get(index)

@@ -19,21 +19,9 @@ fp32 bit arithmetic and the dot runs on fp32 values (same numbers, exact product
 import triton
 import triton.language as tl
 
+from sparrow.kernels._fp8_jit import round_e4m3
 from sparrow.kernels._pdl_jit import pdl_enter
 from sparrow.kernels._split_k_jit import split_k_and, split_k_range, split_k_reduce
-
-
-@triton.jit
-def _round_e4m3(v):
-    """fp32 v with |v| <= 448 -> the nearest e4m3 value (ties to even), still as fp32 (interpreter path)."""
-    bits = v.to(tl.uint32, bitcast=True)
-    # normal range |v| >= 2^-6: keep 3 of the 23 mantissa bits, round half to even (a carry bumps the exponent)
-    lsb = (bits >> 20) & 1
-    normal = ((bits + 0x7FFFF + lsb) & 0xFFF00000).to(tl.float32, bitcast=True)
-    # subnormal range: multiples of 2^-9; (t + 1.5 * 2^23) - 1.5 * 2^23 rounds t half to even in fp32
-    t = v * 512.0
-    sub = ((t + 12582912.0) - 12582912.0) * (1.0 / 512.0)
-    return tl.where(tl.abs(v) >= 0.015625, normal, sub)
 
 
 @triton.jit
@@ -91,7 +79,7 @@ def fp8_gemm_kernel(
             aq = tl.math.div_rn(af, a_s[:, None])
             aq = tl.minimum(tl.maximum(aq, -448.0), 448.0)
             if INTERPRET:
-                aq = _round_e4m3(aq)
+                aq = round_e4m3(aq)
             else:
                 aq = aq.to(tl.float8e4nv)
         else:

@@ -20,11 +20,10 @@ split-K tiles tuned on the H200 up to 64 rows, and untuned defaults above (128 x
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
-from sparrow.kernels import ForcedConfig, pdl_kwargs, split_k, use_triton
+from sparrow.kernels import ForcedConfig, interpreting, pdl_kwargs, split_k, use_triton
 
 from sparrow.kernels.fp8 import (
     FP8_DTYPE,
@@ -120,7 +119,7 @@ def fp8_gemm_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, x_s
         w.stride(0),
         w_scale.stride(0),
         QUANT_A=x_scale is None,
-        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        INTERPRET=interpreting(),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=BLOCK_K,

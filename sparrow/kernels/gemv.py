@@ -26,7 +26,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from sparrow.kernels import ForcedConfig, pdl_kwargs, prefetch_bytes, use_triton
+from sparrow.kernels import ForcedConfig, interpreting, pdl_kwargs, prefetch_bytes, use_triton
 
 from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, dequantize_fp8_block_ref
 from sparrow.kernels import split_k
@@ -171,8 +171,6 @@ def gemv_fp8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.T
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, quant_x: bool = False) -> torch.Tensor:
-    import os
-
     from sparrow.kernels._gemv_jit import gemv_kernel
 
     rows, k = x.shape
@@ -215,7 +213,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, quan
         SUB_K=sub_k,
         SPLIT_K=split,
         QUANT_X=quant_x,
-        EMULATE_FP8=quant_x and os.environ.get("TRITON_INTERPRET") == "1",
+        EMULATE_FP8=quant_x and interpreting(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, PREFETCH=prefetch_bytes(x, w), **pdl_kwargs(x),
     )

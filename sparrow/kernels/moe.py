@@ -33,11 +33,10 @@ dequantized weights); ``moe_align_ref``, ``moe_reduce_ref``. Errors: ValueError 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
-from sparrow.kernels import pdl_kwargs, prefetch_bytes, split_k, use_triton
+from sparrow.kernels import interpreting as _interpret, pdl_kwargs, prefetch_bytes, split_k, use_triton
 from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, dequantize_fp8_block_ref, dequantize_fp8_per_group_ref, \
     quantize_fp8_per_group_ref
 from sparrow.kernels.moe_configs import MoeConfig, Tile, pick_config
@@ -54,10 +53,6 @@ from sparrow.layers.moe import _gate_up_act, fused_moe_grouped_ref, fused_moe_pe
 SMALL_MAX_PAIRS = 256  # the small path holds all pair ids of the batch in one program
 _ACT_CODE = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ------------------------------------------------------------------------------------------- align
