@@ -42,10 +42,12 @@ from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, dequantize_fp8_block_ref, dequ
 from sparrow.kernels.moe_configs import MoeConfig, Tile, pick_config
 
 
-def _fp32_config(cfg: MoeConfig) -> MoeConfig:
-    """The config scaled down for fp32 operands (twice the bytes of bf16 per tile)."""
+def _fp32_config(cfg: MoeConfig, fp8: bool) -> MoeConfig:
+    """The config scaled down for fp32 operands (twice the bytes of bf16 per tile); FP8 weights keep K steps
+    of whole 128-column scale groups (their weight tile is a quarter of the fp32 one), only fewer stages."""
     def shrink(t: Tile) -> Tile:
-        return dataclasses.replace(t, block_k=max(16, t.block_k // 2), num_stages=min(t.num_stages, 2))
+        block_k = max(GROUP, t.block_k // 2) if fp8 else max(16, t.block_k // 2)
+        return dataclasses.replace(t, block_k=min(t.block_k, block_k), num_stages=min(t.num_stages, 2))
 
     return MoeConfig(cfg.block_m, shrink(cfg.gate_up), shrink(cfg.down))
 from sparrow.layers.moe import _gate_up_act, fused_moe_grouped_ref, fused_moe_per_pair_ref
@@ -254,7 +256,7 @@ def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activat
     cfg = pick_config(rows, topk_ids.shape[1], num_experts, hidden, width, small, fp8,
                       torch.cuda.get_device_name(x.device) if x.is_cuda else None)
     if x.dtype == torch.float32 and x.is_cuda:  # 4-byte tiles: halve K and the pipeline depth so the
-        cfg = _fp32_config(cfg)                 # stages fit in shared memory (228 KB on H100/H200)
+        cfg = _fp32_config(cfg, fp8)                 # stages fit in shared memory (228 KB on H100/H200)
     _check_config(cfg, fp8)
     x = x if x.stride(1) == 1 else x.contiguous()
     act = torch.empty(pairs, width, dtype=x.dtype, device=x.device)  # [P, I]

@@ -357,6 +357,19 @@ def test_gpu_gemma4_shape(rows, fp8, activation):
         _check_against_fp32_ref(out, x, w13, w2, tw, ti, activation)
 
 
+def test_fp32_config_keeps_fp8_scale_groups():
+    """fp32 activations on the GPU halve K steps and stages; FP8 weights keep whole 128-column scale groups
+    (the H200 failure: a 64-wide K step refused by the FP8 check)."""
+    from sparrow.kernels.moe import _fp32_config
+    from sparrow.kernels.moe_configs import MoeConfig, Tile
+
+    cfg = MoeConfig(16, Tile(64, 128, num_stages=3), Tile(64, 256, num_stages=4))
+    fp8 = _fp32_config(cfg, fp8=True)
+    assert (fp8.gate_up.block_k, fp8.down.block_k, fp8.down.num_stages) == (128, 128, 2)
+    bf16 = _fp32_config(cfg, fp8=False)
+    assert (bf16.gate_up.block_k, bf16.down.block_k) == (64, 128)
+
+
 def test_small_path_tile_fits_shared_memory():
     """A forced small path at 65 rows pads the dot to 128 rows: a 3-stage 256 x 32 tile would need 288 KB of
     shared memory (the H200 failure), so the launcher drops to 2 stages; tiles that fit are left alone."""
