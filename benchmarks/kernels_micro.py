@@ -5,6 +5,8 @@
     python benchmarks/kernels_micro.py tune_gemv_fp8             (the same, FP8 weights only; tune_gemv_bf16)
     python benchmarks/kernels_micro.py tune_fp8_gemm             (sweep Fp8GemmConfig at M = 64)
     python benchmarks/kernels_micro.py tune_w8a8                 (W8A8 GEMV tiles vs W8A16, fp8_gemm, cuBLAS)
+    python benchmarks/kernels_micro.py fp8_linears               (every FP8 linear kernel by row count, with
+                                                                  cuBLAS's block-scaled FP8 GEMM)
 
 Each line: kernel, shape, time per call (CUDA-graph replay, so launch overhead is excluded), bytes moved
 (each input read once + each output written once), GB/s and % of the device-to-device copy bandwidth
@@ -237,6 +239,64 @@ def tune_w8a8(peak: float) -> None:
         del w, nxt, nxt16
 
 
+def fp8_linears(peak: float) -> None:
+    """FP8 linears at Gemma 4's dense shapes from 1 to 16,384 rows, us a call: the W8A8 GEMV (<= 16 rows), the
+    W8A16 GEMV (<= 64), the Triton ``fp8_gemm``, cuBLAS's block-scaled FP8 GEMM with its activation quantizer
+    (``fp8_scaled_mm``) and without it, and cuBLAS on the bf16 weight; then whether cuBLAS takes K = 2112
+    (not a multiple of 128) with ceil-sized scales."""
+    import torch.nn.functional as F
+
+    from sparrow.kernels import gemv
+    from sparrow.kernels.fp8 import quantize_fp8_block_ref
+    from sparrow.kernels.fp8_gemm import fp8_gemm_ref, fp8_gemm_triton
+    from sparrow.kernels.scaled_mm import (fp8_scaled_mm, quantize_fp8_per_group, scaled_mm_supported,
+                                           scaled_mm_weight_scale)
+
+    if not scaled_mm_supported(torch.device("cuda")):
+        print(f"fp8_linears: cuBLAS block-scaled FP8 GEMM not available (torch {torch.__version__}, CUDA "
+              f"{torch.version.cuda})")
+        return
+    print("fp8 linear  rows     K     N |  W8A8 GEMV  W8A16 GEMV  fp8_gemm  scaled_mm (GEMM only)  cuBLAS bf16 | "
+          "best FP8 % of bound")
+    for k, n in ((2816, 8192), (4096, 2816), (2816, 4224), (2816, 2816)):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        nxt = _rotating(lambda: quantize_fp8_block_ref(w), n * k)
+        nxt_mm = _rotating(lambda: (lambda q, s: (q, scaled_mm_weight_scale(s)))(*quantize_fp8_block_ref(w)), n * k)
+        nxt16 = _rotating(lambda: (w.clone(),), 2 * n * k)
+        for rows in (1, 8, 16, 17, 32, 64, 128, 512, 2048, 16384):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            t = {}
+            if rows <= 16:
+                t["w8a8"] = time_s(lambda: gemv.gemv_w8a8_triton(x, *nxt()), rep=20)
+            if rows <= 64:
+                t["w8a16"] = time_s(lambda: gemv.gemv_fp8_triton(x, *nxt()), rep=20)
+            t["fp8_gemm"] = time_s(lambda: fp8_gemm_triton(x, *nxt()), rep=20)
+            t["scaled_mm"] = time_s(lambda: fp8_scaled_mm(x, *nxt_mm()), rep=20)
+            m4 = -(-rows // 4) * 4
+            q, xs = quantize_fp8_per_group(x, m4, scales_m_major=True)
+            t["gemm_only"] = time_s(lambda: (lambda wq, wsm: F.scaled_mm(
+                q, wq.t(), xs, F.ScalingType.BlockWise1x128, wsm, F.ScalingType.BlockWise128x128,
+                output_dtype=torch.bfloat16))(*nxt_mm()), rep=20)
+            t["cublas"] = time_s(lambda: F.linear(x, *nxt16()), rep=20)
+            fp8_best = min(v for key, v in t.items() if key not in ("gemm_only", "cublas"))
+            cells = "  ".join(f"{t[key] * 1e6:8.1f}" if key in t else f"{'-':>8}"
+                              for key in ("w8a8", "w8a16", "fp8_gemm", "scaled_mm", "gemm_only", "cublas"))
+            print(f"fp8 linear {rows:5d} {k:5d} {n:5d} | {cells} | {100 * n * k / fp8_best / peak:5.1f} %", flush=True)
+        del w, nxt, nxt_mm, nxt16
+    # K not a multiple of 128 (Gemma 4's dense down projection, K = 2112): ceil-sized scales, padded to 4
+    k, n, rows = 2112, 2816, 64
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    wq, ws = quantize_fp8_block_ref(torch.randn(n, k, device="cuda") / k**0.5)
+    q, xs = quantize_fp8_per_group(x, rows, scales_m_major=True)
+    try:
+        y = F.scaled_mm(q, wq.t(), xs, F.ScalingType.BlockWise1x128, scaled_mm_weight_scale(ws),
+                        F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+        ref = fp8_gemm_ref(x, wq, ws).float()
+        print(f"scaled_mm K={k}: runs, NMSE against fp8_gemm_ref {float(((y.float() - ref) ** 2).mean() / (ref ** 2).mean()):.2e}")
+    except Exception as e:  # noqa: BLE001  (a probe: report what cuBLAS / torch says)
+        print(f"scaled_mm K={k}: refused: {type(e).__name__}: {str(e)[:300]}")
+
+
 def main(which: list[str]) -> None:
     if not torch.cuda.is_available():
         print("kernels_micro: needs a CUDA GPU")
@@ -248,7 +308,7 @@ def main(which: list[str]) -> None:
         {"norm": bench_norm, "act": bench_act, "gemv": bench_gemv, "tune_gemv": tune_gemv,
          "tune_gemv_fp8": lambda p: tune_gemv(p, (True,)),
          "tune_gemv_bf16": lambda p: tune_gemv(p, (False,)), "tune_fp8_gemm": tune_fp8_gemm,
-         "tune_fp8_rows": tune_fp8_rows, "tune_w8a8": tune_w8a8}[name](peak)
+         "tune_fp8_rows": tune_fp8_rows, "tune_w8a8": tune_w8a8, "fp8_linears": fp8_linears}[name](peak)
 
 
 if __name__ == "__main__":

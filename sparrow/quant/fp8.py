@@ -23,9 +23,13 @@ of a layer (None = stay unquantized). ``Fp8LinearMethod`` is the method object o
   128-aligned, so an FP8 checkpoint made offline from the same weights loads to the same bytes.
 apply(x [R, K]) -> [R, N] in x's dtype: R <= ``gemv.W8A8_MAX_ROWS`` (16) -> ``gemv_w8a8`` (W8A8: activations
 quantized per 128-group in registers, e4m3 tensor cores, each weight byte read once); R <= ``gemv.FP8_MAX_ROWS``
-(64) -> ``gemv_fp8`` (W8A16: weights widened in registers, activations unquantized; faster than both W8A8
-kernels there on the H200); more rows -> ``fp8_gemm`` (W8A8). So a row's numbers depend on the batch size
-(as in vLLM). Each runs Triton on the GPU and its torch twin on CPU (``sparrow.kernels.use_triton``).
+(64) -> ``gemv_fp8`` (W8A16: weights widened in registers, activations unquantized), except from
+``scaled_mm_min_rows(layer)`` rows on a device where cuBLAS has block-scaled FP8 (Hopper, CUDA >= 12.9); there
+and above 64 rows W8A8: ``scaled_mm.fp8_scaled_mm`` (cuBLAS, activations quantized by a Triton kernel) where it
+is available, else ``fp8_gemm`` (Triton). So a row's numbers depend on the batch size (as in vLLM). The formula
+depends on the rows, the shape and the device, not on the backend: under ``backend("torch")`` the twins compute
+what the kernels of the same device would (``sparrow.kernels.use_triton``). ``process_weights_after_loading`` adds the buffer ``scaled_mm_scale`` (the
+scales in cuBLAS's layout, ``scaled_mm.scaled_mm_weight_scale``) to layers whose shape cuBLAS takes.
 """
 from __future__ import annotations
 
@@ -44,6 +48,22 @@ from sparrow.kernels.fp8 import (
     dequantize_fp8_block_ref,
     quantize_fp8_block_ref,
 )
+
+SCALED_MM_MIN_ROWS = 65
+"""Rows from which FP8 linears run cuBLAS's block-scaled GEMM where it is available (see the module doc) ..."""
+SCALED_MM_MIN_ROWS_WIDE = 17
+"""... and from which weights of at least SCALED_MM_WIDE elements do. H200, us a call at 17 / 32 / 64 rows
+(``kernels_micro.py fp8_linears``), cuBLAS (its quantizer included) against the W8A16 GEMV: 2816 x 8192
+14.1 / 14.1 / 13.2 against 15.8 / 15.6 / 28.9; 4096 x 2816 16.6 / 16.7 / 16.8 against 12.3 / 12.3 / 13.4;
+2816 x 4224 13.4 / 13.2 / 13.5 against 10.7 / 12.2 / 13.1. From 128 rows cuBLAS beats the Triton fp8_gemm
+5-8x (16,384 x 2816 x 8192: 714 against 5,923 us)."""
+SCALED_MM_WIDE = 1 << 24
+
+
+def scaled_mm_min_rows(layer: nn.Module) -> int:
+    """Rows from which ``layer`` (an FP8 Linear) takes cuBLAS's block-scaled GEMM where it is available."""
+    wide = layer.in_features * layer.out_features >= SCALED_MM_WIDE
+    return SCALED_MM_MIN_ROWS_WIDE if wide else SCALED_MM_MIN_ROWS
 
 __all__ = [
     "quantize_fp8_block", "dequantize_fp8_block", "quantize_fp8_channel", "dequantize_fp8_channel",
@@ -218,6 +238,11 @@ class Fp8LinearMethod:
                                  f"{sorted(layer._fp8_staged)}")
         if not layer.weight_scale_inv.is_contiguous():
             layer.weight_scale_inv.data = layer.weight_scale_inv.data.contiguous()
+        from sparrow.kernels.scaled_mm import scaled_mm_fits, scaled_mm_weight_scale
+
+        scale_mm = (scaled_mm_weight_scale(layer.weight_scale_inv.data)
+                    if scaled_mm_fits(layer.in_features, layer.out_features) else None)
+        layer.register_buffer("scaled_mm_scale", scale_mm, persistent=False)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         """The weight as fp32 [N, K] (tests, debugging)."""
@@ -227,17 +252,25 @@ class Fp8LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype (+ bias); see the module doc for the kernel choice."""
-        from sparrow.kernels import gemv
+        from sparrow.kernels import gemv, use_triton
         from sparrow.kernels.fp8_gemm import fp8_gemm
+        from sparrow.kernels.scaled_mm import fp8_scaled_mm, scaled_mm_supported
 
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         rows = x2.shape[0]
-        kernel = (gemv.gemv_w8a8 if rows <= gemv.W8A8_MAX_ROWS else gemv.gemv_fp8 if rows <= gemv.FP8_MAX_ROWS
-                  else fp8_gemm)  # each: Triton or its twin
-        y = kernel(x2, layer.weight, layer.weight_scale_inv)
+        scale_mm = getattr(layer, "scaled_mm_scale", None)
+        cublas = scale_mm is not None and scaled_mm_supported(x2.device)
+        if rows <= gemv.W8A8_MAX_ROWS:
+            y = gemv.gemv_w8a8(x2, layer.weight, layer.weight_scale_inv)  # Triton or its twin
+        elif rows <= gemv.FP8_MAX_ROWS and not (cublas and rows >= scaled_mm_min_rows(layer)):
+            y = gemv.gemv_fp8(x2, layer.weight, layer.weight_scale_inv)  # W8A16: Triton or its twin
+        elif cublas and use_triton(x2):
+            y = fp8_scaled_mm(x2, layer.weight, scale_mm)
+        else:
+            y = fp8_gemm(x2, layer.weight, layer.weight_scale_inv)  # Triton or its twin
         if layer.bias is not None:
             y = y + layer.bias
         return y.reshape(*shape[:-1], y.shape[-1])
