@@ -104,9 +104,9 @@ def bench_one(rows: int, fp8: bool, layer, peak: float, with_torch: bool = False
 
 def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path, verbose: bool = False,
          swapped_only: bool = False) -> pathlib.Path:
-    """Coordinate search per rows, from the data file's entry for those rows (else the default): BLOCK_M, then
-    the gate|up tile, then the down tile (45 tiles each on the small path, 18 with ``swapped_only``; 24
-    grouped, 16 FP8 grouped, 6 / 4 with ``swapped_only``).
+    """Coordinate search per rows, from the data file's entry for those rows (else the default): BLOCK_M (on the
+    grouped path also paired with each swapped tile), then the gate|up tile, then the down tile (45 tiles each
+    on the small path, 18 with ``swapped_only``; 24 grouped, 16 FP8 grouped, 6 / 4 with ``swapped_only``).
     Writes the data file ``pick_config`` reads for this shape and device."""
     from sparrow.kernels import moe_configs
     from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config
@@ -143,8 +143,11 @@ def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path, verbose: bool = Fal
             return t
 
         best_t = timed(best)
-        for bm in ms:  # BLOCK_M with the default tiles, then the gate|up tile, then the down tile
-            cand = MoeConfig(bm, best.gate_up, best.down)
+        # BLOCK_M with the current tiles (and on the grouped path with each swapped tile on both GEMMs: the rows
+        # are the wgmma's N side there, so BLOCK_M and the swap interact), then the gate|up tile, then the down tile
+        starts = [(best.gate_up, best.down)] + ([] if small else [(t, t) for t in swapped])
+        for bm, (gate_up, down) in itertools.product(ms, starts):
+            cand = MoeConfig(bm, gate_up, down)
             t = timed(cand)
             if t < best_t:
                 best, best_t = cand, t

@@ -281,6 +281,17 @@ def test_gpu_w8a8_real_shapes(rows, k, n, block_n, block_k):
     assert _nmse(gemv_w8a8(x, wq, ws), fp8_gemm_ref(x, wq, ws)) <= 5e-5  # the table's config
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(2816, 8192), (2112, 2816)])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_gpu_w8a8_fp32_activations(rows, k, n):
+    """fp32 x (an fp32 model quantized at load): quantized in registers like bf16 x, fp32 out, the table's tile."""
+    x, w = _inputs(rows, k, n, torch.float32)
+    wq, ws = quantize_fp8_block_ref(w)
+    y = gemv_w8a8(x, wq, ws)
+    assert y.dtype == torch.float32 and _nmse(y, fp8_gemm_ref(x, wq, ws)) <= 5e-5
+
+
 _SIDE = []
 
 

@@ -357,6 +357,21 @@ def test_gpu_gemma4_shape(rows, fp8, activation):
         _check_against_fp32_ref(out, x, w13, w2, tw, ti, activation)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 64, 1024])
+def test_gpu_fp8_experts_fp32_activations(rows):
+    """FP8 experts with fp32 activations (an fp32 model quantized at load) at Gemma 4's shape, the table's
+    tiles through ``_fp32_config``: against the twin, which quantizes the same fp32 x."""
+    x, w13, w2, tw, ti = _case(128, 8, rows, torch.float32, hidden=2816, width=704, seed=rows)
+    q13, s13 = _quantize_experts(w13)
+    q2, s2 = _quantize_experts(w2)
+    out = fused_moe_triton(x, q13, q2, tw, ti, "gelu_pytorch_tanh", w13_scale=s13, w2_scale=s2)
+    twin = fused_moe_ref(x, q13, q2, tw, ti, "gelu_pytorch_tanh", w13_scale=s13, w2_scale=s2)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, twin, **FP8_TOL)
+    assert _nmse(out, twin) < 1e-5
+
+
 def test_fp32_config_keeps_fp8_scale_groups():
     """fp32 activations on the GPU halve K steps and stages; FP8 weights keep whole 128-column scale groups
     (the H200 failure: a 64-wide K step refused by the FP8 check)."""

@@ -119,9 +119,12 @@ def test_fp8_triton_path_follows_torch_path(tmp_path, family, capsys):
     tiny change anywhere moves some element across a rounding boundary, and these random models amplify it.
     Measured on CPU, the torch path against itself after a 1e-6 relative perturbation of every fp32 parameter
     (these 6 prompts x 16 steps, ``fp8_divergence``): 68-100 % of the steps before the first mismatch, median
-    logprob move 1e-6 to 1.1e-2 (Gemma 4); after a further 1e-5, 29-100 % and up to 3.9e-2. A wrong decode
-    kernel diverges at step 1 (step 0 comes from the prefill): at most 1/16 of the steps, a large median.
-    Bounds: >= 25 % of the steps, median <= 0.05."""
+    logprob move 1e-6 to 1.1e-2 (Gemma 4); after a further 1e-5, 29-100 % and up to 3.9e-2. The H200 against
+    its twins looked like the larger perturbation: 33-100 %, medians 1.2e-2 to 5.0e-2 (Gemma 4). A wrong decode
+    kernel that changes the argmax diverges at step 1 (step 0 comes from the prefill): at most 1/16 of the
+    steps. Bounds: >= 25 % of the steps, median <= 0.1; the kernels' exact agreement with their twins is
+    tested per kernel (tests/kernels, fp32 activations included).
+    """
     path = tmp_path / family
     build(ALL, family, path, **_overrides(family))
     ps = random_prompts((3, 5, 9, 17, 30, 12), vocab=VOCAB)
@@ -139,4 +142,4 @@ def test_fp8_triton_path_follows_torch_path(tmp_path, family, capsys):
     with capsys.disabled():
         print(f"\n{family} FP8 GPU kernels vs torch twins: {prefix:.1%} of steps before the first mismatch, "
               f"median |d logprob| {median:.2e} over {steps} steps")
-    assert prefix >= 0.25 and median <= 0.05, (family, prefix, median)
+    assert prefix >= 0.25 and median <= 0.1, (family, prefix, median)
