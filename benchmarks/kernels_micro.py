@@ -7,6 +7,7 @@
     python benchmarks/kernels_micro.py tune_w8a8                 (W8A8 GEMV tiles vs W8A16, fp8_gemm, cuBLAS)
     python benchmarks/kernels_micro.py fp8_linears               (every FP8 linear kernel by row count, with
                                                                   cuBLAS's block-scaled FP8 GEMM)
+    python benchmarks/kernels_micro.py router_logits             (Gemma 4's router logits: kernel vs torch)
 
 Each line: kernel, shape, time per call (CUDA-graph replay, so launch overhead is excluded), bytes moved
 (each input read once + each output written once), GB/s and % of the device-to-device copy bandwidth
@@ -297,6 +298,24 @@ def fp8_linears(peak: float) -> None:
         print(f"scaled_mm K={k}: refused: {type(e).__name__}: {str(e)[:300]}")
 
 
+def bench_router_logits(peak: float) -> None:
+    """Gemma 4's router logits (bf16 x [R, 2816], fp32 folded weight [128, 2816], the scale-free RMSNorm
+    folded in) by row count: the Triton kernel (the layers use it up to MAX_LOGIT_ROWS) against the twin
+    (torch: cast, norm, cuBLAS fp32 matmul), us a call."""
+    from sparrow.kernels.router import MAX_LOGIT_ROWS, router_logits_ref, router_logits_triton
+
+    w = torch.randn(128, 2816, device="cuda") / 2816**0.5
+    for rows in (1, 8, 16, 17, 32, 64, 128, 256, 1024):
+        x = torch.randn(rows, 2816, device="cuda", dtype=torch.bfloat16)
+        t = time_s(lambda: router_logits_triton(x, w, 1e-6), rep=20)
+        t_ref = time_s(lambda: router_logits_ref(x, w, 1e-6), rep=20)
+        err = float((router_logits_triton(x, w, 1e-6) - router_logits_ref(x, w, 1e-6)).abs().max())
+        used = "used" if rows <= MAX_LOGIT_ROWS else "not used"
+        print(f"router_logits R={rows:<5} kernel ({used}) {t * 1e6:7.1f} us  torch {t_ref * 1e6:7.1f} us  "
+              f"max |diff| {err:.1e}  ({100 * w.numel() * 4 / t / peak:4.1f} % of copy bandwidth on the weight)",
+              flush=True)
+
+
 def main(which: list[str]) -> None:
     if not torch.cuda.is_available():
         print("kernels_micro: needs a CUDA GPU")
@@ -308,7 +327,8 @@ def main(which: list[str]) -> None:
         {"norm": bench_norm, "act": bench_act, "gemv": bench_gemv, "tune_gemv": tune_gemv,
          "tune_gemv_fp8": lambda p: tune_gemv(p, (True,)),
          "tune_gemv_bf16": lambda p: tune_gemv(p, (False,)), "tune_fp8_gemm": tune_fp8_gemm,
-         "tune_fp8_rows": tune_fp8_rows, "tune_w8a8": tune_w8a8, "fp8_linears": fp8_linears}[name](peak)
+         "tune_fp8_rows": tune_fp8_rows, "tune_w8a8": tune_w8a8, "fp8_linears": fp8_linears,
+         "router_logits": bench_router_logits}[name](peak)
 
 
 if __name__ == "__main__":

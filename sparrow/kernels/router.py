@@ -103,8 +103,10 @@ def fused_router(
 
 
 MAX_LOGIT_ROWS = 16  # above this, router_logits goes to torch's (cuBLAS) fp32 matmul
-# (H200, gemma4-26b-a4b at 64 rows: this kernel took 51 us a layer, torch's cast + norm + SIMT sgemm + split-K
-# reduce about 25-38 us; both are far from the 1.4 MB weight's bound: a tiled router GEMM is left to do)
+# (H200, Gemma 4's router, us a call in graph replay, kernels_micro.py router_logits: this kernel 1.9 / 6.3 / 11.5
+# at 1 / 8 / 16 rows against torch's 9.8 / 15.7 / 16.1; torch 14.8-16.0 from 17 to 64 rows. A tl.dot row-tile
+# variant in exact fp32 (FMA, [16 x 16] tiles) took 70.8 us from 17 to 256 rows and was dropped; both stay far
+# from the 1.4 MB weight's bound)
 
 
 def router_logits_ref(x: torch.Tensor, weight: torch.Tensor, rms_eps: float | None = None) -> torch.Tensor:

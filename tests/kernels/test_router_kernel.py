@@ -118,7 +118,8 @@ def _logit_args(rows, num_experts, hidden, x_dtype, seed=0):
 
 @pytest.mark.parametrize("rms_eps", [None, 1e-6])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,num_experts,hidden", [(1, 8, 64), (2, 128, 200), (3, 6, 96), (16, 128, 64), (64, 16, 64)])
+@pytest.mark.parametrize("rows,num_experts,hidden", [(1, 8, 64), (2, 128, 200), (3, 6, 96), (16, 128, 64), (64, 16, 64),
+                                                     (17, 6, 200), (33, 40, 96)])
 def test_router_logits_kernel_matches_twin(rows, num_experts, hidden, x_dtype, rms_eps):
     """fp32 logits (with Gemma 4's scale-free norm folded in) within fp32 rounding-order error of the twin."""
     x, w = _logit_args(rows, num_experts, hidden, x_dtype)
@@ -144,7 +145,7 @@ def test_router_logits_bf16_weight_and_dispatch():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 2, 16, 64])
+@pytest.mark.parametrize("rows", [1, 2, 16, 17, 64, 100, 256])
 @pytest.mark.parametrize("rms_eps", [None, 1e-6])
 def test_gpu_router_logits_real_shape(rows, rms_eps):
     x, w = _logit_args(rows, 128, 2816, torch.bfloat16)
