@@ -130,3 +130,26 @@ def test_gpu_fp8_linear_formula_by_rows(rows, k, n):
     assert w8a8 == (rows <= W8A8_MAX_ROWS or rows >= (17 if n == 8192 else 65))
     if w8a8:
         assert _nmse(y, fp8_gemm_ref(x, layer.weight, layer.weight_scale_inv)) <= 5e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [17, 64])
+def test_gpu_scaled_mm_in_cuda_graph(rows):
+    """Decode batches past 16 rows run the quantizer + cuBLAS GEMM inside captured decode graphs: a replay on new
+    inputs gives the twin's numbers for those inputs."""
+    if not scaled_mm_supported(torch.device("cuda")):
+        pytest.skip(f"cuBLAS block-scaled FP8 needs compute capability 9.x and CUDA >= 12.9 (torch {torch.__version__})")
+    torch.manual_seed(rows)
+    k, n = 2816, 8192
+    wq, ws = quantize_fp8_block_ref(torch.randn(n, k, device="cuda") / k**0.5)
+    ws_mm = scaled_mm_weight_scale(ws)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    fp8_scaled_mm(x, wq, ws_mm)  # warm up outside the capture (cuBLAS picks its algorithm, workspaces)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fp8_scaled_mm(x, wq, ws_mm)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _nmse(y, fp8_gemm_ref(x, wq, ws)) <= GPU_NMSE
