@@ -25,6 +25,9 @@ from sparrow.kernels import interpreting, pdl_kwargs, use_triton
 from sparrow.kernels.fp8 import AMAX_EPS, FP8_DTYPE, FP8_MAX, GROUP, quantize_fp8_per_group_ref
 
 _QUANT_BLOCK_M = 16
+SCALED_MM_OUT_DTYPES = (torch.bfloat16, torch.float32)
+"""Output dtypes of ``fp8_scaled_mm`` (those PyTorch tests cuBLAS's block-scaled GEMM with); fp16 models keep
+the Triton kernels."""
 _SUPPORTED: dict[int, bool] = {}
 
 
@@ -116,17 +119,20 @@ def scaled_mm_weight_scale(w_scale: torch.Tensor) -> torch.Tensor:
 def fp8_scaled_mm(x: torch.Tensor, w: torch.Tensor, w_scale_mm: torch.Tensor,
                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = quant(x) @ dequant(w).T on cuBLAS (see the module doc): x [M, K] float, w [N, K] e4m3, w_scale_mm
-    from ``scaled_mm_weight_scale`` -> [M, N] ``out_dtype`` (default x's dtype). Raises ValueError on
-    shapes cuBLAS does not take (``scaled_mm_fits``) and RuntimeError where ``scaled_mm_supported`` is False."""
-    m, k = x.shape
-    n = w.shape[0]
-    if w.dim() != 2 or w.shape[1] != k or w.dtype != FP8_DTYPE or not scaled_mm_fits(k, n):
+    from ``scaled_mm_weight_scale`` -> [M, N] ``out_dtype`` (default x's dtype; bf16 or fp32). Raises ValueError
+    on shapes cuBLAS does not take (``scaled_mm_fits``) or another out_dtype, and RuntimeError where
+    ``scaled_mm_supported`` is False."""
+    if x.dim() != 2 or w.dim() != 2 or w.shape[1] != x.shape[1] or w.dtype != FP8_DTYPE \
+            or not scaled_mm_fits(x.shape[1], w.shape[0]):
         raise ValueError(f"fp8_scaled_mm: need x [M, K], w [N, K] e4m3 with K and N multiples of 16, got "
                          f"x {tuple(x.shape)}, w {tuple(w.shape)} {w.dtype}")
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in SCALED_MM_OUT_DTYPES:
+        raise ValueError(f"fp8_scaled_mm: out_dtype {out_dtype} not supported (bf16, fp32)")
     if not scaled_mm_supported(x.device):
         raise RuntimeError(f"fp8_scaled_mm: cuBLAS block-scaled FP8 GEMM is not available on {x.device} "
                            f"(needs compute capability 9.x and CUDA >= 12.9, torch {torch.__version__})")
-    out_dtype = out_dtype or x.dtype
+    m = x.shape[0]
     m4 = max(4, -(-m // 4) * 4)
     q, xs = quantize_fp8_per_group(x, m4, scales_m_major=True)
     y = F.scaled_mm(q, w.t(), xs, F.ScalingType.BlockWise1x128, w_scale_mm, F.ScalingType.BlockWise128x128,

@@ -24,12 +24,13 @@ of a layer (None = stay unquantized). ``Fp8LinearMethod`` is the method object o
 apply(x [R, K]) -> [R, N] in x's dtype: R <= ``gemv.W8A8_MAX_ROWS`` (16) -> ``gemv_w8a8`` (W8A8: activations
 quantized per 128-group in registers, e4m3 tensor cores, each weight byte read once); R <= ``gemv.FP8_MAX_ROWS``
 (64) -> ``gemv_fp8`` (W8A16: weights widened in registers, activations unquantized), except from
-``scaled_mm_min_rows(layer)`` rows on a device where cuBLAS has block-scaled FP8 (Hopper, CUDA >= 12.9); there
-and above 64 rows W8A8: ``scaled_mm.fp8_scaled_mm`` (cuBLAS, activations quantized by a Triton kernel) where it
-is available, else ``fp8_gemm`` (Triton). So a row's numbers depend on the batch size (as in vLLM). The formula
-depends on the rows, the shape and the device, not on the backend: under ``backend("torch")`` the twins compute
-what the kernels of the same device would (``sparrow.kernels.use_triton``). ``process_weights_after_loading`` adds the buffer ``scaled_mm_scale`` (the
-scales in cuBLAS's layout, ``scaled_mm.scaled_mm_weight_scale``) to layers whose shape cuBLAS takes.
+``scaled_mm_min_rows(layer)`` rows on a device where cuBLAS has block-scaled FP8 (Hopper, CUDA >= 12.9; bf16 /
+fp32 activations); there and above 64 rows W8A8: ``scaled_mm.fp8_scaled_mm`` (cuBLAS, activations quantized
+by a Triton kernel) where it is available, else ``fp8_gemm`` (Triton). So a row's numbers depend on the batch
+size (as in vLLM). The formula depends on the rows, the shape and the device, not on the backend: under
+``backend("torch")`` the twins compute what the kernels of the same device would (``sparrow.kernels.use_triton``).
+``process_weights_after_loading`` adds the buffer ``scaled_mm_scale`` (the scales in cuBLAS's layout,
+``scaled_mm.scaled_mm_weight_scale``) to layers whose shape cuBLAS takes.
 """
 from __future__ import annotations
 
@@ -254,7 +255,7 @@ class Fp8LinearMethod:
         """x [..., K] -> [..., N] in x's dtype (+ bias); see the module doc for the kernel choice."""
         from sparrow.kernels import gemv, use_triton
         from sparrow.kernels.fp8_gemm import fp8_gemm
-        from sparrow.kernels.scaled_mm import fp8_scaled_mm, scaled_mm_supported
+        from sparrow.kernels.scaled_mm import SCALED_MM_OUT_DTYPES, fp8_scaled_mm, scaled_mm_supported
 
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
@@ -262,7 +263,7 @@ class Fp8LinearMethod:
             x2 = x2.contiguous()
         rows = x2.shape[0]
         scale_mm = getattr(layer, "scaled_mm_scale", None)
-        cublas = scale_mm is not None and scaled_mm_supported(x2.device)
+        cublas = scale_mm is not None and x2.dtype in SCALED_MM_OUT_DTYPES and scaled_mm_supported(x2.device)
         if rows <= gemv.W8A8_MAX_ROWS:
             y = gemv.gemv_w8a8(x2, layer.weight, layer.weight_scale_inv)  # Triton or its twin
         elif rows <= gemv.FP8_MAX_ROWS and not (cublas and rows >= scaled_mm_min_rows(layer)):

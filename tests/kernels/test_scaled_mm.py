@@ -78,6 +78,8 @@ def test_fits_and_cpu_refusal():
     wq, ws = quantize_fp8_block_ref(torch.randn(32, 128))
     with pytest.raises(ValueError, match="multiples of 16"):
         fp8_scaled_mm(torch.randn(4, 300), *quantize_fp8_block_ref(torch.randn(32, 300)))
+    with pytest.raises(ValueError, match="out_dtype"):
+        fp8_scaled_mm(x, wq, scaled_mm_weight_scale(ws), out_dtype=torch.float16)
     if not scaled_mm_supported(x.device):
         with pytest.raises(RuntimeError, match="not available"):
             fp8_scaled_mm(x, wq, scaled_mm_weight_scale(ws))
