@@ -120,12 +120,20 @@ def fp8_scaled_mm(x: torch.Tensor, w: torch.Tensor, w_scale_mm: torch.Tensor,
                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = quant(x) @ dequant(w).T on cuBLAS (see the module doc): x [M, K] float, w [N, K] e4m3, w_scale_mm
     from ``scaled_mm_weight_scale`` -> [M, N] ``out_dtype`` (default x's dtype; bf16 or fp32). Raises ValueError
-    on shapes cuBLAS does not take (``scaled_mm_fits``) or another out_dtype, and RuntimeError where
-    ``scaled_mm_supported`` is False."""
+    on shapes cuBLAS does not take (``scaled_mm_fits``), a non-float x, a w_scale_mm not in that layout or
+    another out_dtype, and RuntimeError where ``scaled_mm_supported`` is False."""
     if x.dim() != 2 or w.dim() != 2 or w.shape[1] != x.shape[1] or w.dtype != FP8_DTYPE \
             or not scaled_mm_fits(x.shape[1], w.shape[0]):
         raise ValueError(f"fp8_scaled_mm: need x [M, K], w [N, K] e4m3 with K and N multiples of 16, got "
                          f"x {tuple(x.shape)}, w {tuple(w.shape)} {w.dtype}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"fp8_scaled_mm: x must be fp32 / bf16 / fp16 (it is quantized here), got {x.dtype}")
+    groups = -(-x.shape[1] // GROUP)
+    want = (-(-groups // 4) * 4, -(-w.shape[0] // GROUP))  # [L4, NB]
+    if tuple(w_scale_mm.shape) != want or w_scale_mm.dtype != torch.float32 or w_scale_mm.stride(0) != 1:
+        raise ValueError(f"fp8_scaled_mm: w_scale_mm must be fp32 {want} with stride (1, {want[0]}) (make it with "
+                         f"scaled_mm_weight_scale(weight_scale_inv)), got {tuple(w_scale_mm.shape)} "
+                         f"{w_scale_mm.dtype} strides {w_scale_mm.stride()}")
     out_dtype = out_dtype or x.dtype
     if out_dtype not in SCALED_MM_OUT_DTYPES:
         raise ValueError(f"fp8_scaled_mm: out_dtype {out_dtype} not supported (bf16, fp32)")

@@ -30,7 +30,8 @@ by a Triton kernel) where it is available, else ``fp8_gemm`` (Triton). So a row'
 size (as in vLLM). The formula depends on the rows, the shape and the device, not on the backend: under
 ``backend("torch")`` the twins compute what the kernels of the same device would (``sparrow.kernels.use_triton``).
 ``process_weights_after_loading`` adds the buffer ``scaled_mm_scale`` (the scales in cuBLAS's layout,
-``scaled_mm.scaled_mm_weight_scale``) to layers whose shape cuBLAS takes.
+``scaled_mm.scaled_mm_weight_scale``) to layers whose shape cuBLAS takes: a copy, so whatever rewrites
+``weight_scale_inv`` afterwards must call it again.
 """
 from __future__ import annotations
 

@@ -80,6 +80,10 @@ def test_fits_and_cpu_refusal():
         fp8_scaled_mm(torch.randn(4, 300), *quantize_fp8_block_ref(torch.randn(32, 300)))
     with pytest.raises(ValueError, match="out_dtype"):
         fp8_scaled_mm(x, wq, scaled_mm_weight_scale(ws), out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="x must be"):
+        fp8_scaled_mm(x.to(torch.int64), wq, scaled_mm_weight_scale(ws))
+    with pytest.raises(ValueError, match="scaled_mm_weight_scale"):
+        fp8_scaled_mm(x, wq, ws)  # the checkpoint layout, not cuBLAS's
     if not scaled_mm_supported(x.device):
         with pytest.raises(RuntimeError, match="not available"):
             fp8_scaled_mm(x, wq, scaled_mm_weight_scale(ws))
@@ -109,8 +113,9 @@ def test_gpu_scaled_mm_real_shapes(rows, k, n):
 @pytest.mark.parametrize("k,n", [(2816, 4224), (2816, 8192)])
 def test_gpu_fp8_linear_formula_by_rows(rows, k, n):
     """An on-load FP8 Linear on the GPU, Triton / cuBLAS path against ``backend("torch")`` on the same device
-    (which must pick the same formula), and against the W8A8 twin where the formula is W8A8: up to 16 rows and
-    from ``scaled_mm_min_rows`` (17 for the 23 M-element weight, 65 for the 12 M one)."""
+    (which must pick the same formula), and against the W8A8 twin where the formula is W8A8: up to 16 rows,
+    above 64, and where cuBLAS's block-scaled GEMM runs from ``scaled_mm_min_rows`` (17 for the 23 M-element
+    weight, 65 for the 12 M one)."""
     from sparrow.kernels.gemv import FP8_MAX_ROWS, W8A8_MAX_ROWS
     from sparrow.layers.linear import Linear
     from sparrow.quant.fp8 import Fp8LinearMethod, scaled_mm_min_rows
@@ -128,8 +133,9 @@ def test_gpu_fp8_linear_formula_by_rows(rows, k, n):
     with backend("torch"):
         twin = layer(x)
     assert _nmse(y, twin) <= 5e-5
-    w8a8 = rows <= W8A8_MAX_ROWS or rows > FP8_MAX_ROWS or rows >= scaled_mm_min_rows(layer)
-    assert w8a8 == (rows <= W8A8_MAX_ROWS or rows >= (17 if n == 8192 else 65))
+    cublas = scaled_mm_supported(torch.device("cuda"))  # else 17-64 rows stay W8A16 at every shape
+    w8a8 = rows <= W8A8_MAX_ROWS or rows > FP8_MAX_ROWS or (cublas and rows >= scaled_mm_min_rows(layer))
+    assert scaled_mm_min_rows(layer) == (17 if n == 8192 else 65)
     if w8a8:
         assert _nmse(y, fp8_gemm_ref(x, layer.weight, layer.weight_scale_inv)) <= 5e-5
 
