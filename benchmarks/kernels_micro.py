@@ -176,7 +176,8 @@ def tune_fp8_gemm(peak: float) -> None:
 
 def tune_fp8_rows(peak: float) -> None:
     """FP8 linears at 32 and 64 rows (decode batches past the GEMV's 16): the W8A8 ``fp8_gemm`` (its table
-    config) against the W8A16 GEMV with rows padded to 32 / 64 (swept) and cuBLAS on the bf16 weight."""
+    config) against the W8A16 GEMV with rows padded to 32 / 64 (swept, swapped dots included) and cuBLAS on
+    the bf16 weight."""
     import itertools
 
     import torch.nn.functional as F
@@ -187,6 +188,9 @@ def tune_fp8_rows(peak: float) -> None:
 
     configs = [gemv.GemvConfig(bn, bk, True, num_warps=warps, split_k=sk) for bn, bk, sk, warps
                in itertools.product((32, 64), (128, 256), (0, 1), (4,))]
+    # swapped dots: the widened weight tile as the wgmma's M side (64 / 128 rows), the rows as its N side
+    configs += [gemv.GemvConfig(bn, bk, True, num_warps=4, split_k=sk, swap_ab=True) for bn, bk, sk
+                in itertools.product((64, 128), (128, 256), (0, 1))]
     table = gemv.FP8_GEMV_CONFIGS
     gemv.FP8_GEMV_CONFIGS = ((64, table[-1][1]),)  # let the launcher take 64 rows
     try:
