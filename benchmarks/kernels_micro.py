@@ -244,6 +244,21 @@ def tune_w8a8(peak: float) -> None:
         del w, nxt, nxt16
 
 
+def _for_cublas(wq: torch.Tensor, ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, its scales in cuBLAS's layout) from a block-quantized weight."""
+    from sparrow.kernels.scaled_mm import scaled_mm_weight_scale
+
+    return wq, scaled_mm_weight_scale(ws)
+
+
+def _cublas_gemm(q: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws_mm: torch.Tensor) -> torch.Tensor:
+    """cuBLAS's block-scaled GEMM alone, on activations already quantized (M-major scales)."""
+    import torch.nn.functional as F
+
+    return F.scaled_mm(q, wq.t(), xs, F.ScalingType.BlockWise1x128, ws_mm, F.ScalingType.BlockWise128x128,
+                       output_dtype=torch.bfloat16)
+
+
 def fp8_linears(peak: float) -> None:
     """FP8 linears at Gemma 4's dense shapes from 1 to 16,384 rows, us a call: the W8A8 GEMV (<= 16 rows), the
     W8A16 GEMV (<= 64), the Triton ``fp8_gemm``, cuBLAS's block-scaled FP8 GEMM with its activation quantizer
@@ -254,8 +269,7 @@ def fp8_linears(peak: float) -> None:
     from sparrow.kernels import gemv
     from sparrow.kernels.fp8 import quantize_fp8_block_ref
     from sparrow.kernels.fp8_gemm import fp8_gemm_ref, fp8_gemm_triton
-    from sparrow.kernels.scaled_mm import (fp8_scaled_mm, quantize_fp8_per_group, scaled_mm_supported,
-                                           scaled_mm_weight_scale)
+    from sparrow.kernels.scaled_mm import fp8_scaled_mm, quantize_fp8_per_group, scaled_mm_supported
 
     if not scaled_mm_supported(torch.device("cuda")):
         print(f"fp8_linears: cuBLAS block-scaled FP8 GEMM not available (torch {torch.__version__}, CUDA "
@@ -266,7 +280,7 @@ def fp8_linears(peak: float) -> None:
     for k, n in ((2816, 8192), (4096, 2816), (2816, 4224), (2816, 2816)):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         nxt = _rotating(lambda: quantize_fp8_block_ref(w), n * k)
-        nxt_mm = _rotating(lambda: (lambda q, s: (q, scaled_mm_weight_scale(s)))(*quantize_fp8_block_ref(w)), n * k)
+        nxt_mm = _rotating(lambda: _for_cublas(*quantize_fp8_block_ref(w)), n * k)
         nxt16 = _rotating(lambda: (w.clone(),), 2 * n * k)
         for rows in (1, 8, 16, 17, 32, 64, 128, 512, 2048, 16384):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -279,9 +293,7 @@ def fp8_linears(peak: float) -> None:
             t["scaled_mm"] = time_s(lambda: fp8_scaled_mm(x, *nxt_mm()), rep=20)
             m4 = -(-rows // 4) * 4
             q, xs = quantize_fp8_per_group(x, m4, scales_m_major=True)
-            t["gemm_only"] = time_s(lambda: (lambda wq, wsm: F.scaled_mm(
-                q, wq.t(), xs, F.ScalingType.BlockWise1x128, wsm, F.ScalingType.BlockWise128x128,
-                output_dtype=torch.bfloat16))(*nxt_mm()), rep=20)
+            t["gemm_only"] = time_s(lambda: _cublas_gemm(q, xs, *nxt_mm()), rep=20)
             t["cublas"] = time_s(lambda: F.linear(x, *nxt16()), rep=20)
             fp8_best = min(v for key, v in t.items() if key not in ("gemm_only", "cublas"))
             cells = "  ".join(f"{t[key] * 1e6:8.1f}" if key in t else f"{'-':>8}"
@@ -294,8 +306,7 @@ def fp8_linears(peak: float) -> None:
     wq, ws = quantize_fp8_block_ref(torch.randn(n, k, device="cuda") / k**0.5)
     q, xs = quantize_fp8_per_group(x, rows, scales_m_major=True)
     try:
-        y = F.scaled_mm(q, wq.t(), xs, F.ScalingType.BlockWise1x128, scaled_mm_weight_scale(ws),
-                        F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+        y = _cublas_gemm(q, xs, *_for_cublas(wq, ws))
         ref = fp8_gemm_ref(x, wq, ws).float()
         print(f"scaled_mm K={k}: runs, NMSE against fp8_gemm_ref {float(((y.float() - ref) ** 2).mean() / (ref ** 2).mean()):.2e}")
     except Exception as e:  # noqa: BLE001  (a probe: report what cuBLAS / torch says)

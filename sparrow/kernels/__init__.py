@@ -21,7 +21,7 @@ PDL = os.environ.get("SPARROW_PDL", "1") != "0"
 ``SPARROW_PDL=0`` in the environment (or ``PDL = False`` before the kernels first run) turns it off. H200,
 gemma4-26b-a4b bf16 decode with CUDA graphs: 309.4 / 1,032.8 tok/s at batch 1 / 8, against 294.7 / 961.4
 without (benchmarks/README.md)."""
-_PDL_DEVICES: dict[int, bool] = {}
+_CAPABILITIES: dict[int, tuple[int, int]] = {}
 
 PREFETCH_BYTES = int(os.environ.get("SPARROW_PREFETCH", "0"))
 """When > 0, weight kernels launched with PDL (the GEMV, the MoE down GEMV) first hint up to this many bytes of
@@ -73,11 +73,17 @@ def use_pdl(x: torch.Tensor) -> bool:
     compute capability >= 9.0 (Hopper), and Triton is not the interpreter."""
     if not (PDL and x.is_cuda) or interpreting():
         return False
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    able = _PDL_DEVICES.get(index)
-    if able is None:
-        able = _PDL_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return able
+    return device_capability(x.device)[0] >= 9
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA compute capability (major, minor) of ``device`` (a CUDA device), asked once per device: the
+    launchers consult it on every call."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = _CAPABILITIES.get(index)
+    if cap is None:
+        cap = _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
+    return cap
 
 
 def pdl_kwargs(x: torch.Tensor) -> dict:

@@ -46,8 +46,8 @@ def _fp32_config(cfg: MoeConfig, fp8: bool) -> MoeConfig:
     """The config scaled down for fp32 operands (twice the bytes of bf16 per tile); FP8 weights keep K steps
     of whole 128-column scale groups (their weight tile is a quarter of the fp32 one), only fewer stages."""
     def shrink(t: Tile) -> Tile:
-        block_k = max(GROUP, t.block_k // 2) if fp8 else max(16, t.block_k // 2)
-        return dataclasses.replace(t, block_k=min(t.block_k, block_k), num_stages=min(t.num_stages, 2))
+        block_k = max(GROUP if fp8 else 16, t.block_k // 2)
+        return dataclasses.replace(t, block_k=block_k, num_stages=min(t.num_stages, 2))
 
     return MoeConfig(cfg.block_m, shrink(cfg.gate_up), shrink(cfg.down))
 from sparrow.layers.moe import _gate_up_act, fused_moe_grouped_ref, fused_moe_per_pair_ref

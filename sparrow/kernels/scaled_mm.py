@@ -21,14 +21,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sparrow.kernels import interpreting, pdl_kwargs, use_triton
+from sparrow.kernels import device_capability, interpreting, pdl_kwargs, use_triton
 from sparrow.kernels.fp8 import AMAX_EPS, FP8_DTYPE, FP8_MAX, GROUP, quantize_fp8_per_group_ref
 
 _QUANT_BLOCK_M = 16
 SCALED_MM_OUT_DTYPES = (torch.bfloat16, torch.float32)
 """Output dtypes of ``fp8_scaled_mm`` (those PyTorch tests cuBLAS's block-scaled GEMM with); fp16 models keep
 the Triton kernels."""
-_SUPPORTED: dict[int, bool] = {}
+_CUDA_VERSION = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
 
 
 def quantize_fp8_per_group_triton(x: torch.Tensor, m_pad: int | None = None,
@@ -88,14 +88,9 @@ def _check_quant(x: torch.Tensor, m_pad: int | None) -> tuple[int, int, int]:
 def scaled_mm_supported(device: torch.device) -> bool:
     """Whether cuBLAS's block-scaled FP8 GEMM runs on ``device``: CUDA >= 12.9, compute capability 9.x,
     ``torch.nn.functional.scaled_mm`` present, Triton not the interpreter."""
-    if device.type != "cuda" or interpreting() or not hasattr(F, "scaled_mm"):
+    if device.type != "cuda" or interpreting() or not hasattr(F, "scaled_mm") or _CUDA_VERSION < (12, 9):
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    able = _SUPPORTED.get(index)
-    if able is None:
-        version = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
-        able = _SUPPORTED[index] = torch.cuda.get_device_capability(index)[0] == 9 and version >= (12, 9)
-    return able
+    return device_capability(device)[0] == 9
 
 
 def scaled_mm_fits(k: int, n: int) -> bool:

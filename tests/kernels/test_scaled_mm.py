@@ -89,6 +89,11 @@ def test_fits_and_cpu_refusal():
             fp8_scaled_mm(x, wq, scaled_mm_weight_scale(ws))
 
 
+def _require_cublas_fp8() -> None:
+    if not scaled_mm_supported(torch.device("cuda")):
+        pytest.skip(f"cuBLAS block-scaled FP8 needs compute capability 9.x and CUDA >= 12.9 (torch {torch.__version__})")
+
+
 # Both sides quantize x identically (per 128-group, the same formula), so only the fp32 summation order and
 # the bf16 output rounding (<= 2^-8 relative, NMSE ~ 1e-6) differ.
 GPU_NMSE = 1e-5
@@ -98,8 +103,7 @@ GPU_NMSE = 1e-5
 @pytest.mark.parametrize("rows", [17, 33, 64, 65, 257, 2048])
 @pytest.mark.parametrize("k,n", [(2816, 8192), (4096, 2816), (2816, 4224), (2112, 2816), (256, 48), (144, 32)])
 def test_gpu_scaled_mm_real_shapes(rows, k, n):
-    if not scaled_mm_supported(torch.device("cuda")):
-        pytest.skip(f"cuBLAS block-scaled FP8 needs compute capability 9.x and CUDA >= 12.9 (torch {torch.__version__})")
+    _require_cublas_fp8()
     torch.manual_seed(rows + k + n)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     wq, ws = quantize_fp8_block_ref(torch.randn(n, k, device="cuda") / k**0.5)
@@ -145,8 +149,7 @@ def test_gpu_fp8_linear_formula_by_rows(rows, k, n):
 def test_gpu_scaled_mm_in_cuda_graph(rows):
     """Decode batches past 16 rows run the quantizer + cuBLAS GEMM inside captured decode graphs: a replay on new
     inputs gives the twin's numbers for those inputs."""
-    if not scaled_mm_supported(torch.device("cuda")):
-        pytest.skip(f"cuBLAS block-scaled FP8 needs compute capability 9.x and CUDA >= 12.9 (torch {torch.__version__})")
+    _require_cublas_fp8()
     torch.manual_seed(rows)
     k, n = 2816, 8192
     wq, ws = quantize_fp8_block_ref(torch.randn(n, k, device="cuda") / k**0.5)
