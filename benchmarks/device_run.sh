@@ -7,7 +7,7 @@
 # PACKAGED_ARGS likewise for the packaged-model stage. Stage options: PREFILL_ARGS (extra `sparrow bench` flags of
 # the 8 x 2048 prefill profile), ATTN_ARGS (attention_prefill.py, default --tune), GEMV_ARGS (kernels_micro.py,
 # default tune_gemv_fp8), TUNE_ROWS / TUNE_DTYPES (moe_layer.py --tune), G4_BATCHES / G4_PROMPTS,
-# FP8_BATCHES / FP8_PROMPTS / FP8_ARGS, LL_BATCHES / LL_PROMPTS. The device image lacks `gguf`: its wheel travels
+# FP8_BATCHES / FP8_PROMPTS / FP8_ARGS, LL_BATCHES / LL_PROMPTS, PROFILE_SHAPES / PROFILE_ARGS / PROFILE_TAG. The device image lacks `gguf`: its wheel travels
 # in .whl (see ../.library/device/README.md).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -41,10 +41,10 @@ for stage in ${@:-tests gemma4 llama eager}; do
              "${TEST_ARGS:-}" ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -60 ;;
     packaged) eval timeout "${T_PACKAGED:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short -rf \
              "${PACKAGED_ARGS:-}" tests/models/test_packaged_models_gpu.py 2>&1 | tee "$OUT/packaged_tests.log" | tail -30 ;;
-    profile) bench profile_gemma4 "${T_PROFILE:-120}" --model-shape gemma4-26b-a4b --batch-sizes 1 --prompt-len 128 \
-               --decode-tokens 16 --no-hf --profile
-             bench profile_llama "${T_PROFILE:-120}" --model-shape llama3-8b --batch-sizes 1 --prompt-len 128 \
-               --decode-tokens 32 --no-hf --profile ;;
+    profile) for shape in ${PROFILE_SHAPES:-gemma4-26b-a4b llama3-8b}; do
+               bench "profile_${shape%%-*}${PROFILE_TAG:-}" "${T_PROFILE:-120}" --model-shape "$shape" --batch-sizes 1 \
+                 --prompt-len 128 --decode-tokens 16 --no-hf --profile ${PROFILE_ARGS:-}
+             done ;;
     prefill) bench prefill_gemma4 "${T_PREFILL:-200}" --model-shape gemma4-26b-a4b --batch-sizes 8 --prompt-len 2048 \
                --decode-tokens 4 --no-hf --profile-prefill ${PREFILL_ARGS:-} ;;
     attn) timeout "${T_ATTN:-200}" python3 benchmarks/attention_prefill.py ${ATTN_ARGS:---tune} 2>&1 \

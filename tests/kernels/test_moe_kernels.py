@@ -455,6 +455,21 @@ def test_gpu_small_path_split_k(rows, fp8, split, swap):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_gpu_fp8_small_path_wide_k(rows):
+    """The swapped FP8 small-path tiles with 1024-wide K steps (``moe_layer.py --tune``'s rows-1 pick, sixth
+    session: gate|up 64 x 1024, down 128 x 1024, 4 K splits each) against the twin at Gemma 4's shape."""
+    x, w13, w2, tw, ti = _case(128, 8, rows, torch.bfloat16, hidden=2816, width=704, seed=rows)
+    q13, s13 = _quantize_experts(w13)
+    q2, s2 = _quantize_experts(w2)
+    cfg = MoeConfig(16, Tile(64, 1024, split_k=4, swap_ab=True), Tile(128, 1024, split_k=4, swap_ab=True))
+    with forced_config(cfg):
+        out = fused_moe_triton(x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2)
+    twin = fused_moe_ref(x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2)
+    torch.testing.assert_close(out.float(), twin.float(), **FP8_TOL)
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_graph_capture():
     """The whole small and grouped chains capture into a CUDA graph (no host sync) and replay correctly."""
     for rows in (1, 64):
