@@ -7,13 +7,15 @@ shape: H = 2816, E = 128, K = 8, I = 704, bf16 and FP8 (e4m3, 128 x 128 block sc
 Per line: rows, path (small / grouped), time per call (CUDA-graph replay of ``fused_moe_triton``; each
 captured call uses the next of 16 routings, so the experts' weights come from HBM, not L2), the bytes
 bound (weights of the distinct experts the routings touch, mean over the routings, plus x, topk and the
-output; at the copy bandwidth measured at the start of the run), the achieved GB/s, % of copy bandwidth
-and time / bound. Shapes: R = rows, P = R * K pairs. ``--torch`` adds the torch reference path
+output; at the copy bandwidth measured at the start of the run), the achieved GB/s, % of copy bandwidth,
+time / bound and TFLOP/s (2 x pairs x 3 x I x H: the measure at prefill sizes, where the GEMMs are
+compute-bound). Shapes: R = rows, P = R * K pairs. ``--torch`` adds the torch reference path
 (sparrow.layers.moe, not graph-capturable: host-synced) for comparison.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import pathlib
@@ -92,7 +94,8 @@ def bench_one(rows: int, fp8: bool, layer, peak: float, with_torch: bool = False
     t = time_s(call)
     nbytes = bytes_bound(rows, fp8, routings)
     res = dict(rows=rows, dtype="fp8" if fp8 else "bf16", path="small" if rows * K <= 64 else "grouped",
-               us=t * 1e6, bound_us=nbytes / peak * 1e6, gbps=nbytes / t / 1e9, pct_copy=100 * nbytes / t / peak)
+               us=t * 1e6, bound_us=nbytes / peak * 1e6, gbps=nbytes / t / 1e9, pct_copy=100 * nbytes / t / peak,
+               tflops=2 * rows * K * 3 * I * H / t / 1e12)  # the experts' multiply-adds, x 2
     if with_torch:
         import triton.testing
 
@@ -105,8 +108,9 @@ def bench_one(rows: int, fp8: bool, layer, peak: float, with_torch: bool = False
 def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path, verbose: bool = False,
          swapped_only: bool = False) -> pathlib.Path:
     """Coordinate search per rows, from the data file's entry for those rows (else the default): BLOCK_M (on the
-    grouped path also paired with each swapped tile), then the gate|up tile, then the down tile (45 tiles each
-    on the small path, 18 with ``swapped_only``; 24 grouped, 16 FP8 grouped, 6 / 4 with ``swapped_only``).
+    grouped path also paired with each swapped tile, and for FP8 with the pre-quantized-activation tiles), then
+    the gate|up tile, then the down tile (45 tiles each on the small path, 18 with ``swapped_only``; 24 grouped,
+    32 FP8 grouped (16 and the same with ``a_fp8``), 6 / 8 with ``swapped_only``).
     Writes the data file ``pick_config`` reads for this shape and device."""
     from sparrow.kernels import moe_configs
     from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config
@@ -130,6 +134,8 @@ def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path, verbose: bool = Fal
             tiles = [Tile(n, k, w, s) for n, k, w, s in itertools.product((32, 64, 128), ks, (4, 8), stages)]
             swapped = [Tile(n, k, 4, s, swap_ab=True) for n, k, s in itertools.product((64, 128), ks, stages)]
             tiles = swapped if swapped_only else tiles + swapped
+            if fp8:  # each also with its activations quantized by a launch of their own (Tile.a_fp8)
+                tiles += [dataclasses.replace(t, a_fp8=True) for t in tiles]
 
         def timed(cfg):
             try:
@@ -146,6 +152,9 @@ def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path, verbose: bool = Fal
         # BLOCK_M with the current tiles (and on the grouped path with each swapped tile on both GEMMs: the rows
         # are the wgmma's N side there, so BLOCK_M and the swap interact), then the gate|up tile, then the down tile
         starts = [(best.gate_up, best.down)] + ([] if small else [(t, t) for t in swapped])
+        if fp8 and not small:  # prefill sizes: the pre-quantized activations with swapped and wide plain tiles
+            starts += [(t, t) for t in [dataclasses.replace(t, a_fp8=True) for t in swapped]
+                       + [Tile(128, 128, w, 3, a_fp8=True) for w in (4, 8)]]
         for bm, (gate_up, down) in itertools.product(ms, starts):
             cand = MoeConfig(bm, gate_up, down)
             t = timed(cand)
@@ -206,12 +215,12 @@ def main(argv=None) -> list[dict]:
         if args.tune:
             print("wrote", tune(args.rows, dtype == "fp8", layer, CONFIG_DIR, args.verbose, args.swapped_only))
         print(f"{'rows':>5} {'dtype':>5} {'path':>8} {'us':>9} {'bound us':>9} {'GB/s':>8} {'% copy':>7} "
-              f"{'x bound':>7}" + (f" {'torch us':>9}" if args.torch else ""))
+              f"{'x bound':>7} {'TFLOP/s':>7}" + (f" {'torch us':>9}" if args.torch else ""))
         for rows in args.rows:
             r = bench_one(rows, dtype == "fp8", layer, peak, args.torch)
             results.append(r)
             print(f"{r['rows']:5d} {r['dtype']:>5} {r['path']:>8} {r['us']:9.2f} {r['bound_us']:9.2f} "
-                  f"{r['gbps']:8.1f} {r['pct_copy']:6.1f}% {r['us'] / r['bound_us']:7.2f}"
+                  f"{r['gbps']:8.1f} {r['pct_copy']:6.1f}% {r['us'] / r['bound_us']:7.2f} {r['tflops']:7.1f}"
                   + (f" {r['torch_us']:9.1f}" if args.torch else ""))
         del layer
         torch.cuda.empty_cache()

@@ -20,7 +20,9 @@ Kernels, one launch each:
 
 FP8 activations are quantized per 128-column group when the consumer loads them (the numbers of
 ``fp8.quantize_fp8_per_group_ref``: scale = max(amax, 1e-10) / 448, q = clamp(a / scale) rounded to
-e4m3), so no fp8 copy of x or of the intermediate is written. Accumulation is fp32; act(gate) * up is
+e4m3), so no fp8 copy of x or of the intermediate is written; or, on the grouped path with A_FP8 (large
+batches, where every N tile would quantize the same rows again), by a launch of their own before the GEMM
+(``scaled_mm.quantize_fp8_per_group``, the same numbers). Accumulation is fp32; act(gate) * up is
 computed in fp32 from the accumulators and rounded once.
 
 UPCAST / EMULATE_FP8 / RNE_BF16: the interpreter's workarounds (``_fp8_jit``).
@@ -43,6 +45,7 @@ GELU = 2
 @triton.jit
 def _mm_rows(
     a_ptr, arow, m_mask, stride_ar,  # A rows arow [BM] (int64) of a [*, K]
+    a_s_ptr, stride_asr,  # A_FP8: per-group scales [*, ceil(K / 128)] fp32 of a (unit last stride); else unused
     w_ptr, stride_wn,  # this expert's weight [N_w, K]
     s_ptr, stride_sn,  # this expert's block scales [ceil(N_w / 128), ceil(K / 128)] (FP8_W)
     rn, n_mask, N_UP, k_start, k_end,  # output columns [BN] (the up half starts N_UP weight rows further,
@@ -51,6 +54,7 @@ def _mm_rows(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
     SWAP_AB: tl.constexpr = False,  # dots as W [BN, SUB_K] @ A^T (the weight tile fills the MMA's M side;
     # few rows become its N side), accumulators [BN, BM], transposed once at the end
+    A_FP8: tl.constexpr = False,  # FP8_W with a already quantized (e4m3) and its scales at a_s_ptr
 ):
     """(acc_gate, acc_up) [BM, BN] fp32 = A @ W[rn]^T (and A @ W[N_UP + rn]^T when GATED) over k_start:k_end."""
     if SWAP_AB:
@@ -84,8 +88,12 @@ def _mm_rows(
                 if GATED:
                     wu = tl.load(wu_rows + kk[:, None], mask=wmask, other=0.0)
             if FP8_W:
-                aq, a_s = _quant_fp8(a.to(tl.float32), EMULATE_FP8)
                 kb = tl.minimum(ks, k_end - 1) // 128  # a sub-step wholly past K adds 0; keep the scale in bounds
+                if A_FP8:
+                    aq = a
+                    a_s = tl.load(a_s_ptr + arow * stride_asr + kb, mask=m_mask, other=0.0)
+                else:
+                    aq, a_s = _quant_fp8(a.to(tl.float32), EMULATE_FP8)
                 sg = tl.load(s_ptr + (rn // 128) * stride_sn + kb, mask=n_mask, other=0.0)
                 if GATED:
                     su = tl.load(s_ptr + ((rn + N_UP) // 128) * stride_sn + kb, mask=n_mask, other=0.0)
@@ -145,7 +153,8 @@ def _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit,
 
 @triton.jit
 def moe_gemm_kernel(
-    a_ptr,  # GATED: x [R, H]; else the activations [P, I]; unit stride on the last dim
+    a_ptr,  # GATED: x [R, H]; else the activations [P, I]; unit stride on the last dim (A_FP8: e4m3)
+    a_s_ptr,  # A_FP8: a's per-group scales [rows of a, ceil(K / 128)] fp32, unit last stride; else dummy
     w_ptr,  # GATED: gate_up [E, 2I, H]; else down [E, H, I]; unit stride on the last dim
     s_ptr,  # FP8_W: block scales [E, ceil(N_w / 128), ceil(K / 128)] fp32, unit last stride; else dummy
     c_ptr,  # out [P, N] contiguous (GATED: N = I, else N = H), a's dtype
@@ -153,13 +162,14 @@ def moe_gemm_kernel(
     block_expert_ptr,  # [NB] int32 expert of each block
     total_ptr,  # [1] int32 padded pair count
     P, N, K, A_ROW_DIV,  # A row of pair p = p // A_ROW_DIV (K = top-k for x, 1 for the activations)
-    stride_ar, stride_we, stride_wn, stride_se, stride_sn,
+    stride_ar, stride_asr, stride_we, stride_wn, stride_se, stride_sn,
     limit,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, FP8_W: tl.constexpr,
     EMULATE_FP8: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
     SWAP_AB: tl.constexpr = False,  # _mm_rows' swapped dots (the weight tile as the MMA's M side)
+    A_FP8: tl.constexpr = False,  # FP8_W: a was quantized by its own launch (Tile.a_fp8)
 ):
     pdl_enter(USE_PDL)
     pid_m = tl.program_id(0)
@@ -173,9 +183,9 @@ def moe_gemm_kernel(
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = rn < N
         acc_g, acc_u = _mm_rows(
-            a_ptr, arow, m_mask, stride_ar, w_ptr + expert * stride_we, stride_wn,
+            a_ptr, arow, m_mask, stride_ar, a_s_ptr, stride_asr, w_ptr + expert * stride_we, stride_wn,
             s_ptr + expert * stride_se, stride_sn, rn, n_mask, N, 0, K,
-            GATED, FP8_W, EMULATE_FP8, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, SWAP_AB,
+            GATED, FP8_W, EMULATE_FP8, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, SWAP_AB, A_FP8,
         )
         _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit, GATED, ACT, HAS_LIMIT, RNE_BF16)
 
@@ -228,7 +238,7 @@ def moe_gemv_kernel(
             m_mask = (c0 + sl) < count
             arow = (pair // A_ROW_DIV).to(tl.int64)
             acc_g, acc_u = _mm_rows(
-                a_ptr, arow, m_mask, stride_ar, w_ptr + expert * stride_we, stride_wn,
+                a_ptr, arow, m_mask, stride_ar, a_ptr, 0, w_ptr + expert * stride_we, stride_wn,
                 s_ptr + expert * stride_se, stride_sn, rn, n_mask, N, k_start, k_end,
                 GATED, FP8_W, EMULATE_FP8, UPCAST, BLOCK_R, BLOCK_N, BLOCK_K, SUB_K, SWAP_AB,
             )

@@ -242,7 +242,8 @@ def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activat
                      w2_scale=None, pair_threshold=64, swiglu_limit=None, shared_output=None, shared_gate=None,
                      reduce=True):
     """Triton launcher of ``fused_moe`` (same contract): the small path for P <= pair_threshold (and
-    <= SMALL_MAX_PAIRS), the grouped path above; 3 launches small, 6 grouped, no host sync."""
+    <= SMALL_MAX_PAIRS), the grouped path above; 3 launches small, 6 grouped (one more per FP8 GEMM whose
+    tile has ``a_fp8``: its activation quantizer), no host sync."""
     _check_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, w13_scale, w2_scale)
     _check_reduce_shared(x.shape[0], x.shape[1], shared_output, shared_gate, reduce)
     rows, hidden = x.shape
@@ -292,13 +293,18 @@ def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activat
     else:
         from sparrow.kernels._moe_jit import moe_gemm_kernel
 
+        from sparrow.kernels.scaled_mm import quantize_fp8_per_group_triton
+
         sorted_ids, block_expert, total = moe_align_triton(topk_ids, num_experts, cfg.block_m)
         for a, div, w, s, out, n, k, gated, tile in gemms:
+            a_fp8 = fp8 and tile.a_fp8
+            a, a_s = quantize_fp8_per_group_triton(a) if a_fp8 else (a, a)  # e4m3 a + [rows, G] scales
             moe_gemm_kernel[(block_expert.numel(), -(-n // tile.block_n))](
-                a, w, s if fp8 else w, out, sorted_ids, block_expert, total, pairs, n, k, div, a.stride(0),
-                w.stride(0), w.stride(1), s.stride(0) if fp8 else 0, s.stride(1) if fp8 else 0, GATED=gated,
-                BLOCK_M=cfg.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                SUB_K=min(tile.block_k, GROUP) if fp8 else tile.block_k, SWAP_AB=tile.swap_ab,
+                a, a_s, w, s if fp8 else w, out, sorted_ids, block_expert, total, pairs, n, k, div, a.stride(0),
+                a_s.stride(0) if a_fp8 else 0, w.stride(0), w.stride(1), s.stride(0) if fp8 else 0,
+                s.stride(1) if fp8 else 0, GATED=gated, BLOCK_M=cfg.block_m, BLOCK_N=tile.block_n,
+                BLOCK_K=tile.block_k, SUB_K=min(tile.block_k, GROUP) if fp8 else tile.block_k,
+                SWAP_AB=tile.swap_ab, A_FP8=a_fp8,
                 num_warps=tile.num_warps, num_stages=tile.num_stages, **common, **pdl_kwargs(x),
             )
     return moe_reduce_triton(y, topk_weights, x.dtype, shared_output, shared_gate) if reduce else y

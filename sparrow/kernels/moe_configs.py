@@ -36,6 +36,11 @@ class Tile:
     needs M >= 64: block_n >= 64) and the few rows (or block_m sorted pairs) its N side. With e4m3 weights
     this keeps the dot on e4m3 wgmma; Triton lowers a 16-row e4m3 dot to f16 mma.sync after converting both
     operands."""
+    a_fp8: bool = False
+    """FP8 weights, grouped path: the GEMM's activations (x, the intermediate) are quantized per 128-column
+    group by a launch of their own before it, so the kernel loads e4m3 rows and their scales instead of
+    quantizing the same rows again in each of its N tiles (pays at prefill sizes). Same numbers either way;
+    the small path and bf16 weights ignore it."""
 
 
 @dataclasses.dataclass(frozen=True)

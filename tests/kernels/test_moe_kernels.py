@@ -204,6 +204,25 @@ def test_fp8_swapped_dots_on_the_grouped_path(num_experts, top_k, rows):
                                **FP8_TOL)
 
 
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("num_experts,top_k,rows", [(8, 2, 17), (64, 8, 3)])
+def test_fp8_prequantized_activations_on_the_grouped_path(num_experts, top_k, rows, swap):
+    """``Tile.a_fp8``: x and the intermediate quantized by their own launch before each grouped GEMM give the
+    numbers of the in-kernel quantization exactly (same tiles, same scales and e4m3 values; the
+    intermediate's K = 40 is one ragged group), and so match the twin."""
+    x, w13, w2, tw, ti = _case(num_experts, top_k, rows, torch.bfloat16, seed=rows)
+    q13, s13 = _quantize_experts(w13)
+    q2, s2 = _quantize_experts(w2)
+    outs = []
+    for a_fp8 in (False, True):
+        tile = Tile(64 if swap else 32, 128, swap_ab=swap, a_fp8=a_fp8)
+        with forced_config(MoeConfig(16, tile, tile)):
+            outs.append(fused_moe_triton(x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2, pair_threshold=GROUPED))
+    torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
+    twin = fused_moe_ref(x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2)
+    torch.testing.assert_close(outs[1].float(), twin.float(), **FP8_TOL)
+
+
 @pytest.mark.parametrize("path", ["grouped", "small"])
 @pytest.mark.parametrize("num_experts,top_k,rows", [(8, 2, 17), (128, 8, 3), (64, 1, 16)])
 def test_fp8(path, num_experts, top_k, rows):
@@ -452,6 +471,26 @@ def test_gpu_small_path_split_k(rows, fp8, split, swap):
         else:
             out = fused_moe_triton(x, w13, w2, tw, ti)
             _check_against_fp32_ref(out, x, w13, w2, tw, ti)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("rows", [65, 1024, 4096])
+def test_gpu_fp8_prequantized_activations(rows, swap):
+    """``Tile.a_fp8`` on the grouped path at Gemma 4's shape (prefill tiles: 64 / 128 pairs a block) against
+    the twin, and against the in-kernel quantization with the same tiles."""
+    x, w13, w2, tw, ti = _case(128, 8, rows, torch.bfloat16, hidden=2816, width=704, seed=rows)
+    q13, s13 = _quantize_experts(w13)
+    q2, s2 = _quantize_experts(w2)
+    outs = []
+    for a_fp8 in (False, True):
+        tile = Tile(128, 128, num_warps=8 if not swap else 4, num_stages=3, swap_ab=swap, a_fp8=a_fp8)
+        with forced_config(MoeConfig(32 if swap else 128, tile, tile)):
+            outs.append(fused_moe_triton(x, q13, q2, tw, ti, "gelu_pytorch_tanh", w13_scale=s13, w2_scale=s2))
+    twin = fused_moe_ref(x, q13, q2, tw, ti, "gelu_pytorch_tanh", w13_scale=s13, w2_scale=s2)
+    for out in outs:
+        torch.testing.assert_close(out.float(), twin.float(), **FP8_TOL)
+    assert _nmse(outs[1], outs[0]) < 1e-5
 
 
 @pytest.mark.gpu
