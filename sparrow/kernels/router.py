@@ -14,7 +14,9 @@ ties go to the lowest expert id. ``fused_router_ref`` is the torch twin (it call
 
 The logits themselves: ``router_logits(x [R, H], weight [E, H], rms_eps=None) -> [R, E] fp32`` (twin
 ``router_logits_ref``, launcher ``router_logits_triton``), fp32 x . weight with Gemma 4's scale-free
-RMSNorm of x folded in; the kernel serves decode-sized R.
+RMSNorm of x folded in; the kernel serves decode-sized R. Both in one launch: ``router_topk(x, weight,
+top_k, rms_eps, scoring, renormalize, per_expert_scale, ids_dtype)`` (Gemma 4 at decode; twin
+``router_topk_ref``, launcher ``router_topk_triton``).
 """
 from __future__ import annotations
 
@@ -133,9 +135,7 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, rms_eps: float |
     out = torch.empty(rows, num_experts, dtype=torch.float32, device=x.device)
     if rows == 0 or num_experts == 0:
         return out
-    # one expert per program (E programs share the weight stream), as much of H per step as registers allow
-    block_r, block_e = min(_next_pow2(rows), 16), 1
-    block_h = min(max(16, _next_pow2(hidden)), max(128, 4096 // block_r))
+    block_r, block_e, block_h = _logits_tiles(rows, hidden)
     grid = (-(-num_experts // block_e), -(-rows // block_r))
     router_logits_kernel[grid](
         x, weight, out, rows, num_experts, hidden, x.stride(0), weight.stride(0), float(rms_eps or 0.0),
@@ -150,6 +150,73 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, rms_eps: float | None =
     if x.shape[0] <= MAX_LOGIT_ROWS and use_triton(x):
         return router_logits_triton(x, weight, rms_eps)
     return router_logits_ref(x, weight, rms_eps)
+
+
+def router_topk_ref(x: torch.Tensor, weight: torch.Tensor, top_k: int, rms_eps: float | None = None,
+                    scoring: str = "softmax", renormalize: bool = False, per_expert_scale: torch.Tensor | None = None,
+                    ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch twin of ``router_topk``: ``fused_router_ref(router_logits_ref(x, weight, rms_eps), ...)``."""
+    return fused_router_ref(router_logits_ref(x, weight, rms_eps), top_k, scoring, renormalize,
+                            per_expert_scale=per_expert_scale, ids_dtype=ids_dtype)
+
+
+def router_topk_triton(x: torch.Tensor, weight: torch.Tensor, top_k: int, rms_eps: float | None = None,
+                       scoring: str = "softmax", renormalize: bool = False,
+                       per_expert_scale: torch.Tensor | None = None,
+                       ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton launcher of ``router_topk``: one launch (``router_logits_topk_kernel``: the last program of each
+    row block routes it). Without a free split-K counter set (``split_k.workspace``: none allocated yet
+    during a CUDA-graph capture, or all taken) it runs ``router_logits_triton`` + ``fused_router_triton``."""
+    from sparrow.kernels import split_k
+    from sparrow.kernels._router_jit import SIGMOID, SOFTMAX, SQRTSOFTPLUS, router_logits_topk_kernel
+
+    _check_logits(x, weight)
+    rows, hidden = x.shape
+    num_experts = weight.shape[0]
+    block_r, block_e, block_h = _logits_tiles(rows, hidden)
+    row_blocks = -(-rows // block_r)
+    buffers = split_k.workspace(x.device, 0, row_blocks) if rows else None
+    if buffers is None:
+        return fused_router_triton(router_logits_triton(x, weight, rms_eps), top_k, scoring, renormalize,
+                                   per_expert_scale=per_expert_scale, ids_dtype=ids_dtype)
+    logits = torch.empty(rows, num_experts, dtype=torch.float32, device=x.device)
+    _check(logits, top_k, scoring, None, per_expert_scale, ids_dtype)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    weights = torch.empty(rows, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(rows, top_k, dtype=ids_dtype, device=x.device)
+    scale = per_expert_scale.contiguous() if per_expert_scale is not None else None
+    e_programs = -(-num_experts // block_e)
+    router_logits_topk_kernel[(e_programs, row_blocks)](
+        x, weight, logits, rows, num_experts, hidden, x.stride(0), weight.stride(0), float(rms_eps or 0.0),
+        buffers[1], weights, scale if scale is not None else weights, weights, ids, 1.0,
+        RMS_NORM=rms_eps is not None, BLOCK_R=block_r, BLOCK_E=block_e, BLOCK_H=block_h, E_PROGRAMS=e_programs,
+        SCORING={"softmax": SOFTMAX, "sigmoid": SIGMOID, "sqrtsoftplus": SQRTSOFTPLUS}[scoring],
+        HAS_BIAS=False, HAS_SCALE=scale is not None, RENORM=bool(renormalize), TOPK=top_k, K_PAD=_next_pow2(top_k),
+        N_GROUP=1, TOPK_GROUP=1, PER_GROUP=num_experts, G_PAD=1, PER_PAD=_next_pow2(num_experts), num_warps=4,
+        **pdl_kwargs(x),
+    )
+    return weights, ids
+
+
+def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, rms_eps: float | None = None,
+                scoring: str = "softmax", renormalize: bool = False, per_expert_scale: torch.Tensor | None = None,
+                ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route x [R, H] with fp32 router weight [E, H] (``router_logits``, then ``fused_router`` without bias or
+    groups: Gemma 4's router) -> (weights [R, K] fp32, ids [R, K] ids_dtype). One Triton launch where
+    ``use_triton(x)`` and R <= MAX_LOGIT_ROWS (decode), else the twin's two steps (the logits on torch's matmul
+    above MAX_LOGIT_ROWS). Raises ValueError as ``router_logits`` and ``fused_router`` do."""
+    if x.shape[0] <= MAX_LOGIT_ROWS and use_triton(x):
+        return router_topk_triton(x, weight, top_k, rms_eps, scoring, renormalize, per_expert_scale, ids_dtype)
+    return fused_router(router_logits(x, weight, rms_eps), top_k, scoring, renormalize,
+                        per_expert_scale=per_expert_scale, ids_dtype=ids_dtype)
+
+
+def _logits_tiles(rows: int, hidden: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_E, BLOCK_H) of the logits kernels: one expert per program (E programs share the weight
+    stream), as much of H per step as registers allow."""
+    block_r = min(_next_pow2(max(rows, 1)), 16)
+    return block_r, 1, min(max(16, _next_pow2(hidden)), max(128, 4096 // block_r))
 
 
 def _check_logits(x: torch.Tensor, weight: torch.Tensor) -> None:

@@ -214,8 +214,15 @@ class Gemma4Router(nn.Module):
         return router_logits(x, self.folded_weight(), rms_eps=self.eps)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _selector(x)(self.logits(x), self.top_k, "softmax", renormalize=True,
-                            per_expert_scale=self.per_expert_scale)
+        from sparrow.kernels import use_triton
+
+        if use_triton(x):  # logits and top-k in one launch at decode sizes (sparrow.kernels.router)
+            from sparrow.kernels.router import router_topk
+
+            return router_topk(x, self.folded_weight(), self.top_k, self.eps, "softmax", renormalize=True,
+                               per_expert_scale=self.per_expert_scale)
+        return select_experts(self.logits(x), self.top_k, "softmax", renormalize=True,
+                              per_expert_scale=self.per_expert_scale)
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden_size}, experts={self.num_experts}, top_k={self.top_k}, eps={self.eps}"
