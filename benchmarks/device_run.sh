@@ -6,7 +6,7 @@
 # the test files of the `tests` stage and TEST_ARGS adds pytest options (e.g. "-k 'bf16 and mixtral'");
 # PACKAGED_ARGS likewise for the packaged-model stage. Stage options: PREFILL_ARGS (extra `sparrow bench` flags of
 # the 8 x 2048 prefill profile), ATTN_ARGS (attention_prefill.py, default --tune), GEMV_ARGS (kernels_micro.py,
-# default tune_gemv_fp8), TUNE_ROWS / TUNE_DTYPES (moe_layer.py --tune), G4_BATCHES / G4_PROMPTS,
+# default tune_gemv_fp8), TUNE_ROWS / TUNE_DTYPES / TUNE_ARGS (moe_layer.py --tune; TUNE_ARGS=--quick: prefill short list), G4_BATCHES / G4_PROMPTS,
 # FP8_BATCHES / FP8_PROMPTS / FP8_ARGS, LL_BATCHES / LL_PROMPTS, PROFILE_SHAPES / PROFILE_ARGS / PROFILE_TAG. The device image lacks `gguf`: its wheel travels
 # in .whl (see ../.library/device/README.md).
 set -o pipefail
@@ -53,7 +53,7 @@ for stage in ${@:-tests gemma4 llama eager}; do
             | tee "$OUT/kernels_micro.log" ;;
     moe) timeout "${T_MOE:-120}" python3 benchmarks/moe_layer.py --rows 1 8 64 1024 --out "$OUT/moe_layer.json" 2>&1 \
            | tee "$OUT/moe_layer.log" ;;
-    tune) timeout "${T_TUNE:-300}" python3 benchmarks/moe_layer.py --tune --rows ${TUNE_ROWS:-1 8 64 1024} --dtypes ${TUNE_DTYPES:-bf16 fp8} 2>&1 \
+    tune) timeout "${T_TUNE:-300}" python3 benchmarks/moe_layer.py --tune ${TUNE_ARGS:-} --rows ${TUNE_ROWS:-1 8 64 1024} --dtypes ${TUNE_DTYPES:-bf16 fp8} 2>&1 \
             | tee "$OUT/moe_tune.log" | grep -v skip; cp sparrow/kernels/configs/*H200*.json "$OUT/" ;;
     gemma4) bench gemma4 "${T_G4:-400}" --model-shape gemma4-26b-a4b --batch-sizes ${G4_BATCHES:-1,8,64} \
              --prompt-len ${G4_PROMPTS:-128,2048} --decode-tokens 32 ;;

@@ -3,6 +3,7 @@ shape: H = 2816, E = 128, K = 8, I = 704, bf16 and FP8 (e4m3, 128 x 128 block sc
 
     python benchmarks/moe_layer.py [--rows 1 8 64 1024] [--dtypes bf16 fp8] [--out result.json] [--torch]
     python benchmarks/moe_layer.py --tune [--rows ...]     (sweep tiles, write sparrow/kernels/configs/*.json)
+    python benchmarks/moe_layer.py --tune --quick --rows 2048 8192 --dtypes fp8   (prefill sizes: a short list)
 
 Per line: rows, path (small / grouped), time per call (CUDA-graph replay of ``fused_moe_triton``; each
 captured call uses the next of 16 routings, so the experts' weights come from HBM, not L2), the bytes
@@ -174,6 +175,51 @@ def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path, verbose: bool = Fal
     return path
 
 
+def prefill_candidates(fp8: bool):
+    """The short list ``--quick`` times at prefill sizes (grouped path): wide plain tiles for the compute-bound
+    GEMMs and the swapped ones the coordinate search chose at 1,024 / 4,096 rows; for FP8 each with and
+    without ``a_fp8``."""
+    from sparrow.kernels.moe_configs import MoeConfig, Tile
+
+    k = 128 if fp8 else 64
+    base = [MoeConfig(32, Tile(64, k, 4, 3, swap_ab=True), Tile(128, k, 4, 3, swap_ab=True)),
+            MoeConfig(64, Tile(128, k, 4, 3, swap_ab=True), Tile(128, k, 4, 3, swap_ab=True)),
+            MoeConfig(64, Tile(128, k, 4, 3), Tile(128, k, 4, 3)),
+            MoeConfig(128, Tile(128, k, 8, 3), Tile(128, k, 8, 3)),
+            MoeConfig(128, Tile(64, k, 4, 3), Tile(128, k, 8, 3))]
+    if not fp8:
+        return base
+    return base + [MoeConfig(c.block_m, dataclasses.replace(c.gate_up, a_fp8=True),
+                             dataclasses.replace(c.down, a_fp8=True)) for c in base]
+
+
+def tune_quick(rows_list, fp8: bool, layer, out_dir: pathlib.Path) -> pathlib.Path:
+    """Time the table's current entry and ``prefill_candidates`` at each row count (a few compiles instead of
+    the coordinate search's hundred: minutes on a fresh machine) and write the fastest into the data file."""
+    from sparrow.kernels import moe_configs
+    from sparrow.kernels.moe_configs import forced_config
+
+    table = {}
+    for rows in rows_list:
+        _, _, call = make_call(rows, layer)
+        current = moe_configs.pick_config(rows, K, E, H, I, False, fp8, torch.cuda.get_device_name())
+        best, best_t = None, float("inf")
+        for cfg in [current] + prefill_candidates(fp8):
+            try:
+                with forced_config(cfg):
+                    t = time_s(call, rep=20)
+            except Exception as exc:  # out of shared memory / registers for this tile
+                print(f"  skip {cfg}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+                continue
+            print(f"  {t * 1e6:9.1f} us {2 * rows * K * 3 * I * H / t / 1e12:6.1f} TFLOP/s  {cfg}", flush=True)
+            if t < best_t:
+                best, best_t = cfg, t
+        print(f"rows {rows:5d} {'fp8' if fp8 else 'bf16'}: {best_t * 1e6:8.2f} us  {best}", flush=True)
+        table[str(rows)] = best.to_json()
+        path = write_table(table, fp8, out_dir, torch.cuda.get_device_name(), torch.__version__)
+    return path
+
+
 def write_table(table: dict, fp8: bool, out_dir: pathlib.Path, device_name: str, torch_version: str) -> pathlib.Path:
     """Write (or rewrite) the data file ``pick_config`` reads for this shape and device. Entries of the existing
     file for row counts not in ``table`` are kept; meta ``tuned_rows`` lists the entries a sweep chose."""
@@ -201,6 +247,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--verbose", action="store_true", help="with --tune: print every candidate's time")
     p.add_argument("--swapped-only", action="store_true",
                    help="with --tune: try only the swapped-dot tiles against the current entry")
+    p.add_argument("--quick", action="store_true",
+                   help="with --tune: time only the current entry and the prefill candidates (grouped path)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("moe_layer.py needs a CUDA GPU")
@@ -212,7 +260,9 @@ def main(argv=None) -> list[dict]:
     results = []
     for dtype in args.dtypes:
         layer = make_layer(dtype == "fp8")
-        if args.tune:
+        if args.tune and args.quick:
+            print("wrote", tune_quick(args.rows, dtype == "fp8", layer, CONFIG_DIR))
+        elif args.tune:
             print("wrote", tune(args.rows, dtype == "fp8", layer, CONFIG_DIR, args.verbose, args.swapped_only))
         print(f"{'rows':>5} {'dtype':>5} {'path':>8} {'us':>9} {'bound us':>9} {'GB/s':>8} {'% copy':>7} "
               f"{'x bound':>7} {'TFLOP/s':>7}" + (f" {'torch us':>9}" if args.torch else ""))
