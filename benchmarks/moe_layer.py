@@ -201,6 +201,9 @@ def tune_quick(rows_list, fp8: bool, layer, out_dir: pathlib.Path) -> pathlib.Pa
 
     table = {}
     for rows in rows_list:
+        if rows * K <= 64:
+            print(f"rows {rows}: the small path; --quick times grouped-path tiles only (use --tune without it)")
+            continue
         _, _, call = make_call(rows, layer)
         current = moe_configs.pick_config(rows, K, E, H, I, False, fp8, torch.cuda.get_device_name())
         best, best_t = None, float("inf")
@@ -214,10 +217,13 @@ def tune_quick(rows_list, fp8: bool, layer, out_dir: pathlib.Path) -> pathlib.Pa
             print(f"  {t * 1e6:9.1f} us {2 * rows * K * 3 * I * H / t / 1e12:6.1f} TFLOP/s  {cfg}", flush=True)
             if t < best_t:
                 best, best_t = cfg, t
+        if best is None:
+            print(f"rows {rows}: no candidate ran")
+            continue
         print(f"rows {rows:5d} {'fp8' if fp8 else 'bf16'}: {best_t * 1e6:8.2f} us  {best}", flush=True)
         table[str(rows)] = best.to_json()
-        path = write_table(table, fp8, out_dir, torch.cuda.get_device_name(), torch.__version__)
-    return path
+        write_table(table, fp8, out_dir, torch.cuda.get_device_name(), torch.__version__)
+    return out_dir / moe_configs.config_file(E, H, I, fp8, torch.cuda.get_device_name()).name
 
 
 def write_table(table: dict, fp8: bool, out_dir: pathlib.Path, device_name: str, torch_version: str) -> pathlib.Path:

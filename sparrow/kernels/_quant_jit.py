@@ -30,7 +30,7 @@ def quant_fp8_groups_kernel(
     USE_PDL: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # the MoE intermediate: P x I > 2^31
     g = tl.program_id(1)
     rk = g * GROUP + tl.arange(0, GROUP)
     k_mask = rk < K

@@ -1,12 +1,12 @@
 """Triton body of the fused MoE router (launcher and torch twin: ``sparrow.kernels.router``).
 
 Shapes: R = rows, E = experts, K = top-k, G = expert groups (1 without grouped top-k), E / G = experts per
-group. One program routes one row (``route_row``): its logits are held as a [G_PAD, PER_PAD] tile (expert
+group. ``route_row`` routes one row: its logits are held as a [G_PAD, PER_PAD] tile (expert
 e = g * (E / G) + j), so grouped top-k needs no reshape. Formulas: ``sparrow.layers.router`` (design §3).
 
-Kernels: ``router_kernel`` (routing of given logits, program per row), ``router_logits_kernel`` (fp32
+Kernels: ``router_kernel`` (routing of given logits, one program per row), ``router_logits_kernel`` (fp32
 logits of x, Gemma 4's scale-free RMSNorm folded in), ``router_logits_topk_kernel`` (both in one launch:
-the last program of a row block routes it).
+the last program of a row block routes its rows in turn).
 """
 import triton
 import triton.language as tl

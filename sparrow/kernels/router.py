@@ -111,6 +111,10 @@ MAX_LOGIT_ROWS = 16  # above this, router_logits goes to torch's (cuBLAS) fp32 m
 # from the 1.4 MB weight's bound)
 
 
+FUSED_ROUTER_MAX_ROWS = 16  # router_topk's one launch up to this many rows (its last program routes them in turn)
+ROUTER_TOPK_WARPS = 4
+
+
 def router_logits_ref(x: torch.Tensor, weight: torch.Tensor, rms_eps: float | None = None) -> torch.Tensor:
     """Router logits in fp32: x [R, H] (any float dtype) @ weight [E, H].T -> [R, E] fp32, with
     ``rms_eps`` the scale-free RMSNorm of x first (Gemma 4's router: x / sqrt(mean(x^2) + eps), transformers
@@ -163,10 +167,12 @@ def router_topk_ref(x: torch.Tensor, weight: torch.Tensor, top_k: int, rms_eps: 
 def router_topk_triton(x: torch.Tensor, weight: torch.Tensor, top_k: int, rms_eps: float | None = None,
                        scoring: str = "softmax", renormalize: bool = False,
                        per_expert_scale: torch.Tensor | None = None,
-                       ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+                       ids_dtype: torch.dtype = torch.int64, num_warps: int | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher of ``router_topk``: one launch (``router_logits_topk_kernel``: the last program of each
-    row block routes it). Without a free split-K counter set (``split_k.workspace``: none allocated yet
-    during a CUDA-graph capture, or all taken) it runs ``router_logits_triton`` + ``fused_router_triton``."""
+    row block routes its rows one after another). Without a free split-K counter set (``split_k.workspace``:
+    none allocated yet during a CUDA-graph capture, or all taken) it runs ``router_logits_triton`` +
+    ``fused_router_triton``. ``num_warps``: per program (default ROUTER_TOPK_WARPS; benchmarks sweep it)."""
     from sparrow.kernels import split_k
     from sparrow.kernels._router_jit import SIGMOID, SOFTMAX, SQRTSOFTPLUS, router_logits_topk_kernel
 
@@ -193,8 +199,8 @@ def router_topk_triton(x: torch.Tensor, weight: torch.Tensor, top_k: int, rms_ep
         RMS_NORM=rms_eps is not None, BLOCK_R=block_r, BLOCK_E=block_e, BLOCK_H=block_h, E_PROGRAMS=e_programs,
         SCORING={"softmax": SOFTMAX, "sigmoid": SIGMOID, "sqrtsoftplus": SQRTSOFTPLUS}[scoring],
         HAS_BIAS=False, HAS_SCALE=scale is not None, RENORM=bool(renormalize), TOPK=top_k, K_PAD=_next_pow2(top_k),
-        N_GROUP=1, TOPK_GROUP=1, PER_GROUP=num_experts, G_PAD=1, PER_PAD=_next_pow2(num_experts), num_warps=4,
-        **pdl_kwargs(x),
+        N_GROUP=1, TOPK_GROUP=1, PER_GROUP=num_experts, G_PAD=1, PER_PAD=_next_pow2(num_experts),
+        num_warps=num_warps or ROUTER_TOPK_WARPS, **pdl_kwargs(x),
     )
     return weights, ids
 
@@ -202,11 +208,12 @@ def router_topk_triton(x: torch.Tensor, weight: torch.Tensor, top_k: int, rms_ep
 def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, rms_eps: float | None = None,
                 scoring: str = "softmax", renormalize: bool = False, per_expert_scale: torch.Tensor | None = None,
                 ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Route x [R, H] with fp32 router weight [E, H] (``router_logits``, then ``fused_router`` without bias or
-    groups: Gemma 4's router) -> (weights [R, K] fp32, ids [R, K] ids_dtype). One Triton launch where
-    ``use_triton(x)`` and R <= MAX_LOGIT_ROWS (decode), else the twin's two steps (the logits on torch's matmul
-    above MAX_LOGIT_ROWS). Raises ValueError as ``router_logits`` and ``fused_router`` do."""
-    if x.shape[0] <= MAX_LOGIT_ROWS and use_triton(x):
+    """Route x [R, H] with router weight [E, H] (any float dtype, read as fp32; ``router_logits``, then
+    ``fused_router`` without bias or groups: Gemma 4's router) -> (weights [R, K] fp32, ids [R, K] ids_dtype).
+    One Triton launch where ``use_triton(x)`` and R <= FUSED_ROUTER_MAX_ROWS (decode), else ``router_logits``
+    and ``fused_router`` (the logits on torch's matmul above MAX_LOGIT_ROWS). Raises ValueError as
+    ``router_logits`` and ``fused_router`` do."""
+    if x.shape[0] <= FUSED_ROUTER_MAX_ROWS and use_triton(x):
         return router_topk_triton(x, weight, top_k, rms_eps, scoring, renormalize, per_expert_scale, ids_dtype)
     return fused_router(router_logits(x, weight, rms_eps), top_k, scoring, renormalize,
                         per_expert_scale=per_expert_scale, ids_dtype=ids_dtype)

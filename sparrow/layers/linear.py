@@ -27,13 +27,14 @@ from torch import nn
 from sparrow.errors import ModelLoadError
 
 
-GEMV_MAX_ROWS = int(os.environ.get("SPARROW_GEMV_MAX_ROWS", "0"))
+GEMV_MAX_ROWS = min(int(os.environ.get("SPARROW_GEMV_MAX_ROWS", "0")), 16)  # gemv.MAX_ROWS
 """Row counts up to this use the Triton GEMV on the GPU (weights streamed once for all rows, split-K where
 N has few tiles) instead of cuBLAS; 0 disables it. On the H200 the GEMV alone beats cuBLAS at Gemma 4's
 2816-wide outputs (kernels_micro.py tune_gemv_bf16, R = 1: 9.5 / 11.1 us at K x N = 4096 x 2816, 9.5 /
 11.2 at 2816 x 4224, 13.9 / 13.8 at 2816 x 8192, 6.9 / 6.5 at 2112 x 2816), but end to end it lost
 (gemma4-26b-a4b bf16, prompt 128: 282.5 / 947.2 tok/s at batch 1 / 8 with 16, 291.2 / 1018.0 with 0), so
-cuBLAS stays. ``SPARROW_GEMV_MAX_ROWS=16`` in the environment sets it for an A/B run."""
+cuBLAS stays. ``SPARROW_GEMV_MAX_ROWS=16`` in the environment sets it for an A/B run (16 at most: the GEMV's
+row limit)."""
 
 
 class UnquantizedLinearMethod:

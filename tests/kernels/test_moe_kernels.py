@@ -497,7 +497,8 @@ def test_gpu_fp8_prequantized_activations(rows, swap):
 @pytest.mark.parametrize("rows", [1, 2, 8])
 def test_gpu_fp8_small_path_wide_k(rows):
     """The swapped FP8 small-path tiles with 1024-wide K steps (``moe_layer.py --tune``'s rows-1 pick, sixth
-    session: gate|up 64 x 1024, down 128 x 1024, 4 K splits each) against the twin at Gemma 4's shape."""
+    session: gate|up 64 x 1024 with 3 K splits (H = 2816 has 3 steps), down 128 x 1024 in one step) against the
+    twin at Gemma 4's shape."""
     x, w13, w2, tw, ti = _case(128, 8, rows, torch.bfloat16, hidden=2816, width=704, seed=rows)
     q13, s13 = _quantize_experts(w13)
     q2, s2 = _quantize_experts(w2)

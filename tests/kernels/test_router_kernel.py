@@ -154,7 +154,8 @@ def _topk_kw(num_experts, seed=0):
 
 
 @pytest.mark.parametrize("rms_eps", [None, 1e-6])
-@pytest.mark.parametrize("rows,num_experts,hidden,top_k", [(1, 8, 64, 2), (3, 128, 200, 8), (16, 40, 96, 4)])
+@pytest.mark.parametrize("rows,num_experts,hidden,top_k", [(1, 8, 64, 2), (3, 128, 200, 8), (16, 40, 96, 4),
+                                                          (40, 8, 64, 2)])
 def test_router_topk_one_launch(rows, num_experts, hidden, top_k, rms_eps):
     """Logits + routing in one launch give exactly the two Triton launches' result (same logits tile, same
     ``route_row``), the twin's routing, and leave the row-block counters at 0 for the next launch."""
@@ -167,6 +168,27 @@ def test_router_topk_one_launch(rows, num_experts, hidden, top_k, rms_eps):
     assert torch.equal(got[0], two[0]) and torch.equal(got[1], two[1])
     _assert_same_routing(got, router_topk_ref(x, w, top_k, rms_eps, **kw))
     assert not split_k.workspace(x.device, 0, 1)[1].any()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 20])
+def test_gemma4_router_backends_agree(rows):
+    """``Gemma4Router`` on the Triton path (one launch up to FUSED_ROUTER_MAX_ROWS, two above) routes as its
+    torch path does."""
+    from sparrow.kernels import backend
+    from sparrow.layers.router import Gemma4Router
+
+    g = torch.Generator().manual_seed(rows)
+    router = Gemma4Router(64, 16, 4, params_dtype=torch.bfloat16).to(DEVICE)
+    router.proj.weight.copy_(torch.randn(16, 64, generator=g))
+    router.scale.copy_(torch.rand(64, generator=g) + 0.5)
+    router.per_expert_scale.copy_(torch.rand(16, generator=g) + 0.5)
+    x = (torch.randn(rows, 64, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
+    with backend("torch"):
+        want = router(x)
+    with backend("triton"):
+        got = router(x)
+    assert got[1].dtype == want[1].dtype == torch.int64
+    _assert_same_routing(got, want)
 
 
 def test_router_topk_fallback_and_dispatch(monkeypatch):
