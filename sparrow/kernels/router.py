@@ -111,7 +111,11 @@ MAX_LOGIT_ROWS = 16  # above this, router_logits goes to torch's (cuBLAS) fp32 m
 # from the 1.4 MB weight's bound)
 
 
-FUSED_ROUTER_MAX_ROWS = 16  # router_topk's one launch up to this many rows (its last program routes them in turn)
+FUSED_ROUTER_MAX_ROWS = 1
+"""router_topk's one launch up to this many rows. Its last program routes the rows one after another, so more
+rows lengthen its tail: on the H200, gemma4-26b-a4b FP8 decode with the one launch up to 16 rows ran batch 1 at
+334.2 tok/s but batch 8 at 964.2 (1,115.7 with two launches in the seventh session); ``kernels_micro.py
+router_topk`` times both by row count."""
 ROUTER_TOPK_WARPS = 4
 
 
