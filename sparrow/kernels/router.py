@@ -14,9 +14,10 @@ ties go to the lowest expert id. ``fused_router_ref`` is the torch twin (it call
 
 The logits themselves: ``router_logits(x [R, H], weight [E, H], rms_eps=None) -> [R, E] fp32`` (twin
 ``router_logits_ref``, launcher ``router_logits_triton``), fp32 x . weight with Gemma 4's scale-free
-RMSNorm of x folded in; the kernel serves decode-sized R. Both in one launch: ``router_topk(x, weight,
-top_k, rms_eps, scoring, renormalize, per_expert_scale, ids_dtype)`` (Gemma 4 at decode; twin
-``router_topk_ref``, launcher ``router_topk_triton``).
+RMSNorm of x folded in; the kernel serves decode-sized R. Logits and routing: ``router_topk(x, weight,
+top_k, rms_eps, scoring, renormalize, per_expert_scale, ids_dtype)`` (Gemma 4's router; twin
+``router_topk_ref``, one-launch launcher ``router_topk_triton``, measured slower than two launches on the
+H200 and off by default: FUSED_ROUTER_MAX_ROWS).
 """
 from __future__ import annotations
 
@@ -111,11 +112,13 @@ MAX_LOGIT_ROWS = 16  # above this, router_logits goes to torch's (cuBLAS) fp32 m
 # from the 1.4 MB weight's bound)
 
 
-FUSED_ROUTER_MAX_ROWS = 1
-"""router_topk's one launch up to this many rows. Its last program routes the rows one after another, so more
-rows lengthen its tail: on the H200, gemma4-26b-a4b FP8 decode with the one launch up to 16 rows ran batch 1 at
-334.2 tok/s but batch 8 at 964.2 (1,115.7 with two launches in the seventh session); ``kernels_micro.py
-router_topk`` times both by row count."""
+FUSED_ROUTER_MAX_ROWS = 0
+"""router_topk's one launch up to this many rows; 0: off, the layers take two launches. Measured on the H200
+(``kernels_micro.py router_topk``, Gemma 4's router, us a call in graph replay, two launches / one launch with
+1 / 4 warps): R = 1 4.2 / 4.6 / 6.1, R = 2 5.1 / 6.9 / 10.3, R = 8 8.7 / 20.8 / 34.0, R = 16 13.9 / 42.3 / 67.8.
+The last program routes its rows one after another, each through ~27 cross-thread reductions, and that tail
+costs more than the launch it saves; end to end (FP8, one launch up to 16 rows) batch 8 fell from 1,093.4 to
+964.2 tok/s. A row-parallel tail ([BLOCK_R, E] tile) is the next thing to try."""
 ROUTER_TOPK_WARPS = 4
 
 
@@ -214,8 +217,8 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, rms_eps: floa
                 ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
     """Route x [R, H] with router weight [E, H] (any float dtype, read as fp32; ``router_logits``, then
     ``fused_router`` without bias or groups: Gemma 4's router) -> (weights [R, K] fp32, ids [R, K] ids_dtype).
-    One Triton launch where ``use_triton(x)`` and R <= FUSED_ROUTER_MAX_ROWS (decode), else ``router_logits``
-    and ``fused_router`` (the logits on torch's matmul above MAX_LOGIT_ROWS). Raises ValueError as
+    One Triton launch where ``use_triton(x)`` and R <= FUSED_ROUTER_MAX_ROWS (0 by default: slower, see there),
+    else ``router_logits`` and ``fused_router`` (the logits on torch's matmul above MAX_LOGIT_ROWS). Raises ValueError as
     ``router_logits`` and ``fused_router`` do."""
     if x.shape[0] <= FUSED_ROUTER_MAX_ROWS and use_triton(x):
         return router_topk_triton(x, weight, top_k, rms_eps, scoring, renormalize, per_expert_scale, ids_dtype)

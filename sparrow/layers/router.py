@@ -216,7 +216,7 @@ class Gemma4Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from sparrow.kernels import use_triton
 
-        if use_triton(x):  # logits and top-k in one launch at decode sizes (sparrow.kernels.router)
+        if use_triton(x):  # sparrow.kernels.router: Triton logits (decode sizes) and routing
             from sparrow.kernels.router import router_topk
 
             return router_topk(x, self.folded_weight(), self.top_k, self.eps, "softmax", renormalize=True,

@@ -172,8 +172,8 @@ def test_router_topk_one_launch(rows, num_experts, hidden, top_k, rms_eps):
 
 @pytest.mark.parametrize("rows", [1, 5, 20])
 def test_gemma4_router_backends_agree(rows):
-    """``Gemma4Router`` on the Triton path (one launch up to FUSED_ROUTER_MAX_ROWS, two above) routes as its
-    torch path does."""
+    """``Gemma4Router`` on the Triton path routes as its torch path does, with ``router_topk``'s one launch
+    (FUSED_ROUTER_MAX_ROWS raised to 16 here) and without it."""
     from sparrow.kernels import backend
     from sparrow.layers.router import Gemma4Router
 
@@ -183,12 +183,16 @@ def test_gemma4_router_backends_agree(rows):
     router.scale.copy_(torch.rand(64, generator=g) + 0.5)
     router.per_expert_scale.copy_(torch.rand(16, generator=g) + 0.5)
     x = (torch.randn(rows, 64, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
+    from sparrow.kernels import router as router_kernels
+
     with backend("torch"):
         want = router(x)
-    with backend("triton"):
-        got = router(x)
-    assert got[1].dtype == want[1].dtype == torch.int64
-    _assert_same_routing(got, want)
+    for fused_rows in (0, 16):
+        with backend("triton"), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(router_kernels, "FUSED_ROUTER_MAX_ROWS", fused_rows)
+            got = router(x)
+        assert got[1].dtype == want[1].dtype == torch.int64
+        _assert_same_routing(got, want)
 
 
 def test_router_topk_fallback_and_dispatch(monkeypatch):
