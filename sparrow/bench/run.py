@@ -62,7 +62,8 @@ def run_bench(args) -> int:
     report["meta"]["copy_bandwidth_GBps"] = bw / 1e9
     if s.hf_dtype:
         print(f"transformers runs in {s.hf_dtype}, sparrow in {s.dtype}")
-    print(f"sparrow bench on {report['meta']['device_name']} ({s.device}, {s.dtype}); load average "
+    quant = f", sparrow's weights quantized to {s.quantization} at load" if s.quantization else ""
+    print(f"sparrow bench on {report['meta']['device_name']} ({s.device}, {s.dtype}{quant}); load average "
           f"{report['meta']['load_average_start'][0]:.2f}; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)",
           flush=True)
     engine_kw = engine_kwargs(s, args.max_model_len)

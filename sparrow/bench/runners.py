@@ -98,7 +98,8 @@ def shape_runners(name: str, s: Settings, engine_kw: dict, with_hf: bool, meta: 
     cfg = shape_config(name)
     full = full_config_dict(cfg)
     tied, hidden, vocab = bool(full.get("tie_word_embeddings")), int(full["hidden_size"]), int(full["vocab_size"])
-    print(f"building random-weight {name} ({s.dtype}) on {s.device} ...", flush=True)
+    quant = f", {s.quantization} for sparrow" if s.quantization else ""
+    print(f"building random-weight {name} ({s.dtype}{quant}) on {s.device} ...", flush=True)
     hf = build_random_hf_model(cfg, _DTYPES[s.dtype], s.device, seed=s.seed)
     meta["params"] = sum(p.numel() for p in hf.parameters())
     fp = footprint(hf, full, tied, hidden)

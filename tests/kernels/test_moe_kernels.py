@@ -205,12 +205,13 @@ def test_fp8_swapped_dots_on_the_grouped_path(num_experts, top_k, rows):
 
 
 @pytest.mark.parametrize("swap", [False, True])
-@pytest.mark.parametrize("num_experts,top_k,rows", [(8, 2, 17), (64, 8, 3)])
-def test_fp8_prequantized_activations_on_the_grouped_path(num_experts, top_k, rows, swap):
+@pytest.mark.parametrize("num_experts,top_k,rows,dtype", [(8, 2, 17, torch.bfloat16), (64, 8, 3, torch.bfloat16),
+                                                          (8, 2, 5, torch.float32)])
+def test_fp8_prequantized_activations_on_the_grouped_path(num_experts, top_k, rows, dtype, swap):
     """``Tile.a_fp8``: x and the intermediate quantized by their own launch before each grouped GEMM give the
     numbers of the in-kernel quantization exactly (same tiles, same scales and e4m3 values; the
-    intermediate's K = 40 is one ragged group), and so match the twin."""
-    x, w13, w2, tw, ti = _case(num_experts, top_k, rows, torch.bfloat16, seed=rows)
+    intermediate's K = 40 is one ragged group), and so match the twin; fp32 activations too."""
+    x, w13, w2, tw, ti = _case(num_experts, top_k, rows, dtype, seed=rows)
     q13, s13 = _quantize_experts(w13)
     q2, s2 = _quantize_experts(w2)
     outs = []
