@@ -64,16 +64,22 @@ forced_config = ForcedConfig()  # ``with forced_config(MoeConfig(...)):`` overri
 
 def default_config(rows: int, pairs: int, num_experts: int, small: bool, fp8: bool) -> MoeConfig:
     """Heuristic: small path - GEMV-like tiles (narrow N, long K); grouped path - BLOCK_M from the mean
-    pairs per expert (padding waste vs weight reuse), wider N and K 128 for FP8 (one scale block a step)."""
+    pairs per expert (padding waste vs weight reuse). FP8 grouped: the tiles ``moe_layer.py --tune`` chose at
+    Gemma 4's shape on the H200 (E 128, H 2816, I 704; the only shape measured): swapped dots (K steps of one
+    128-wide scale block), BLOCK_M 16 up to 16 pairs an expert, else 32, and from 64 pairs an expert the
+    activations quantized by their own launch (``a_fp8``: 1.5-1.6x at 1,024-8,192 rows; the earlier
+    heuristic's plain 128 x 128 tiles with BLOCK_M 64 took ~3x as long there)."""
     if small:
         tile = Tile(block_n=32, block_k=256, num_warps=4, num_stages=3)
         return MoeConfig(16, tile, tile)
     per_expert = pairs / max(num_experts, 1)
-    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
     if fp8:
-        tile = Tile(block_n=128 if block_m >= 64 else 64, block_k=128, num_warps=4, num_stages=3)
-    else:
-        tile = Tile(block_n=128 if block_m >= 64 else 64, block_k=64, num_warps=4, num_stages=4)
+        if per_expert <= 16:
+            return MoeConfig(16, Tile(128, 128, swap_ab=True), Tile(64, 128, swap_ab=True))
+        a_fp8 = per_expert >= 64
+        return MoeConfig(32, Tile(64, 128, swap_ab=True, a_fp8=a_fp8), Tile(128, 128, swap_ab=True, a_fp8=a_fp8))
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+    tile = Tile(block_n=128 if block_m >= 64 else 64, block_k=64, num_warps=4, num_stages=4)
     return MoeConfig(block_m, tile, tile)
 
 

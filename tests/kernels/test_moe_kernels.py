@@ -224,6 +224,21 @@ def test_fp8_prequantized_activations_on_the_grouped_path(num_experts, top_k, ro
     torch.testing.assert_close(outs[1].float(), twin.float(), **FP8_TOL)
 
 
+@pytest.mark.parametrize("rows", [16, 128, 256])
+def test_fp8_default_grouped_tiles(rows):
+    """``default_config``'s FP8 grouped tiles (swapped dots; BLOCK_M 16 at 4 pairs an expert, 32 at 32, and
+    ``a_fp8`` at 64) against the twin: the tiles untuned shapes and devices get."""
+    x, w13, w2, tw, ti = _case(8, 2, rows, torch.bfloat16, seed=rows)
+    cfg = moe_configs.default_config(rows, rows * 2, 8, False, True)
+    assert cfg.gate_up.swap_ab and cfg.gate_up.a_fp8 == (rows * 2 / 8 >= 64)
+    q13, s13 = _quantize_experts(w13)
+    q2, s2 = _quantize_experts(w2)
+    with forced_config(cfg):  # as pick_config returns it where no table matches (the CPU has none)
+        out = fused_moe_triton(x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2, pair_threshold=GROUPED)
+    twin = fused_moe_ref(x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2)
+    torch.testing.assert_close(out.float(), twin.float(), **FP8_TOL)
+
+
 @pytest.mark.parametrize("path", ["grouped", "small"])
 @pytest.mark.parametrize("num_experts,top_k,rows", [(8, 2, 17), (128, 8, 3), (64, 1, 16)])
 def test_fp8(path, num_experts, top_k, rows):
