@@ -118,6 +118,8 @@ def build_model(cls, config, dtype: torch.dtype, device, quant_config) -> torch.
 
     with torch.device(device), quant_config_scope(quant_config):  # parameters allocated (uninitialized) in place
         model = cls(config, dtype=dtype)
+        if quant_config is not None:  # the checkpoint's unquantized-module names in sparrow's names
+            quant_config = quant_config.for_model(model)
         bind_quant_config(model, quant_config)
     if quant_config is not None and quant_config.from_checkpoint:
         _fp8_checkpoint_experts(model, quant_config)

@@ -171,7 +171,8 @@ class CausalLM(nn.Module):
         packed = [src for src, (dst, idx) in self.packed_modules.items() if module_name.endswith(dst) and idx == shard]
         if sizes is not None and packed:
             base = module_name[: -len(module_name.rpartition(".")[2])]
-            shape = (sizes[shard],) + tuple(param.shape[1:])
+            rows = -(-sizes[shard] // 128) if leaf == "weight_scale_inv" else sizes[shard]  # 128 x 128 scale blocks
+            shape = (rows,) + tuple(param.shape[1:])
             return repr(f"{base}{packed[0]}.{leaf}"), shape
         return f"{pname!r} shard {shard!r}", tuple(param.shape)
 

@@ -114,19 +114,61 @@ class Fp8Config:
     def from_hf(cls, qc: dict) -> "Fp8Config":
         """From config.json's ``quantization_config``. Raises ModelLoadError for another method, block size
         or a static activation scheme."""
+        if not isinstance(qc, dict):
+            raise ModelLoadError(f"checkpoint quantization_config must be an object (a dict), got {qc!r}")
         method = qc.get("quant_method")
         if method != "fp8":
             raise ModelLoadError(f"checkpoint quantization_config.quant_method={method!r} is not supported "
                                  f"(supported: {', '.join(SUPPORTED_QUANTIZATION)})")
         block = qc.get("weight_block_size")
-        if block is None or [int(b) for b in block] != [GROUP, GROUP]:
+        try:
+            block_ok = block is not None and [int(b) for b in block] == [GROUP, GROUP]
+        except (TypeError, ValueError):  # not a list of two integers
+            block_ok = False
+        if not block_ok:
             raise ModelLoadError(f"FP8 checkpoint weight_block_size={block!r} is not supported (only [128, 128]; "
                                  "per-tensor / per-channel FP8 checkpoints are not loadable yet)")
         scheme = qc.get("activation_scheme", "dynamic")
         if scheme != "dynamic":
             raise ModelLoadError(f"FP8 checkpoint activation_scheme={scheme!r} is not supported (only 'dynamic')")
-        ignored = tuple(qc.get("modules_to_not_convert") or ()) + tuple(qc.get("ignored_layers") or ())
-        return cls(from_checkpoint=True, weight_block_size=(GROUP, GROUP), ignored_layers=ignored)
+        ignored = []
+        for key in ("modules_to_not_convert", "ignored_layers"):
+            names = qc.get(key) or []
+            if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+                raise ModelLoadError(f"FP8 checkpoint quantization_config.{key} must be a list of module names, "
+                                     f"got {names!r}")
+            ignored += names
+        return cls(from_checkpoint=True, weight_block_size=(GROUP, GROUP), ignored_layers=tuple(ignored))
+
+    def for_model(self, model: nn.Module) -> "Fp8Config":
+        """This config with ``ignored_layers`` also in ``model``'s module names. Checkpoint configs name HF
+        modules: q_proj / k_proj / v_proj and gate_proj / up_proj, which sparrow packs into qkv_proj and
+        gate_up_proj, and renamed ones (Mixtral's block_sparse_moe is sparrow's mlp); ``model.resolve_weight``
+        maps each name as it maps the checkpoint's tensors. Raises ModelLoadError when the names leave only
+        some projections of a packed layer unquantized: its shards share one weight format."""
+        from sparrow.layers.linear import Linear
+
+        linears = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+        extra, packed = [], {}
+        for frag in self.ignored_layers:
+            resolved = model.resolve_weight(f"{frag}.weight") if frag else None
+            if resolved is None:  # outside the text decoder, or a tied lm_head
+                continue
+            module, shard = resolved[0].rpartition(".")[0], resolved[1]
+            if isinstance(shard, int):  # a projection packed into ``module``
+                packed.setdefault(module, {}).setdefault(shard, frag)
+            elif module != frag:
+                extra.append(module)
+        for module, shards in packed.items():
+            matched = [m for name, m in linears if f".{module}." in f".{name}."]
+            if any(set(range(len(m.output_sizes or [0]))) - set(shards) for m in matched):
+                raise ModelLoadError(
+                    f"FP8 checkpoint leaves {sorted(shards.values())} unquantized (modules_to_not_convert / "
+                    f"ignored_layers) but not the other projections sparrow packs with them into {module!r}; a "
+                    "packed layer must be all FP8 or all float")
+            if matched:
+                extra.append(module)
+        return dataclasses.replace(self, ignored_layers=self.ignored_layers + tuple(extra)) if extra else self
 
     def quantizes(self, prefix: str) -> bool:
         """Whether the Linear named ``prefix`` (e.g. ``model.layers.0.self_attn.qkv_proj``) is quantized."""

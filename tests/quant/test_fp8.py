@@ -186,6 +186,14 @@ def test_config_from_hf():
         with pytest.raises(ModelLoadError, match=match):
             Fp8Config.from_hf(qc)
     assert not cfg.quantizes("model.layers.0.mlp.gate") and cfg.quantizes("model.layers.0.mlp.gate_up_proj")
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    for qc, match in [("fp8", "must be an object"), (["fp8"], "must be an object"),
+                      ({**fp8, "weight_block_size": 128}, "weight_block_size=128 is not supported"),
+                      ({**fp8, "weight_block_size": ["a", "b"]}, r"weight_block_size=\['a', 'b'\]"),
+                      ({**fp8, "modules_to_not_convert": "lm_head"}, "modules_to_not_convert must be a list"),
+                      ({**fp8, "ignored_layers": [1]}, "ignored_layers must be a list")]:
+        with pytest.raises(ModelLoadError, match=match):
+            Fp8Config.from_hf(qc)
 
 
 # ---- end to end: a tiny random Llama ------------------------------------------------------------------
@@ -205,15 +213,18 @@ def tiny_dir(tmp_path_factory) -> Path:
     return path
 
 
-def write_fp8_checkpoint(src: Path, dst: Path) -> Path:
-    """The DeepSeek / Qwen FP8 layout: each linear ``*.weight`` as e4m3 + ``*.weight_scale_inv`` [N/128, K/128]."""
+def write_fp8_checkpoint(src: Path, dst: Path, keep_float: tuple[str, ...] = (), not_convert=None) -> Path:
+    """The DeepSeek / Qwen FP8 layout: each linear ``*.weight`` as e4m3 + ``*.weight_scale_inv`` [N/128, K/128];
+    the modules named in ``keep_float`` (HF names) stay float, and config.json lists ``not_convert`` (default
+    ``keep_float``) as ``modules_to_not_convert``."""
     from safetensors.torch import load_file, save_file
 
     dst.mkdir(parents=True)
     out = {}
     for f in sorted(src.glob("*.safetensors")):
         for name, t in load_file(str(f)).items():
-            if name.endswith(".weight") and name.split(".")[-2] in _LINEAR_RE:
+            module = name.rpartition(".")[0]
+            if name.endswith(".weight") and name.split(".")[-2] in _LINEAR_RE and module not in keep_float:
                 q, s = quantize_fp8_block(t)
                 out[name], out[name + "_scale_inv"] = q, s
             else:
@@ -221,6 +232,9 @@ def write_fp8_checkpoint(src: Path, dst: Path) -> Path:
     save_file(out, str(dst / "model.safetensors"))
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    names = list(keep_float if not_convert is None else not_convert)
+    if names:
+        cfg["quantization_config"]["modules_to_not_convert"] = names
     (dst / "config.json").write_text(json.dumps(cfg))
     return dst
 
@@ -301,6 +315,44 @@ def test_fp8_checkpoint_with_unaligned_packed_shards_fails_clearly(tmp_path):
     from sparrow.loader.model_loader import load_model
 
     with pytest.raises(ModelLoadError, match="128-row boundary"):
+        load_model(ckpt)
+
+
+def test_modules_to_not_convert_in_checkpoint_names(tiny_dir, tmp_path):
+    """``modules_to_not_convert`` names HF modules: layer 0's q / k / v and gate / up (packed by sparrow into
+    qkv_proj and gate_up_proj) stay float and load exactly as with sparrow's own names; listing only some
+    projections of a packed layer is refused by name."""
+    from sparrow.loader.model_loader import load_model
+
+    attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+    keep = tuple(f"{attn}.{p}" for p in ("q_proj", "k_proj", "v_proj")) + (f"{mlp}.gate_proj", f"{mlp}.up_proj")
+    hf_names = load_model(write_fp8_checkpoint(tiny_dir, tmp_path / "hf", keep)).model
+    ours = load_model(write_fp8_checkpoint(tiny_dir, tmp_path / "ours", keep,
+                                           not_convert=(f"{attn}.qkv_proj", f"{mlp}.gate_up_proj"))).model
+    layer0, layer1 = hf_names.model.layers
+    assert layer0.self_attn.qkv_proj.weight.dtype == layer0.mlp.gate_up_proj.weight.dtype == torch.float32
+    assert layer0.self_attn.o_proj.weight.dtype == layer1.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    theirs = dict(ours.named_parameters())
+    for name, p in hf_names.named_parameters():
+        same = torch.equal(p.view(torch.uint8), theirs[name].view(torch.uint8)) if p.dtype == torch.float8_e4m3fn \
+            else torch.equal(p, theirs[name])
+        assert same, name
+    with pytest.raises(ModelLoadError, match=r"\['model.layers.0.self_attn.q_proj'\] unquantized .* 'model.layers.0"
+                                             r".self_attn.qkv_proj'; a packed layer must be all FP8 or all float"):
+        load_model(write_fp8_checkpoint(tiny_dir, tmp_path / "partial", (f"{attn}.q_proj",)))
+
+
+def test_missing_packed_scale_names_its_shape(tiny_dir, tmp_path):
+    """A missing scale of a packed projection is named with its own [ceil(rows / 128), K / 128] shape."""
+    from safetensors.torch import load_file, save_file
+
+    from sparrow.loader.model_loader import load_model
+
+    ckpt = write_fp8_checkpoint(tiny_dir, tmp_path / "fp8")
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    del tensors["model.layers.0.mlp.up_proj.weight_scale_inv"]  # up_proj: 512 rows, K = 256
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"'model.layers.0.mlp.up_proj.weight_scale_inv', expected shape \(4, 2\)"):
         load_model(ckpt)
 
 

@@ -234,3 +234,30 @@ def test_fp8_checkpoint_with_float_experts_is_a_clear_error(aligned_dir, tmp_pat
     ckpt = t.write_fp8_checkpoint(aligned_dir, tmp_path / "fp8_float_experts")
     with pytest.raises(ModelLoadError, match=r"experts\.0\.\w+_proj\.weight.*float32.*float8_e4m3fn"):
         make_llm(ckpt, max_model_len=64)
+
+
+def test_mixtral_float_experts_named_as_hf_names_them(tmp_path):
+    """An FP8 Mixtral checkpoint whose experts stay float, listed in ``modules_to_not_convert`` under the
+    checkpoint's own name (``block_sparse_moe.experts``; sparrow's module is ``mlp.experts``): the experts load
+    as float and the attention as FP8; without the list the float experts are refused by name."""
+    import transformers
+
+    import tests.quant.test_fp8 as t
+    from sparrow import SamplingParams
+    from sparrow.errors import ModelLoadError
+
+    src = tmp_path / "mixtral"
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_local_experts=4,
+                                     num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2,
+                                     num_key_value_heads=2, head_dim=64, max_position_embeddings=128)
+    transformers.MixtralForCausalLM(cfg).save_pretrained(str(src), safe_serialization=True)
+    experts = [f"model.layers.{i}.block_sparse_moe.experts" for i in range(2)]
+    with pytest.raises(ModelLoadError, match=r"experts\.0\.w1\.weight.*float32.*float8_e4m3fn"):
+        make_llm(t.write_fp8_checkpoint(src, tmp_path / "no_list"), max_model_len=64)
+    llm = make_llm(t.write_fp8_checkpoint(src, tmp_path / "listed", not_convert=experts), max_model_len=64)
+    model = llm.engine.runner.model
+    assert all(not m.is_fp8 and m.gate_up_proj.dtype == torch.float32 for _, m in _experts(llm))
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 2
