@@ -124,13 +124,18 @@ def test_sparrow_and_transformers_run_the_same_weights(name):
 
 
 def test_fp8_shape_bench_quantizes_at_load(tmp_path):
-    """``--quantization fp8`` on a named shape: sparrow's linears become e4m3, so a step reads fewer bytes."""
+    """``--quantization fp8`` on a named shape: sparrow's linears become e4m3, so a step reads fewer bytes;
+    transformers' rows (its bf16 copy of the same weights) keep the bytes of its own weights."""
     base = _bench(tmp_path, "--model-shape", "tiny-moe", "--no-hf")
-    fp8 = _bench(tmp_path, "--model-shape", "tiny-moe", "--no-hf", "--quantization", "fp8")
+    fp8 = _bench(tmp_path, "--model-shape", "tiny-moe", "--quantization", "fp8")
     for r in fp8["results"]:
         assert "error" not in r, r
         for f in FIELDS:
             assert r[f] > 0, (f, r)
+    step = {(r["engine"], r["batch"]): r["bytes_per_step"] for r in fp8["results"]}
+    ours = {(r["engine"], r["batch"]): r["bytes_per_step"] for r in base["results"]}
+    for b in (1, 3):
+        assert step["sparrow", b] < step["transformers", b] == ours["sparrow", b]
     wb, wb8 = base["meta"]["bytes_model"]["weight_bytes"], fp8["meta"]["bytes_model"]["weight_bytes"]
     assert sum(wb8.values()) < sum(wb.values())
     assert wb8["dense"] < wb["dense"]

@@ -79,8 +79,9 @@ def run_bench(args) -> int:
     gen = torch.Generator().manual_seed(s.seed)
     failed = False
     for runner, fp, vocab in runners:
-        report["meta"]["bytes_model"] = {"weight_bytes": fp.weight_bytes, "num_experts": fp.num_experts,
-                                         "top_k": fp.top_k, "tied_lm_head": fp.tied}
+        key = "hf_bytes_model" if isinstance(runner, HFRunner) else "bytes_model"  # each engine's own weights
+        report["meta"][key] = {"weight_bytes": fp.weight_bytes, "num_experts": fp.num_experts, "top_k": fp.top_k,
+                               "tied_lm_head": fp.tied}
         if isinstance(runner, HFRunner):
             report["meta"]["hf_attn_implementation"] = getattr(runner.model.config, "_attn_implementation", None)
         for p in s.prompt_lens:

@@ -102,7 +102,7 @@ def shape_runners(name: str, s: Settings, engine_kw: dict, with_hf: bool, meta: 
     print(f"building random-weight {name} ({s.dtype}{quant}) on {s.device} ...", flush=True)
     hf = build_random_hf_model(cfg, _DTYPES[s.dtype], s.device, seed=s.seed)
     meta["params"] = sum(p.numel() for p in hf.parameters())
-    fp = footprint(hf, full, tied, hidden)
+    fp = hf_fp = footprint(hf, full, tied, hidden)  # each engine's row uses the bytes of its own weights
     try:
         engine = sparrow_from_hf(hf, full, s, engine_kw)
     except UnsupportedArchitectureError as e:
@@ -123,12 +123,12 @@ def shape_runners(name: str, s: Settings, engine_kw: dict, with_hf: bool, meta: 
     if with_hf:
         if park:
             hf.to(s.device)
-        yield HFRunner(hf, s.device), fp, vocab
+        yield HFRunner(hf, s.device), hf_fp, vocab
 
 
 def path_runners(path: Path, s: Settings, engine_kw: dict, with_hf: bool, meta: dict):
     """Yield (runner, footprint, vocab) for sparrow's LLM on a checkpoint, then (after freeing it) for
-    transformers' model loaded from the same file."""
+    transformers' model loaded from the same file; each footprint counts that engine's own weight bytes."""
     from sparrow.engine.llm import LLM
 
     print(f"loading {path} with sparrow ({s.dtype}, {s.device}) ...", flush=True)
@@ -142,7 +142,9 @@ def path_runners(path: Path, s: Settings, engine_kw: dict, with_hf: bool, meta: 
     _free(s.device)
     if with_hf:
         print(f"loading {path} with transformers ...", flush=True)
-        yield HFRunner(load_hf_pretrained(path, s), s.device), fp, mcfg.vocab_size
+        hf = load_hf_pretrained(path, s)  # its own bytes: transformers dequantizes GGUF / FP8 weights
+        yield HFRunner(hf, s.device), footprint(hf, mcfg.raw, mcfg.tie_word_embeddings, mcfg.hidden_size), \
+            mcfg.vocab_size
 
 
 # ---------------------------------------------------------------------------------------------- report
