@@ -21,6 +21,7 @@ from torch import nn
 from sparrow.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id, name: str) -> None:
@@ -75,10 +76,20 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
             continue
         pname, shard = target
         if pname not in params:
+            if name.endswith("_scale_inv"):
+                raise ModelLoadError(
+                    f"checkpoint tensor {name!r} is an FP8 block scale, but {type(model).__name__} has no FP8 "
+                    f"parameter {pname!r}: config.json lacks an FP8 quantization_config, or the module is one "
+                    "sparrow keeps in float (embeddings, LM head, norms, routers)")
             raise ModelLoadError(
                 f"checkpoint tensor {name!r} is not used by {type(model).__name__} (no parameter {pname!r})"
             )
         param = params[pname]
+        if tensor.dtype in _FP8_DTYPES and param.dtype not in _FP8_DTYPES:  # never cast an FP8 weight silently
+            raise ModelLoadError(
+                f"checkpoint tensor {name!r} is {tensor.dtype}, but {pname!r} is {param.dtype}: an FP8 weight "
+                "needs its weight_scale_inv and an FP8 quantization_config in config.json (and sparrow keeps "
+                "embeddings, the LM head, norms and routers in float)")
         if shard is not None and shard not in expected_shards(param):
             raise ModelLoadError(
                 f"checkpoint tensor {name!r} is not used by {type(model).__name__} "

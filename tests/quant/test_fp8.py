@@ -356,6 +356,29 @@ def test_missing_packed_scale_names_its_shape(tiny_dir, tmp_path):
         load_model(ckpt)
 
 
+def test_fp8_tensors_outside_an_fp8_model_are_named(tiny_dir, tmp_path):
+    """An FP8 checkpoint without its quantization_config (scales unused), and an e4m3 tensor for a float
+    parameter (the embedding), are refused by name instead of being dropped or cast."""
+    from safetensors.torch import load_file, save_file
+
+    from sparrow.loader.model_loader import load_model
+
+    ckpt = write_fp8_checkpoint(tiny_dir, tmp_path / "no_config")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    del cfg["quantization_config"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"is an FP8 block scale, but LlamaForCausalLM has no FP8 parameter"):
+        load_model(ckpt)
+    tensors = load_file(str(tiny_dir / "model.safetensors"))
+    tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].to(torch.float8_e4m3fn)
+    (tmp_path / "e4m3_embed").mkdir()
+    save_file(tensors, str(tmp_path / "e4m3_embed" / "model.safetensors"))
+    (tmp_path / "e4m3_embed" / "config.json").write_text((tiny_dir / "config.json").read_text())
+    with pytest.raises(ModelLoadError, match=r"'model.embed_tokens.weight' is torch.float8_e4m3fn, but "
+                                             r"'model.embed_tokens.weight' is torch.float32"):
+        load_model(tmp_path / "e4m3_embed")
+
+
 def test_unsupported_quantization_names_itself(tiny_dir):
     from sparrow import LLM
 
