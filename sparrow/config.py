@@ -72,10 +72,12 @@ def _check_gemma4(cfg: dict) -> None:
 
 
 def _gemma4_layer_shape(cfg: dict, i: int, layer_type: str, n_kv: int, head_dim: int) -> tuple[int, int]:
-    """(KV heads, head dim) of Gemma 4 layer i: transformers 5's ``per_layer_config`` when saved, else the
-    ``global_head_dim`` (default 512) / ``num_global_key_value_heads`` of full-attention layers."""
+    """(KV heads, head dim) of Gemma 4 layer i: transformers 5's ``per_layer_config`` when saved (layers it does
+    not list, or all when it is empty, take the top-level values: transformers >= 5.2x saves only the
+    differences there), else the ``global_head_dim`` (default 512) / ``num_global_key_value_heads`` of
+    full-attention layers (older configs)."""
     per_layer = cfg.get("per_layer_config")
-    if isinstance(per_layer, dict) and per_layer:
+    if isinstance(per_layer, dict):
         by_index = {int(k): v for k, v in per_layer.items() if str(k).isdigit()}  # keys may be "05"
         over = by_index.get(i) or per_layer.get(layer_type) or {}
         return int(over.get("num_key_value_heads", n_kv)), int(over.get("head_dim", head_dim))

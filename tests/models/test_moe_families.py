@@ -142,3 +142,19 @@ def test_gemma4_conditional_generation_checkpoint(tmp_path):
     for p in PROMPTS[:2]:
         ids, logits = hf_greedy(hf, p, NEW)
         compare(ids, logits, llm.generate({"prompt_token_ids": p}, _params())[0].outputs[0])
+
+
+def test_gemma4_same_head_dim_on_every_layer(tmp_path):
+    """A Gemma 4 whose full-attention layers keep the sliding layers' head dim: transformers (>= 5.2x) saves
+    an empty ``per_layer_config`` and no ``global_head_dim``, which means "no layer differs", not the old
+    default of 512. Greedy ids and logprobs against transformers on the same weights."""
+    hf = build(FAMILIES, "gemma4", tmp_path / "g4", head_dim=16, global_head_dim=16, num_global_key_value_heads=None,
+               attention_k_eq_v=False)
+    saved = json.loads((tmp_path / "g4" / "config.json").read_text())
+    assert not saved.get("per_layer_config") and saved.get("global_head_dim", 16) == 16
+    llm = make_llm(tmp_path / "g4", max_model_len=128)
+    compared = 0
+    for p in PROMPTS[:2]:
+        ids, logits = hf_greedy(hf, p, 8)
+        compared += compare(ids, logits, llm.generate({"prompt_token_ids": p}, _params())[0].outputs[0])
+    assert compared >= 8
