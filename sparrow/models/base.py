@@ -161,10 +161,18 @@ class CausalLM(nn.Module):
         if hasattr(param, "expert_blocks"):  # stacked experts: name the per-expert tensor and the fused one
             expert, block = shard
             rows = param.shape[1] // param.expert_blocks
-            part = {("gate_up_proj", 0): "gate_proj", ("gate_up_proj", 1): "up_proj", ("w13_scale", 0): "gate_proj",
-                    ("w13_scale", 1): "up_proj", ("w2_scale", 0): "down_proj"}.get((leaf, block), leaf)
-            suffix = "weight_scale_inv" if leaf in EXPERT_SCALES.values() else "weight"
-            return (f"{module_name + f'.{expert}.{part}.{suffix}'!r} (or the fused {pname!r} {tuple(param.shape)})",
+            scale = leaf in EXPERT_SCALES.values()
+            stacked = next((k for k, v in EXPERT_SCALES.items() if v == leaf), leaf)  # gate_up_proj / down_proj
+            hf_module = module_name + "."
+            for src, dst in self.renames:  # back to the checkpoint's module names (Mixtral's block_sparse_moe)
+                hf_module = hf_module.replace(dst, src)
+            hf_module = hf_module[:-1]
+            w_names = any("block_sparse_moe" in src for src, _ in self.renames)  # Mixtral / MiniMax: w1 / w3 / w2
+            part = {("gate_up_proj", 0): "w1" if w_names else "gate_proj", ("gate_up_proj", 1): "w3" if w_names
+                    else "up_proj", ("down_proj", 0): "w2" if w_names else "down_proj"}.get((stacked, block), stacked)
+            suffix = "weight_scale_inv" if scale else "weight"
+            fused = f"{hf_module}.{stacked}{'_scale_inv' if scale else ''}"
+            return (f"{hf_module + f'.{expert}.{part}.{suffix}'!r} (or the fused {fused!r} {tuple(param.shape)})",
                     (rows, param.shape[2]))
         module = self.get_submodule(module_name)
         sizes = getattr(module, "output_sizes", None)

@@ -236,7 +236,7 @@ def test_fp8_checkpoint_with_float_experts_is_a_clear_error(aligned_dir, tmp_pat
         make_llm(ckpt, max_model_len=64)
 
 
-def test_mixtral_float_experts_named_as_hf_names_them(tmp_path):
+def test_mixtral_float_experts_named_as_hf_names_them(tmp_path, monkeypatch):
     """An FP8 Mixtral checkpoint whose experts stay float, listed in ``modules_to_not_convert`` under the
     checkpoint's own name (``block_sparse_moe.experts``; sparrow's module is ``mlp.experts``): the experts load
     as float and the attention as FP8; without the list the float experts are refused by name."""
@@ -261,3 +261,15 @@ def test_mixtral_float_experts_named_as_hf_names_them(tmp_path):
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 2
+    # FP8 experts too, one scale missing: named as the checkpoint names it (block_sparse_moe, w3)
+    from safetensors.torch import load_file, save_file
+
+    monkeypatch.setattr(t, "_LINEAR_RE", t._LINEAR_RE + ("w1", "w2", "w3"))
+    ckpt = t.write_fp8_checkpoint(src, tmp_path / "fp8_experts")
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    del tensors["model.layers.0.block_sparse_moe.experts.2.w3.weight_scale_inv"]
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"lacks the tensor 'model.layers.0.block_sparse_moe.experts.2.w3."
+                                             r"weight_scale_inv' \(or the fused 'model.layers.0.block_sparse_moe."
+                                             r"experts.gate_up_proj_scale_inv'"):
+        make_llm(ckpt, max_model_len=64)
