@@ -62,7 +62,7 @@ def fused_router_triton(
     ids_dtype: torch.dtype = torch.int64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher of ``fused_router_ref`` (same contract); one program per row, no host sync."""
-    from sparrow.kernels._router_jit import SIGMOID, SOFTMAX, SQRTSOFTPLUS, router_kernel
+    from sparrow.kernels._router_jit import router_kernel
 
     _check(router_logits, top_k, scoring, e_score_correction_bias, per_expert_scale, ids_dtype)
     rows, num_experts = router_logits.shape
@@ -74,17 +74,25 @@ def fused_router_triton(
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     bias = e_score_correction_bias.float().contiguous() if e_score_correction_bias is not None else None
     scale = per_expert_scale.contiguous() if per_expert_scale is not None else None
-    per_group = num_experts // groups
     router_kernel[(rows,)](
         logits, bias if bias is not None else weights, scale if scale is not None else weights, weights, ids,
         logits.stride(0), float(routed_scaling_factor),
-        SCORING={"softmax": SOFTMAX, "sigmoid": SIGMOID, "sqrtsoftplus": SQRTSOFTPLUS}[scoring],
-        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, RENORM=bool(renormalize),
-        TOPK=top_k, K_PAD=_next_pow2(top_k), N_GROUP=groups, TOPK_GROUP=keep, PER_GROUP=per_group,
-        G_PAD=_next_pow2(groups), PER_PAD=_next_pow2(per_group), num_warps=4 if num_experts >= 512 else 1,
-        **pdl_kwargs(logits),
+        **_route_constexprs(scoring, bias is not None, scale is not None, renormalize, top_k, groups, keep,
+                            num_experts), num_warps=4 if num_experts >= 512 else 1, **pdl_kwargs(logits),
     )
     return weights, ids
+
+
+def _route_constexprs(scoring: str, has_bias: bool, has_scale: bool, renormalize: bool, top_k: int, groups: int,
+                      keep: int, num_experts: int) -> dict:
+    """The constexpr arguments of ``_router_jit.route_row`` (both routing kernels pass them through)."""
+    from sparrow.kernels._router_jit import SIGMOID, SOFTMAX, SQRTSOFTPLUS
+
+    per_group = num_experts // groups
+    return dict(SCORING={"softmax": SOFTMAX, "sigmoid": SIGMOID, "sqrtsoftplus": SQRTSOFTPLUS}[scoring],
+                HAS_BIAS=has_bias, HAS_SCALE=has_scale, RENORM=bool(renormalize), TOPK=top_k, K_PAD=_next_pow2(top_k),
+                N_GROUP=groups, TOPK_GROUP=keep, PER_GROUP=per_group, G_PAD=_next_pow2(groups),
+                PER_PAD=_next_pow2(per_group))
 
 
 def fused_router(
@@ -181,7 +189,7 @@ def router_topk_triton(x: torch.Tensor, weight: torch.Tensor, top_k: int, rms_ep
     none allocated yet during a CUDA-graph capture, or all taken) it runs ``router_logits_triton`` +
     ``fused_router_triton``. ``num_warps``: per program (default ROUTER_TOPK_WARPS; benchmarks sweep it)."""
     from sparrow.kernels import split_k
-    from sparrow.kernels._router_jit import SIGMOID, SOFTMAX, SQRTSOFTPLUS, router_logits_topk_kernel
+    from sparrow.kernels._router_jit import router_logits_topk_kernel
 
     _check_logits(x, weight)
     rows, hidden = x.shape
@@ -204,9 +212,7 @@ def router_topk_triton(x: torch.Tensor, weight: torch.Tensor, top_k: int, rms_ep
         x, weight, logits, rows, num_experts, hidden, x.stride(0), weight.stride(0), float(rms_eps or 0.0),
         buffers[1], weights, scale if scale is not None else weights, weights, ids, 1.0,
         RMS_NORM=rms_eps is not None, BLOCK_R=block_r, BLOCK_E=block_e, BLOCK_H=block_h, E_PROGRAMS=e_programs,
-        SCORING={"softmax": SOFTMAX, "sigmoid": SIGMOID, "sqrtsoftplus": SQRTSOFTPLUS}[scoring],
-        HAS_BIAS=False, HAS_SCALE=scale is not None, RENORM=bool(renormalize), TOPK=top_k, K_PAD=_next_pow2(top_k),
-        N_GROUP=1, TOPK_GROUP=1, PER_GROUP=num_experts, G_PAD=1, PER_PAD=_next_pow2(num_experts),
+        **_route_constexprs(scoring, False, scale is not None, renormalize, top_k, 1, 1, num_experts),
         num_warps=num_warps or ROUTER_TOPK_WARPS, **pdl_kwargs(x),
     )
     return weights, ids

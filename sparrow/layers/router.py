@@ -214,15 +214,11 @@ class Gemma4Router(nn.Module):
         return router_logits(x, self.folded_weight(), rms_eps=self.eps)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from sparrow.kernels import use_triton
+        from sparrow.kernels.router import router_topk
 
-        if use_triton(x):  # sparrow.kernels.router: Triton logits (decode sizes) and routing
-            from sparrow.kernels.router import router_topk
-
-            return router_topk(x, self.folded_weight(), self.top_k, self.eps, "softmax", renormalize=True,
-                               per_expert_scale=self.per_expert_scale)
-        return select_experts(self.logits(x), self.top_k, "softmax", renormalize=True,
-                              per_expert_scale=self.per_expert_scale)
+        # self.logits' steps, then softmax top-k (Triton kernels where use_triton(x), else torch)
+        return router_topk(x, self.folded_weight(), self.top_k, self.eps, "softmax", renormalize=True,
+                           per_expert_scale=self.per_expert_scale)
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden_size}, experts={self.num_experts}, top_k={self.top_k}, eps={self.eps}"
