@@ -1,7 +1,9 @@
 """GPU micro-benchmark of one MoE layer (router output -> experts -> weighted reduce) at the Gemma 4 26B-A4B
-shape: H = 2816, E = 128, K = 8, I = 704, bf16 and FP8 (e4m3, 128 x 128 block scales, W8A8).
+shape: H = 2816, E = 128, K = 8, I = 704 (or another MoE shape of ``sparrow bench``: ``--shape``), bf16 and
+FP8 (e4m3, 128 x 128 block scales, W8A8).
 
     python benchmarks/moe_layer.py [--rows 1 8 64 1024] [--dtypes bf16 fp8] [--out result.json] [--torch]
+    python benchmarks/moe_layer.py --shape qwen3-30b-a3b      (H 2048, E 128, K 8, I 768: its own config file)
     python benchmarks/moe_layer.py --tune [--rows ...]     (sweep tiles, write sparrow/kernels/configs/*.json)
     python benchmarks/moe_layer.py --tune --quick --rows 2048 8192 --dtypes fp8   (prefill sizes: a short list)
 
@@ -30,6 +32,19 @@ from gpu_timing import copy_bandwidth, time_s  # noqa: E402  (beside this script
 
 H, E, K, I = 2816, 128, 8, 704
 N_ROUTINGS = 16
+
+
+def set_shape(name: str) -> None:
+    """H, E, K, I from the MoE model shape ``name`` of sparrow.model_shapes (SystemExit for a dense or unknown one)."""
+    global H, E, K, I
+    from sparrow.model_shapes import SHAPES
+
+    cfg = SHAPES.get(name)
+    if cfg is None or "num_experts" not in cfg:
+        moe = [n for n, c in SHAPES.items() if "num_experts" in c]
+        raise SystemExit(f"--shape {name!r}: not an MoE model shape; MoE shapes: {', '.join(moe)}")
+    H, E, I = cfg["hidden_size"], cfg["num_experts"], cfg["moe_intermediate_size"]
+    K = cfg.get("num_experts_per_tok") or cfg["top_k_experts"]
 
 
 
@@ -246,6 +261,7 @@ def write_table(table: dict, fp8: bool, out_dir: pathlib.Path, device_name: str,
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 1024])
+    p.add_argument("--shape", default="gemma4-26b-a4b", help="MoE model shape (sparrow bench's --model-shape names)")
     p.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     p.add_argument("--out", type=pathlib.Path, help="write the results as JSON here")
     p.add_argument("--torch", action="store_true", help="also time the torch reference path")
@@ -256,6 +272,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--quick", action="store_true",
                    help="with --tune: time only the current entry and the prefill candidates (grouped path)")
     args = p.parse_args(argv)
+    set_shape(args.shape)
     if not torch.cuda.is_available():
         raise SystemExit("moe_layer.py needs a CUDA GPU")
     from sparrow.kernels.moe_configs import CONFIG_DIR

@@ -454,6 +454,30 @@ def test_tune_writes_after_each_row_count_and_keeps_other_entries(tmp_path):
     assert MoeConfig.from_json(data["configs"]["1"]).gate_up.block_n == 16
 
 
+def test_moe_layer_bench_shapes(tmp_path, monkeypatch):
+    """moe_layer.py --shape takes H, E, K, I from sparrow bench's MoE model shapes (its data file is named by
+    them); a dense shape is refused by name."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
+    import moe_layer
+
+    from sparrow.kernels.moe_configs import MoeConfig, Tile
+
+    for name in ("H", "E", "K", "I"):
+        monkeypatch.setattr(moe_layer, name, getattr(moe_layer, name))
+    moe_layer.set_shape("qwen3-30b-a3b")
+    assert (moe_layer.H, moe_layer.E, moe_layer.K, moe_layer.I) == (2048, 128, 8, 768)
+    path = moe_layer.write_table({"1": MoeConfig(16, Tile(32, 128), Tile(32, 128)).to_json()}, True, tmp_path,
+                                 "Some GPU", "x")
+    assert path.name == "E128_H2048_I768_fp8_Some_GPU.json"
+    moe_layer.set_shape("gemma4-26b-a4b")
+    assert (moe_layer.H, moe_layer.E, moe_layer.K, moe_layer.I) == (2816, 128, 8, 704)
+    with pytest.raises(SystemExit, match="llama3-8b.*not an MoE model shape"):
+        moe_layer.set_shape("llama3-8b")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_experts,top_k", [(8, 2), (64, 1), (128, 8), (256, 8)])
 @pytest.mark.parametrize("rows", [1, 17, 65, 1024])

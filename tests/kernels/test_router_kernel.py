@@ -122,9 +122,10 @@ def _logit_args(rows, num_experts, hidden, x_dtype, seed=0):
 @pytest.mark.parametrize("rms_eps", [None, 1e-6])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,num_experts,hidden", [(1, 8, 64), (2, 128, 200), (3, 6, 96), (16, 128, 64), (64, 16, 64),
-                                                     (17, 6, 200), (33, 40, 96)])
+                                                     (17, 6, 200), (33, 40, 96), (2, 6, 2816), (16, 8, 300)])
 def test_router_logits_kernel_matches_twin(rows, num_experts, hidden, x_dtype, rms_eps):
-    """fp32 logits (with Gemma 4's scale-free norm folded in) within fp32 rounding-order error of the twin."""
+    """fp32 logits (with Gemma 4's scale-free norm folded in) within fp32 rounding-order error of the twin; H in
+    one step (the weight tile loaded before the PDL wait) and in several (the last two shapes)."""
     x, w = _logit_args(rows, num_experts, hidden, x_dtype)
     got, want = router_logits_triton(x, w, rms_eps), router_logits_ref(x, w, rms_eps)
     assert got.dtype == torch.float32 and got.shape == (rows, num_experts)
