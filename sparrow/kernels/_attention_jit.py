@@ -60,10 +60,17 @@ def _qk_scores(
 
 
 @triton.jit
+def _split_part(live, num_splits, BLOCK_N: tl.constexpr):
+    """Keys per decode split: ceil(live / num_splits) rounded up to BLOCK_N (>= BLOCK_N), so at most
+    num_splits splits are live and each but the last holds whole tiles."""
+    return tl.maximum(tl.cdiv(tl.cdiv(live, num_splits), BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit
 def paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     out_ptr, part_acc_ptr, part_lse_ptr,
-    scale, soft_cap, window, partition_size,
+    scale, soft_cap, window,
     stride_qr, stride_qh,
     stride_kn, stride_kb, stride_kh,
     stride_vn, stride_vb, stride_vh,
@@ -79,9 +86,11 @@ def paged_decode_kernel(
 ):
     """One decode row (sequence s), one KV head and its G query heads, one KV split.
 
-    grid (S, Hkv, P). The split covers keys [kv_start + p * partition_size, ...) with kv_start = 0, or
-    ctx - W under a window. SPLIT: write fp32 partials part_acc [S, Hq, P, Dv] (already divided by the
-    split's softmax sum) and part_lse [S, Hq, P]; else write out [R, Hq, Dv] directly. Empty splits
+    grid (S, Hkv, P). The split covers keys [kv_start + p * part, ...) with kv_start = 0, or ctx - W under a
+    window, and part = ``_split_part`` (this sequence's live keys over P, rounded up to BLOCK_N: read from
+    seq_lens here, so a graph captured for the longest context still spreads a short one over P programs).
+    SPLIT: write fp32 partials part_acc [S, Hq, P, Dv] (already divided by the split's softmax sum) and
+    part_lse [S, Hq, P]; else (one split) write out [R, Hq, Dv] directly. Empty splits
     write nothing (the reduce recomputes how many splits are live).
     """
     pdl_enter(USE_PDL)
@@ -93,8 +102,12 @@ def paged_decode_kernel(
     kv_start = 0
     if USE_WINDOW:
         kv_start = tl.maximum(ctx - window, 0)
-    lo = kv_start + split * partition_size
-    hi = tl.minimum(lo + partition_size, ctx)
+    if SPLIT:
+        part = _split_part(ctx - kv_start, tl.num_programs(2), BLOCK_N)
+    else:
+        part = ctx - kv_start
+    lo = kv_start + split * part
+    hi = tl.minimum(lo + part, ctx)
     if lo >= hi:
         return
 
@@ -151,10 +164,11 @@ def paged_decode_kernel(
 @triton.jit
 def paged_decode_reduce_kernel(
     part_acc_ptr, part_lse_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-    window, partition_size,
+    window, num_splits,
     stride_pas, stride_pah, stride_pap, stride_pls, stride_plh, stride_or, stride_oh,
     DV: tl.constexpr, DV_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_P: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # the decode kernel's, for its split size (_split_part)
     USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
 ):
     """Merge the live splits of one (sequence, q head): out = sum_p exp(lse_p - lse) * acc_p. grid (S, Hq).
@@ -167,7 +181,7 @@ def paged_decode_reduce_kernel(
     kv_start = 0
     if USE_WINDOW:
         kv_start = tl.maximum(ctx - window, 0)
-    live = tl.cdiv(ctx - kv_start, partition_size)
+    live = tl.cdiv(ctx - kv_start, _split_part(ctx - kv_start, num_splits, BLOCK_N))
     offs_p = tl.arange(0, SPLITS_PAD)
     lse = tl.load(part_lse_ptr + s * stride_pls + h * stride_plh + offs_p, mask=offs_p < live, other=float("-inf"))
     m = tl.max(lse, 0)

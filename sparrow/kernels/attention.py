@@ -128,6 +128,8 @@ def paged_decode_attention(
     ``query_start_loc[s]`` (query_start_loc must be arange(S + 1); not checked, to avoid a device sync).
     Each (sequence, KV head) splits its live keys into P partitions (flash-decoding); the G query heads of
     a KV head share each K/V tile. A second kernel merges the splits by log-sum-exp (skipped when P == 1).
+    Each sequence's partition is its own live keys / P rounded up to a tile, computed in the kernels from
+    seq_lens, so a short context is spread over P programs even in a graph captured for the longest.
 
     max_seq_len: host-side bound on seq_lens (default: the block table's capacity M * B); it and the batch
     size choose P, so pass a fixed value when capturing CUDA graphs. num_splits / config force P / tiles.
@@ -145,11 +147,8 @@ def paged_decode_attention(
     if sliding_window is not None:
         max_kv = min(max_kv, sliding_window)
     splits = num_splits or num_decode_splits(num_seqs, hkv, max_kv, block_n, q.device)
-    partition = triton.cdiv(triton.cdiv(max(max_kv, 1), splits), block_n) * block_n
-    if num_splits is None:
-        splits = triton.cdiv(max(max_kv, 1), partition)
-    if splits == 1:
-        partition = 1 << 30  # one split covers any length
+    if num_splits is None:  # no more splits than max_kv has tiles for (the kernels size each from seq_lens)
+        splits = triton.cdiv(max(max_kv, 1), triton.cdiv(triton.cdiv(max(max_kv, 1), splits), block_n) * block_n)
     group = hq // hkv
     split = splits > 1
     if split:
@@ -159,7 +158,7 @@ def paged_decode_attention(
         part_acc = part_lse = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device)
     paged_decode_kernel[(num_seqs, hkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_lse,
-        float(scale), float(soft_cap or 0.0), int(sliding_window or 0), partition,
+        float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -170,11 +169,12 @@ def paged_decode_attention(
     )
     if split:
         paged_decode_reduce_kernel[(num_seqs, hq)](
-            part_acc, part_lse, seq_lens, query_start_loc, out, int(sliding_window or 0), partition,
+            part_acc, part_lse, seq_lens, query_start_loc, out, int(sliding_window or 0), splits,
             part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),
             DV=meta["DV"], DV_PAD=meta["DV_PAD"], SPLITS_PAD=(splits_pad := max(2, triton.next_power_of_2(splits))),
-            BLOCK_P=min(splits_pad, max(2, 8192 // meta["DV_PAD"])), USE_WINDOW=meta["USE_WINDOW"], num_warps=4,
+            BLOCK_P=min(splits_pad, max(2, 8192 // meta["DV_PAD"])), USE_WINDOW=meta["USE_WINDOW"], BLOCK_N=block_n,
+            num_warps=4,
             **pdl_kwargs(q),
         )
     return out

@@ -97,6 +97,15 @@ def test_reduce_merges_more_splits_than_one_tile():
     check(paged_decode_attention, batch, 1 / math.sqrt(512), num_splits=22)
 
 
+@pytest.mark.parametrize("window", [None, 24])
+def test_short_contexts_spread_over_the_splits_of_a_long_bound(window):
+    """Splits chosen for max_seq_len 4,096 (a graph captured for long contexts): each sequence's partition is
+    its own live keys over the splits, so 200 keys use several splits and 5 keys one; same numbers as the twin."""
+    batch = make_batch([1, 1, 1], [5, 40, 200], hq=4, hkv=2, d=64, page=16, dtype=torch.float32, seed=8)
+    check(paged_decode_attention, batch, 0.125, window, max_seq_len=4096)
+    check(paged_decode_attention, batch, 0.125, window, num_splits=7)
+
+
 def test_window_longer_context_and_softcap_splits():
     # window much shorter than the context: splits start at ctx - W; fp16 q and cache
     batch = make_batch([1, 1], [90, 33], hq=8, hkv=2, d=64, page=16, dtype=torch.float16, seed=4)
