@@ -125,22 +125,11 @@ def router_kernel(
 
 
 @triton.jit
-def _w_tile(w_ptr, E, H, stride_we, pid_e, h0, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
-    """The router weight's [BLOCK_E, BLOCK_H] tile at experts pid_e * BLOCK_E.., columns h0.. (its own dtype)."""
-    re = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    hh = h0 + tl.arange(0, BLOCK_H)
-    return tl.load(w_ptr + re[:, None] * stride_we + hh[None, :], mask=(re < E)[:, None] & (hh < H)[None, :],
-                   other=0.0)
-
-
-@triton.jit
 def _logits_tile(x_ptr, w_ptr, out_ptr, R, E, H, stride_xr, stride_we, eps, pid_e, pid_r,
-                 RMS_NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                 w_pre=0.0, PRELOADED: tl.constexpr = False):
+                 RMS_NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
     """Store logits[r, e] = sum_h x[r, h] * w[e, h] (fp32) of the [BLOCK_R, BLOCK_E] tile (pid_r, pid_e); with
     RMS_NORM the per-row factor rsqrt(mean(x^2) + eps) multiplies the dot (norm(x) . w = rsqrt(..) * (x . w)),
-    its sum of squares taken in the same pass over x. PRELOADED (H <= BLOCK_H, one step): the weight tile is
-    ``w_pre`` (``_w_tile``, loaded by the caller before its PDL wait)."""
+    its sum of squares taken in the same pass over x."""
     re = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     rr = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     rh = tl.arange(0, BLOCK_H)
@@ -153,11 +142,8 @@ def _logits_tile(x_ptr, w_ptr, out_ptr, R, E, H, stride_xr, stride_we, eps, pid_
         h_mask = hh < H
         x = tl.load(x_ptr + rr[:, None].to(tl.int64) * stride_xr + hh[None, :],
                     mask=r_mask[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
-        if PRELOADED:
-            w = w_pre.to(tl.float32)
-        else:
-            w = tl.load(w_ptr + re[:, None] * stride_we + hh[None, :],
-                        mask=e_mask[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + re[:, None] * stride_we + hh[None, :],
+                    mask=e_mask[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
         if RMS_NORM:
             ss += tl.sum(x * x, axis=1)
@@ -182,16 +168,11 @@ def router_logits_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_H: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
-    PRELOAD_W: tl.constexpr = False,  # H <= BLOCK_H: the weight tile is loaded before the PDL wait (a parameter
-    # no kernel writes), so its memory latency overlaps the previous kernel's tail
 ):
     """logits [R, E] fp32 (``_logits_tile``), grid (E / BLOCK_E, R / BLOCK_R)."""
-    w_pre = 0.0
-    if PRELOAD_W:
-        w_pre = _w_tile(w_ptr, E, H, stride_we, tl.program_id(0), 0, BLOCK_E, BLOCK_H)
     pdl_enter(USE_PDL)
     _logits_tile(x_ptr, w_ptr, out_ptr, R, E, H, stride_xr, stride_we, eps, tl.program_id(0), tl.program_id(1),
-                 RMS_NORM, BLOCK_R, BLOCK_E, BLOCK_H, w_pre, PRELOAD_W)
+                 RMS_NORM, BLOCK_R, BLOCK_E, BLOCK_H)
 
 
 @triton.jit

@@ -158,8 +158,7 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, rms_eps: float |
     grid = (-(-num_experts // block_e), -(-rows // block_r))
     router_logits_kernel[grid](
         x, weight, out, rows, num_experts, hidden, x.stride(0), weight.stride(0), float(rms_eps or 0.0),
-        RMS_NORM=rms_eps is not None, BLOCK_R=block_r, BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4,
-        PRELOAD_W=block_h >= hidden, **pdl_kwargs(x),
+        RMS_NORM=rms_eps is not None, BLOCK_R=block_r, BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4, **pdl_kwargs(x),
     )
     return out
 

@@ -89,33 +89,6 @@ def _weights_chain(x, w8, s8, w16, experts, steps):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 2, 16])
-def test_gpu_preloaded_weights_change_no_result(rows):
-    """Kernels that load their weights before the PDL wait (the norm chain's norm weights and layer scalar, the
-    router logits' weight tile at 1 row; at 2 and 16 rows it loops over H) give the bits of plain launches."""
-    from sparrow.kernels.router import router_logits_triton
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(rows, 2816, device="cuda", generator=g).bfloat16()
-    w = torch.rand(2816, device="cuda", generator=g).bfloat16()
-    w2 = torch.rand(2816, device="cuda", generator=g).bfloat16()
-    scale = torch.full((1,), 0.75, device="cuda").bfloat16()
-    router = (torch.randn(128, 2816, device="cuda", generator=g) / 53).bfloat16()
-
-    def run():
-        outs = []
-        y = x
-        for _ in range(8):
-            y, n1, n2 = rms_norm_triton(y, w, 1e-6, gemma=True, unit_offset=False, post_add=x, post_scale=scale,
-                                        pre_weight=w2, pre_add=x, pre_add_weight=w, next_weights=(w2, w))
-            outs.append(router_logits_triton(n1, router, 1e-6))
-            y = n2
-        return torch.cat(outs + [y.float()], dim=1)
-
-    _same_as_plain_launches(run, x)
-
-
-@pytest.mark.gpu
 def test_gpu_l2_prefetch_changes_no_result():
     from sparrow.kernels.fp8 import quantize_fp8_block_ref
 

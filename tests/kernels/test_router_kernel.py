@@ -125,7 +125,7 @@ def _logit_args(rows, num_experts, hidden, x_dtype, seed=0):
                                                      (17, 6, 200), (33, 40, 96), (2, 6, 2816), (16, 8, 300)])
 def test_router_logits_kernel_matches_twin(rows, num_experts, hidden, x_dtype, rms_eps):
     """fp32 logits (with Gemma 4's scale-free norm folded in) within fp32 rounding-order error of the twin; H in
-    one step (the weight tile loaded before the PDL wait) and in several (the last two shapes)."""
+    one step and in several (the last two shapes)."""
     x, w = _logit_args(rows, num_experts, hidden, x_dtype)
     got, want = router_logits_triton(x, w, rms_eps), router_logits_ref(x, w, rms_eps)
     assert got.dtype == torch.float32 and got.shape == (rows, num_experts)
