@@ -316,27 +316,20 @@ def fp8_linears(peak: float) -> None:
 
 def bench_router_logits(peak: float) -> None:
     """Gemma 4's router logits (bf16 x [R, 2816], fp32 folded weight [128, 2816], the scale-free RMSNorm
-    folded in) by row count, us a call: the CUDA-core kernel (up to 64 rows), the tf32x3 tensor-core kernel with
-    its default tiles and the best of a few others (BLOCK_R, BLOCK_E, BLOCK_H), and the twin (torch: cast, norm,
-    cuBLAS fp32 matmul); the max |diff| of the default kernel against the twin."""
-    from sparrow.kernels.router import FMA_MAX_ROWS, MAX_LOGIT_ROWS, _dot_tiles, router_logits_ref, \
-        router_logits_triton
+    folded in) by row count: the Triton kernel (the layers use it up to MAX_LOGIT_ROWS) against the twin
+    (torch: cast, norm, cuBLAS fp32 matmul), us a call."""
+    from sparrow.kernels.router import MAX_LOGIT_ROWS, router_logits_ref, router_logits_triton
 
     w = torch.randn(128, 2816, device="cuda") / 2816**0.5
-    tiles = [(16, 16, 128), (16, 16, 64), (16, 32, 64), (32, 32, 64), (64, 32, 64), (64, 64, 64), (128, 64, 32)]
-    print(f"router_logits: default kernel FMA up to {FMA_MAX_ROWS} rows, tf32x3 dots above; Triton up to "
-          f"{MAX_LOGIT_ROWS} rows", flush=True)
-    for rows in (1, 8, 16, 17, 32, 64, 128, 256, 1024, 8192):
+    for rows in (1, 8, 16, 17, 32, 64, 128, 256, 1024):
         x = torch.randn(rows, 2816, device="cuda", dtype=torch.bfloat16)
-        t_fma = time_s(lambda: router_logits_triton(x, w, 1e-6, kernel="fma"), rep=20) if rows <= 64 else float("nan")
-        t_dot = time_s(lambda: router_logits_triton(x, w, 1e-6, kernel="dot"), rep=20)
-        best = min((time_s(lambda: router_logits_triton(x, w, 1e-6, kernel="dot", dot_tiles=t), rep=20), t)
-                   for t in tiles if t[0] <= max(16, 2 * rows))
+        t = time_s(lambda: router_logits_triton(x, w, 1e-6), rep=20)
         t_ref = time_s(lambda: router_logits_ref(x, w, 1e-6), rep=20)
-        ref = router_logits_ref(x, w, 1e-6)
-        err = max(float((router_logits_triton(x, w, 1e-6, kernel=k) - ref).abs().max()) for k in ("fma", "dot"))
-        print(f"router_logits R={rows:<5} fma {t_fma * 1e6:6.1f}  dot {_dot_tiles(rows, 128)} {t_dot * 1e6:6.1f}  "
-              f"best dot {best[1]} {best[0] * 1e6:6.1f}  torch {t_ref * 1e6:6.1f} us  max |diff| {err:.1e}", flush=True)
+        err = float((router_logits_triton(x, w, 1e-6) - router_logits_ref(x, w, 1e-6)).abs().max())
+        used = "used" if rows <= MAX_LOGIT_ROWS else "not used"
+        print(f"router_logits R={rows:<5} kernel ({used}) {t * 1e6:7.1f} us  torch {t_ref * 1e6:7.1f} us  "
+              f"max |diff| {err:.1e}  ({100 * w.numel() * 4 / t / peak:4.1f} % of copy bandwidth on the weight)",
+              flush=True)
 
 
 def bench_router_topk(peak: float) -> None:

@@ -5,11 +5,8 @@ group. ``route_row`` routes one row: its logits are held as a [G_PAD, PER_PAD] t
 e = g * (E / G) + j), so grouped top-k needs no reshape. Formulas: ``sparrow.layers.router`` (design §3).
 
 Kernels: ``router_kernel`` (routing of given logits, one program per row), ``router_logits_kernel`` (fp32
-logits of x, Gemma 4's scale-free RMSNorm folded in; CUDA-core FMAs, one expert per program: decode rows),
-``router_logits_dot_kernel`` (the same logits from tensor-core dots in "tf32x3": each fp32 operand split into
-a tf32 high and low part, three products summed in fp32 (Triton's emulation of fp32 dots), so a bf16 x
-times an fp32 weight is exact to about 2^-21 of each product: more rows), ``router_logits_topk_kernel``
-(logits and routing in one launch: the last program of a row block routes its rows in turn).
+logits of x, Gemma 4's scale-free RMSNorm folded in), ``router_logits_topk_kernel`` (both in one launch:
+the last program of a row block routes its rows in turn).
 """
 import triton
 import triton.language as tl
@@ -176,49 +173,6 @@ def router_logits_kernel(
     pdl_enter(USE_PDL)
     _logits_tile(x_ptr, w_ptr, out_ptr, R, E, H, stride_xr, stride_we, eps, tl.program_id(0), tl.program_id(1),
                  RMS_NORM, BLOCK_R, BLOCK_E, BLOCK_H)
-
-
-@triton.jit
-def router_logits_dot_kernel(
-    x_ptr,  # [R, H], unit stride on H, any float dtype (widened to fp32)
-    w_ptr,  # [E, H], unit stride on H, any float dtype (widened to fp32)
-    out_ptr,  # [R, E] fp32 contiguous
-    R,
-    E,
-    H,
-    stride_xr,
-    stride_we,
-    eps,
-    RMS_NORM: tl.constexpr,  # as router_logits_kernel: logits * rsqrt(mean(x^2) + eps)
-    BLOCK_R: tl.constexpr,  # >= 16
-    BLOCK_E: tl.constexpr,  # >= 16
-    BLOCK_H: tl.constexpr,  # >= 16
-    PRECISION: tl.constexpr,  # "tf32x3" on the GPU; "ieee" under the interpreter (exact fp32 products)
-    USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
-):
-    """logits [R, E] fp32, grid (E / BLOCK_E, R / BLOCK_R): a [BLOCK_R, BLOCK_E] tile of x @ w^T from dots of
-    [BLOCK_R, BLOCK_H] x tiles and [BLOCK_E, BLOCK_H] weight tiles, the rows' sum of squares in the same pass."""
-    pdl_enter(USE_PDL)
-    re = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    rr = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rh = tl.arange(0, BLOCK_H)
-    r_mask = rr < R
-    e_mask = re < E
-    acc = tl.zeros([BLOCK_R, BLOCK_E], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        hh = h0 + rh
-        h_mask = hh < H
-        x = tl.load(x_ptr + rr[:, None].to(tl.int64) * stride_xr + hh[None, :],
-                    mask=r_mask[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + re[:, None] * stride_we + hh[None, :],
-                    mask=e_mask[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
-        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-        if RMS_NORM:
-            ss += tl.sum(x * x, axis=1)
-    if RMS_NORM:
-        acc = acc * (1.0 / tl.sqrt_rn(ss / H + eps))[:, None]
-    tl.store(out_ptr + rr[:, None].to(tl.int64) * E + re[None, :], acc, mask=r_mask[:, None] & e_mask[None, :])
 
 
 @triton.jit

@@ -14,19 +14,17 @@ ties go to the lowest expert id. ``fused_router_ref`` is the torch twin (it call
 
 The logits themselves: ``router_logits(x [R, H], weight [E, H], rms_eps=None) -> [R, E] fp32`` (twin
 ``router_logits_ref``, launcher ``router_logits_triton``), fp32 x . weight with Gemma 4's scale-free
-RMSNorm of x folded in: CUDA-core FMAs at decode sizes, tf32x3 tensor-core dots above FMA_MAX_ROWS. Logits and routing: ``router_topk(x, weight,
+RMSNorm of x folded in; the kernel serves decode-sized R. Logits and routing: ``router_topk(x, weight,
 top_k, rms_eps, scoring, renormalize, per_expert_scale, ids_dtype)`` (Gemma 4's router; twin
 ``router_topk_ref``, one-launch launcher ``router_topk_triton``, measured slower than two launches on the
 H200 and off by default: FUSED_ROUTER_MAX_ROWS).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from sparrow.kernels import interpreting, pdl_kwargs, use_triton
+from sparrow.kernels import pdl_kwargs, use_triton
 from sparrow.layers.router import SCORING_FUNCS, select_experts
 
 MAX_EXPERTS = 4096  # one row's logits live in one program's registers
@@ -115,14 +113,11 @@ def fused_router(
               routed_scaling_factor, per_expert_scale, ids_dtype)
 
 
-MAX_LOGIT_ROWS = int(os.environ.get("SPARROW_ROUTER_LOGIT_ROWS", str(1 << 30)))
-"""router_logits takes Triton up to this many rows, torch's (cuBLAS) fp32 matmul above (environment
-``SPARROW_ROUTER_LOGIT_ROWS`` for A/B runs; 16 was the bound before the tf32x3 kernel)."""
-FMA_MAX_ROWS = 16
-"""router_logits_triton's CUDA-core kernel up to this many rows, the tf32x3 tensor-core kernel above. H200,
-Gemma 4's router, us a call in graph replay (kernels_micro.py router_logits): the FMA kernel 1.9 / 6.3 / 11.5 at
-1 / 8 / 16 rows against torch's 9.8 / 15.7 / 16.1, torch 14.8-16.0 from 17 to 64 rows. A tl.dot variant in exact
-fp32 ("ieee": FMAs, [16 x 16] tiles) took 70.8 us from 17 to 256 rows and was dropped."""
+MAX_LOGIT_ROWS = 16  # above this, router_logits goes to torch's (cuBLAS) fp32 matmul
+# (H200, Gemma 4's router, us a call in graph replay, kernels_micro.py router_logits: this kernel 1.9 / 6.3 / 11.5
+# at 1 / 8 / 16 rows against torch's 9.8 / 15.7 / 16.1; torch 14.8-16.0 from 17 to 64 rows. A tl.dot row-tile
+# variant in exact fp32 (FMA, [16 x 16] tiles) took 70.8 us from 17 to 256 rows and was dropped; both stay far
+# from the 1.4 MB weight's bound)
 
 
 FUSED_ROUTER_MAX_ROWS = 0
@@ -146,33 +141,18 @@ def router_logits_ref(x: torch.Tensor, weight: torch.Tensor, rms_eps: float | No
     return F.linear(h, weight.float())
 
 
-def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, rms_eps: float | None = None, *,
-                         kernel: str | None = None, dot_tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, rms_eps: float | None = None) -> torch.Tensor:
     """Triton launcher of ``router_logits_ref`` (same contract): one launch, no fp32 copy of x or weight;
-    the norm's factor is applied to the dot (the same value up to fp32 rounding order). ``kernel``: "fma"
-    (CUDA cores) or "dot" (tf32x3 tensor-core dots, products exact to ~2^-21, ``_router_jit``); default fma up
-    to FMA_MAX_ROWS rows. ``dot_tiles``: (BLOCK_R, BLOCK_E, BLOCK_H) of the dot kernel (benchmarks).
-    Raises ValueError on bad shapes or an unknown kernel."""
-    from sparrow.kernels._router_jit import router_logits_dot_kernel, router_logits_kernel
+    the norm's factor is applied to the dot (the same value up to fp32 rounding order)."""
+    from sparrow.kernels._router_jit import router_logits_kernel
 
     _check_logits(x, weight)
-    if kernel not in (None, "fma", "dot"):
-        raise ValueError(f"router_logits_triton: kernel must be 'fma' or 'dot', got {kernel!r}")
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     rows, hidden = x.shape
     num_experts = weight.shape[0]
     out = torch.empty(rows, num_experts, dtype=torch.float32, device=x.device)
     if rows == 0 or num_experts == 0:
-        return out
-    if (kernel or ("fma" if rows <= FMA_MAX_ROWS else "dot")) == "dot":
-        block_r, block_e, block_h = dot_tiles or _dot_tiles(rows, num_experts)
-        grid = (-(-num_experts // block_e), -(-rows // block_r))
-        router_logits_dot_kernel[grid](
-            x, weight, out, rows, num_experts, hidden, x.stride(0), weight.stride(0), float(rms_eps or 0.0),
-            RMS_NORM=rms_eps is not None, BLOCK_R=block_r, BLOCK_E=block_e, BLOCK_H=block_h,
-            PRECISION="ieee" if interpreting() else "tf32x3", num_warps=4, **pdl_kwargs(x),
-        )
         return out
     block_r, block_e, block_h = _logits_tiles(rows, hidden)
     grid = (-(-num_experts // block_e), -(-rows // block_r))
@@ -184,8 +164,8 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, rms_eps: float |
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, rms_eps: float | None = None) -> torch.Tensor:
-    """``router_logits_ref``'s contract: the Triton kernels where ``use_triton(x)`` and R <= MAX_LOGIT_ROWS
-    (one launch instead of a cast, a norm and a cuBLAS fp32 GEMM), else the twin."""
+    """``router_logits_ref``'s contract: the Triton kernel where ``use_triton(x)`` and R <= MAX_LOGIT_ROWS
+    (decode: one launch instead of a cast, a norm and a cuBLAS GEMV), else the twin."""
     if x.shape[0] <= MAX_LOGIT_ROWS and use_triton(x):
         return router_logits_triton(x, weight, rms_eps)
     return router_logits_ref(x, weight, rms_eps)
@@ -257,14 +237,6 @@ def _logits_tiles(rows: int, hidden: int) -> tuple[int, int, int]:
     stream), as much of H per step as registers allow."""
     block_r = min(_next_pow2(max(rows, 1)), 16)
     return block_r, 1, min(max(16, _next_pow2(hidden)), max(128, 4096 // block_r))
-
-
-def _dot_tiles(rows: int, num_experts: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_E, BLOCK_H) of the tf32x3 logits kernel: small tiles (more programs on the weight
-    stream) at decode sizes, wider ones for prefill."""
-    if rows <= 64:
-        return 16, 16, 128
-    return 64, min(64, max(16, _next_pow2(num_experts))), 64
 
 
 def _check_logits(x: torch.Tensor, weight: torch.Tensor) -> None:
