@@ -117,7 +117,9 @@ MAX_LOGIT_ROWS = 16  # above this, router_logits goes to torch's (cuBLAS) fp32 m
 # (H200, Gemma 4's router, us a call in graph replay, kernels_micro.py router_logits: this kernel 1.9 / 6.3 / 11.5
 # at 1 / 8 / 16 rows against torch's 9.8 / 15.7 / 16.1; torch 14.8-16.0 from 17 to 64 rows. A tl.dot row-tile
 # variant in exact fp32 (FMA, [16 x 16] tiles) took 70.8 us from 17 to 256 rows and was dropped; both stay far
-# from the 1.4 MB weight's bound)
+# from the 1.4 MB weight's bound). Tried and dropped in the ninth session: a tensor-core variant with "tf32x3" dots
+# ([16 x 16] to [128 x 64] tiles) took 34.6 us from 1 to 256 rows, 98.6 at 1,024 and 138-159 at 8,192 (torch 14.6-21.6
+# / 42.9 / 245.8); end to end, FP8 batch 64 ran at 5,575.5 tok/s with it above 16 rows against 5,631.8 without.
 
 
 FUSED_ROUTER_MAX_ROWS = 0
