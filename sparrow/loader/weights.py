@@ -2,8 +2,8 @@
 
 The model maps each checkpoint name to (parameter name, shard id) with ``resolve_weight`` (packed
 projections, stacked experts); the parameter's ``weight_loader(param, tensor, shard_id, name)`` copies it.
-Loading fails loudly, naming the tensor, on unused checkpoint tensors, misshaped tensors and parameters
-left unfilled (style.md 5). A whole-tensor load (shard id None) completes a parameter whatever its shards
+Loading fails loudly, naming the tensor, on unused checkpoint tensors, misshaped tensors, FP8 block scales
+that are not finite, and parameters left unfilled (style.md 5). A whole-tensor load (shard id None) completes a parameter whatever its shards
 (e.g. transformers 5's fused 3-D ``experts.gate_up_proj`` fills the stacked experts in one go).
 
 Stacked experts (``bind_expert_loaders``): ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] are filled
@@ -90,6 +90,10 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
                 f"checkpoint tensor {name!r} is {tensor.dtype}, but {pname!r} is {param.dtype}: an FP8 weight "
                 "needs its weight_scale_inv and an FP8 quantization_config in config.json (and sparrow keeps "
                 "embeddings, the LM head, norms and routers in float)")
+        if name.endswith("_scale_inv") and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ModelLoadError(  # a NaN / inf block scale would turn every output it touches into NaN
+                f"checkpoint tensor {name!r} (FP8 block scales) holds non-finite values (nan or inf): the checkpoint "
+                "is corrupt")
         if shard is not None and shard not in expected_shards(param):
             raise ModelLoadError(
                 f"checkpoint tensor {name!r} is not used by {type(model).__name__} "

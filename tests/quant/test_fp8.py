@@ -356,6 +356,23 @@ def test_missing_packed_scale_names_its_shape(tiny_dir, tmp_path):
         load_model(ckpt)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_block_scale_is_refused_by_name(tiny_dir, tmp_path, bad):
+    """A NaN or inf in an FP8 checkpoint's block scales (a corrupt file) is a ModelLoadError naming the tensor,
+    not a model whose outputs turn NaN."""
+    from safetensors.torch import load_file, save_file
+
+    from sparrow.loader.model_loader import load_model
+
+    ckpt = write_fp8_checkpoint(tiny_dir, tmp_path / "fp8")
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    tensors["model.layers.1.self_attn.o_proj.weight_scale_inv"][0, 1] = bad
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"'model.layers.1.self_attn.o_proj.weight_scale_inv' \(FP8 block "
+                                             r"scales\) holds non-finite values"):
+        load_model(ckpt)
+
+
 def test_fp8_tensors_outside_an_fp8_model_are_named(tiny_dir, tmp_path):
     """An FP8 checkpoint without its quantization_config (scales unused), and an e4m3 tensor for a float
     parameter (the embedding), are refused by name instead of being dropped or cast."""
