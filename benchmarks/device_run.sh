@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call on the H200 (device tool); logs and JSON under $OUT.
 #   bash benchmarks/device_run.sh [STAGE ...]   stages: tests packaged profile prefill attn gemv moe tune
-#   gemma4 llama fp8 eager
+#   gemma4 llama fp8 eager ab
 # (no stage: tests gemma4 llama eager). Each stage has its own time limit (T_<STAGE> seconds). GPU_TESTS picks
 # the test files of the `tests` stage and TEST_ARGS adds pytest options (e.g. "-k 'bf16 and mixtral'");
 # PACKAGED_ARGS likewise for the packaged-model stage. Stage options: PREFILL_ARGS (extra `sparrow bench` flags of
@@ -9,6 +9,10 @@
 # default tune_gemv_fp8), TUNE_ROWS / TUNE_DTYPES / TUNE_ARGS (moe_layer.py --tune; TUNE_ARGS=--quick: prefill short list), G4_BATCHES / G4_PROMPTS,
 # FP8_BATCHES / FP8_PROMPTS / FP8_ARGS, LL_BATCHES / LL_PROMPTS, PROFILE_SHAPES / PROFILE_ARGS / PROFILE_TAG. The device image lacks `gguf`: its wheel travels
 # in .whl (see ../.library/device/README.md).
+# Stage `ab`: the same `sparrow bench` (AB_ARGS, default gemma4-26b-a4b FP8 at batch 1 and 8) on this tree and on an
+# older one, alternating, AB_REPEATS rounds, on one machine (machines differ by up to ~6 %, one machine's repeats
+# by ~0-3 %). Make the older tree first, here: `mkdir -p .ab/old && git archive REV sparrow | tar -x -C .ab/old`,
+# and carry `.ab` (ignored) beside `.whl`.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -62,6 +66,19 @@ for stage in ${@:-tests gemma4 llama eager}; do
     fp8) bench gemma4_fp8 "${T_FP8:-200}" --model-shape gemma4-26b-a4b --quantization fp8 \
            --batch-sizes ${FP8_BATCHES:-1,8,64} --prompt-len ${FP8_PROMPTS:-128,2048} --decode-tokens 32 --no-hf \
            ${FP8_ARGS:-} ;;
+    ab) [ -d .ab/old/sparrow ] || { echo "ab: no .ab/old/sparrow (see the header)"; continue; }
+        for round in $(seq "${AB_REPEATS:-1}"); do
+          for side in new old; do
+            root=$PWD; [ "$side" = old ] && root=$PWD/.ab/old
+            echo "--- ab $side (round $round)"
+            # -P: no current directory on sys.path, or `python3 -m sparrow` would import ./sparrow for both sides
+            site=; [ -d /tmp/site ] && site=/tmp/site:
+            PYTHONPATH=$site$root python3 -P -c "import sparrow; print('sparrow from', sparrow.__file__)"
+            PYTHONPATH=$site$root timeout "${T_AB:-150}" python3 -P -m sparrow bench --device cuda --no-hf \
+              ${AB_ARGS:---model-shape gemma4-26b-a4b --quantization fp8 --batch-sizes 1,8 --prompt-len 128 --decode-tokens 32} \
+              > "/tmp/ab_$side.log" 2>&1; grep -E "^\[sparrow\]|Error" "/tmp/ab_$side.log" | tail -4
+          done
+        done ;;
     eager) bench llama_eager "${T_EAGER:-60}" --model-shape llama3-8b --batch-sizes 1 --no-hf --enforce-eager \
              --prompt-len 128 --decode-tokens 64 ;;
     *) echo "unknown stage $stage" ;;

@@ -4,9 +4,7 @@ scheduled while the previous kernel of its stream still runs. ``pdl_enter`` is e
 statement: ``griddepcontrol.wait`` holds the program until the previous kernel has completed and its memory
 is visible (so no load or store of the kernel moves before it), then ``griddepcontrol.launch_dependents``
 lets the next PDL kernel be scheduled in turn. What overlaps is a launch's latency and the grid's start, not
-work. The launcher side is ``sparrow.kernels.use_pdl``. Tried and reverted (H200, ninth session): loading the
-norm chain's weights and the router logits' weight tile before the wait. gemma4-26b-a4b at batch 1, same
-machine, went from 332.6 to 320.5 tok/s in FP8 and from 321.9 to 308.4 in bf16."""
+work. The launcher side is ``sparrow.kernels.use_pdl``."""
 import triton
 import triton.language as tl
 
