@@ -109,7 +109,8 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
         missing = [s for s in expected_shards(param) if s not in got]
         if missing:
             if missing == [None]:
-                raise ModelLoadError(f"checkpoint lacks the tensor for {pname!r}, expected shape {tuple(param.shape)}")
+                spelled = getattr(model, "checkpoint_name", lambda n: n)(pname)
+                raise ModelLoadError(f"checkpoint lacks the tensor for {spelled!r}, expected shape {tuple(param.shape)}")
             describe = getattr(model, "describe_shard", None)
             what, shape = describe(pname, missing[0]) if describe else (f"{pname!r} shard {missing[0]!r}", None)
             more = f" (and {len(missing) - 1} more shards of {pname!r})" if len(missing) > 1 else ""

@@ -112,6 +112,28 @@ def test_skipped_tower_tensors_are_not_an_error(ckpts, tmp_path, caplog):
     assert "skipped 2 checkpoint tensors" in caplog.text
 
 
+@pytest.mark.parametrize("name, expected", [
+    ("model.language_model.layers.3.layer_scalar", "(1,)"),
+    ("model.language_model.layers.1.experts.gate_up_proj", "(16, 48, 64)"),  # fused 3-D experts
+    ("model.language_model.layers.0.mlp.up_proj.weight", "(96, 64)"),  # one shard of a packed projection (I 96)
+])
+def test_missing_tensor_of_a_nested_checkpoint_is_named_as_the_checkpoint_names_it(ckpts, tmp_path, name, expected):
+    """A multimodal Gemma 4 checkpoint nests the text model under model.language_model.: a missing tensor is
+    named with that prefix, not with sparrow's own module path."""
+    def nest(t):
+        for k in list(t):
+            t["model.language_model." + k[len("model."):]] = t.pop(k)
+        t.pop(name)
+
+    def as_multimodal(c):
+        text = dict(c)
+        c.clear()
+        c.update(architectures=["Gemma4ForConditionalGeneration"], model_type="gemma4", text_config=text)
+
+    path = _edited(ckpts / "gemma4", tmp_path / "c", edit=nest, config=as_multimodal)
+    _raises(ModelLoadError, lambda: load_model(path), repr(name), expected)
+
+
 @pytest.mark.parametrize("key, value, needle", [
     ("hidden_size_per_layer_input", 16, "per-layer input embeddings"),
     ("num_kv_shared_layers", 2, "KV sharing"),
