@@ -7,7 +7,8 @@
 # PACKAGED_ARGS likewise for the packaged-model stage. Stage options: PREFILL_ARGS (extra `sparrow bench` flags of
 # the 8 x 2048 prefill profile), ATTN_ARGS (attention_prefill.py, default --tune), GEMV_ARGS (kernels_micro.py,
 # default tune_gemv_fp8), TUNE_ROWS / TUNE_DTYPES / TUNE_ARGS (moe_layer.py --tune; TUNE_ARGS=--quick: prefill short list), G4_BATCHES / G4_PROMPTS,
-# FP8_BATCHES / FP8_PROMPTS / FP8_ARGS, LL_BATCHES / LL_PROMPTS, PROFILE_SHAPES / PROFILE_ARGS / PROFILE_TAG. The device image lacks `gguf`: its wheel travels
+# FP8_BATCHES / FP8_PROMPTS / FP8_ARGS, LL_BATCHES / LL_PROMPTS, PROFILE_SHAPES / PROFILE_BATCH / PROFILE_ARGS / PROFILE_TAG
+# (PROFILE_BATCH: the decode batch timed and profiled, default 1). The device image lacks `gguf`: its wheel travels
 # in .whl (see ../.library/device/README.md).
 # Stage `ab`: the same `sparrow bench` (AB_ARGS, default gemma4-26b-a4b FP8 at batch 1 and 8) on this tree and on an
 # older one, alternating, AB_REPEATS rounds, on one machine (machines differ by up to ~6 %, one machine's repeats
@@ -46,7 +47,8 @@ for stage in ${@:-tests gemma4 llama eager}; do
     packaged) eval timeout "${T_PACKAGED:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short -rf \
              "${PACKAGED_ARGS:-}" tests/models/test_packaged_models_gpu.py 2>&1 | tee "$OUT/packaged_tests.log" | tail -30 ;;
     profile) for shape in ${PROFILE_SHAPES:-gemma4-26b-a4b llama3-8b}; do
-               bench "profile_${shape%%-*}${PROFILE_TAG:-}" "${T_PROFILE:-120}" --model-shape "$shape" --batch-sizes 1 \
+               bench "profile_${shape%%-*}${PROFILE_TAG:-}" "${T_PROFILE:-120}" --model-shape "$shape" \
+                 --batch-sizes "${PROFILE_BATCH:-1}" --profile-batch "${PROFILE_BATCH:-1}" \
                  --prompt-len 128 --decode-tokens 16 --no-hf --profile ${PROFILE_ARGS:-}
              done ;;
     prefill) bench prefill_gemma4 "${T_PREFILL:-200}" --model-shape gemma4-26b-a4b --batch-sizes 8 --prompt-len 2048 \
