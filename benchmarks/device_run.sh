@@ -11,8 +11,8 @@
 # (PROFILE_BATCH: the decode batch timed and profiled, default 1). The device image lacks `gguf`: its wheel travels
 # in .whl (see ../.library/device/README.md).
 # Stage `ab`: the same `sparrow bench` (AB_ARGS, default gemma4-26b-a4b FP8 at batch 1 and 8) on this tree and on an
-# older one, alternating, AB_REPEATS rounds, on one machine (machines differ by up to ~6 %, one machine's repeats
-# by ~0-3 %). Make the older tree first, here: `mkdir -p .ab/old && git archive REV sparrow | tar -x -C .ab/old`,
+# older one, alternating, AB_REPEATS rounds, on one machine (runs of one tree on one machine spread by up to ~5 %:
+# benchmarks/README.md, ninth session). Make the older tree first, here: `mkdir -p .ab/old && git archive REV sparrow | tar -x -C .ab/old`,
 # and carry `.ab` (ignored) beside `.whl`.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
