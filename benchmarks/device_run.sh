@@ -47,7 +47,7 @@ for stage in ${@:-tests gemma4 llama eager}; do
     packaged) eval timeout "${T_PACKAGED:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short -rf \
              "${PACKAGED_ARGS:-}" tests/models/test_packaged_models_gpu.py 2>&1 | tee "$OUT/packaged_tests.log" | tail -30 ;;
     profile) for shape in ${PROFILE_SHAPES:-gemma4-26b-a4b llama3-8b}; do
-               bench "profile_${shape%%-*}${PROFILE_TAG:-}" "${T_PROFILE:-120}" --model-shape "$shape" \
+               bench "profile_${shape%%-*}_b${PROFILE_BATCH:-1}${PROFILE_TAG:-}" "${T_PROFILE:-120}" --model-shape "$shape" \
                  --batch-sizes "${PROFILE_BATCH:-1}" --profile-batch "${PROFILE_BATCH:-1}" \
                  --prompt-len 128 --decode-tokens 16 --no-hf --profile ${PROFILE_ARGS:-}
              done ;;
@@ -78,7 +78,7 @@ for stage in ${@:-tests gemma4 llama eager}; do
             PYTHONPATH=$site$root python3 -P -c "import sparrow; print('sparrow from', sparrow.__file__)"
             PYTHONPATH=$site$root timeout "${T_AB:-150}" python3 -P -m sparrow bench --device cuda --no-hf \
               ${AB_ARGS:---model-shape gemma4-26b-a4b --quantization fp8 --batch-sizes 1,8 --prompt-len 128 --decode-tokens 32} \
-              > "/tmp/ab_$side.log" 2>&1; grep -E "^\[sparrow\]|Error" "/tmp/ab_$side.log" | tail -4
+              > "$OUT/ab_${side}_$round.log" 2>&1; grep -E "^\[sparrow\]|Error" "$OUT/ab_${side}_$round.log" | tail -4
           done
         done ;;
     eager) bench llama_eager "${T_EAGER:-60}" --model-shape llama3-8b --batch-sizes 1 --no-hf --enforce-eager \

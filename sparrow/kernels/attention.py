@@ -147,8 +147,11 @@ def paged_decode_attention(
     if sliding_window is not None:
         max_kv = min(max_kv, sliding_window)
     splits = num_splits or num_decode_splits(num_seqs, hkv, max_kv, block_n, q.device)
-    if num_splits is None:  # no more splits than max_kv has tiles for (the kernels size each from seq_lens)
-        splits = triton.cdiv(max(max_kv, 1), triton.cdiv(triton.cdiv(max(max_kv, 1), splits), block_n) * block_n)
+    if num_splits is None:
+        # drop the splits that stay empty even at max_kv once each split holds whole tiles (the kernels size
+        # every sequence's splits from its own seq_len: _attention_jit._split_part)
+        kv = max(max_kv, 1)
+        splits = triton.cdiv(kv, triton.cdiv(triton.cdiv(kv, splits), block_n) * block_n)
     group = hq // hkv
     split = splits > 1
     if split:

@@ -69,7 +69,9 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
     params = dict(model.named_parameters())
     loaded: dict[str, set] = {}
     skipped = 0
+    names: list[str] = []  # the checkpoint's tensor names, to spell the missing ones as it would
     for name, tensor in tensors:
+        names.append(name)
         target = model.resolve_weight(name)
         if target is None:
             skipped += 1
@@ -108,11 +110,11 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
             continue
         missing = [s for s in expected_shards(param) if s not in got]
         if missing:
+            spelled = getattr(model, "checkpoint_name", lambda n, _: n)(pname, names)
             if missing == [None]:
-                spelled = getattr(model, "checkpoint_name", lambda n: n)(pname)
                 raise ModelLoadError(f"checkpoint lacks the tensor for {spelled!r}, expected shape {tuple(param.shape)}")
             describe = getattr(model, "describe_shard", None)
-            what, shape = describe(pname, missing[0]) if describe else (f"{pname!r} shard {missing[0]!r}", None)
-            more = f" (and {len(missing) - 1} more shards of {pname!r})" if len(missing) > 1 else ""
+            what, shape = describe(pname, missing[0], names) if describe else (f"{pname!r} shard {missing[0]!r}", None)
+            more = f" (and {len(missing) - 1} more shards of {spelled!r})" if len(missing) > 1 else ""
             raise ModelLoadError(f"checkpoint lacks the tensor {what}, expected shape "
                                  f"{tuple(shape) if shape else '?'}{more}")

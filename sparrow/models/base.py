@@ -129,7 +129,6 @@ class CausalLM(nn.Module):
         decoder (skipped). Shard ids index packed projections (``packed_modules``)."""
         for src, dst in self.prefix_map.items():
             if name.startswith(src):
-                self.__dict__.setdefault("_checkpoint_prefixes", {}).setdefault(dst, src)  # for checkpoint_name
                 name = dst + name[len(src):]
                 break
         if name.startswith(self.skip_prefixes) or name.endswith("rotary_emb.inv_freq"):
@@ -154,19 +153,18 @@ class CausalLM(nn.Module):
                 return ".".join(parts[:i] + [packed] + parts[i + 1:]), shard
         return name, None
 
-    def checkpoint_name(self, name: str) -> str:
-        """A parameter or module path of this model as the loaded checkpoint spells it: the ``prefix_map``
-        entries its tensor names went through, inverted (a multimodal Gemma 4 checkpoint nests the text model
-        under ``model.language_model.``); unchanged when none applied."""
-        seen = self.__dict__.get("_checkpoint_prefixes", {})
-        for dst in sorted(seen, key=len, reverse=True):
-            if name.startswith(dst):
-                return seen[dst] + name[len(dst):]
+    def checkpoint_name(self, name: str, checkpoint_names=()) -> str:
+        """A parameter or module path of this model as a checkpoint with tensors ``checkpoint_names`` spells
+        it: the ``prefix_map`` entry those names use, inverted (a multimodal Gemma 4 checkpoint nests the text
+        model under ``model.language_model.``); unchanged when none does."""
+        for src, dst in sorted(self.prefix_map.items(), key=lambda kv: len(kv[1]), reverse=True):
+            if name.startswith(dst) and any(n.startswith(src) for n in checkpoint_names):
+                return src + name[len(dst):]
         return name
 
-    def describe_shard(self, pname: str, shard) -> tuple[str, tuple[int, ...]]:
+    def describe_shard(self, pname: str, shard, checkpoint_names=()) -> tuple[str, tuple[int, ...]]:
         """(checkpoint tensor name, its expected shape) for shard ``shard`` of parameter ``pname``, as HF
-        names it (for the missing-tensor error)."""
+        names it in a checkpoint with tensors ``checkpoint_names`` (for the missing-tensor error)."""
         param = self.get_parameter(pname)
         module_name, _, leaf = pname.rpartition(".")
         if hasattr(param, "expert_blocks"):  # stacked experts: name the per-expert tensor and the fused one
@@ -174,7 +172,7 @@ class CausalLM(nn.Module):
             rows = param.shape[1] // param.expert_blocks
             scale = leaf in EXPERT_SCALES.values()
             stacked = next((k for k, v in EXPERT_SCALES.items() if v == leaf), leaf)  # gate_up_proj / down_proj
-            hf_module = self.checkpoint_name(module_name) + "."
+            hf_module = self.checkpoint_name(module_name, checkpoint_names) + "."
             for src, dst in self.renames:  # back to the checkpoint's module names (Mixtral's block_sparse_moe)
                 hf_module = hf_module.replace(dst, src)
             hf_module = hf_module[:-1]
@@ -189,11 +187,11 @@ class CausalLM(nn.Module):
         sizes = getattr(module, "output_sizes", None)
         packed = [src for src, (dst, idx) in self.packed_modules.items() if module_name.endswith(dst) and idx == shard]
         if sizes is not None and packed:
-            base = self.checkpoint_name(module_name[: -len(module_name.rpartition(".")[2])])
+            base = self.checkpoint_name(module_name[: -len(module_name.rpartition(".")[2])], checkpoint_names)
             rows = -(-sizes[shard] // 128) if leaf == "weight_scale_inv" else sizes[shard]  # 128 x 128 scale blocks
             shape = (rows,) + tuple(param.shape[1:])
             return repr(f"{base}{packed[0]}.{leaf}"), shape
-        return f"{self.checkpoint_name(pname)!r} shard {shard!r}", tuple(param.shape)
+        return f"{self.checkpoint_name(pname, checkpoint_names)!r} shard {shard!r}", tuple(param.shape)
 
     def attention_layers(self):
         """Every Attention module, in layer order (the ModelRunner binds a KV cache to each)."""

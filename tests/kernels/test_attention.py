@@ -97,13 +97,15 @@ def test_reduce_merges_more_splits_than_one_tile():
     check(paged_decode_attention, batch, 1 / math.sqrt(512), num_splits=22)
 
 
-@pytest.mark.parametrize("window", [None, 24])
-def test_short_contexts_spread_over_the_splits_of_a_long_bound(window):
-    """Splits chosen for max_seq_len 4,096 (a graph captured for long contexts): each sequence's partition is
-    its own live keys over the splits, so 200 keys use several splits and 5 keys one; same numbers as the twin."""
-    batch = make_batch([1, 1, 1], [5, 40, 200], hq=4, hkv=2, d=64, page=16, dtype=torch.float32, seed=8)
+@pytest.mark.parametrize("window", [None, 24, 150])
+def test_decode_splits_sized_per_sequence_match_the_twin(window):
+    """Splits chosen for max_seq_len 4,096 (a graph captured for long contexts) or forced: each sequence's
+    partition is its own live keys (at most the window) over the splits, whole tiles each, so 300 keys use
+    several splits and 5 keys one (a window of 24 fits one tile: one split); same numbers as the twin."""
+    batch = make_batch([1, 1, 1, 1], [5, 40, 200, 300], hq=4, hkv=2, d=64, page=16, dtype=torch.float32, seed=8)
     check(paged_decode_attention, batch, 0.125, window, max_seq_len=4096)
     check(paged_decode_attention, batch, 0.125, window, num_splits=7)
+    check(paged_decode_attention, batch, 0.125, window, num_splits=3, config=dict(BLOCK_N=16))
 
 
 def test_window_longer_context_and_softcap_splits():

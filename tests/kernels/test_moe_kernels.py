@@ -458,9 +458,8 @@ def test_moe_layer_bench_shapes(tmp_path, monkeypatch):
     """moe_layer.py --shape takes H, E, K, I from sparrow bench's MoE model shapes (its data file is named by
     them); a dense shape is refused by name."""
     import pathlib
-    import sys
 
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
     import moe_layer
 
     from sparrow.kernels.moe_configs import MoeConfig, Tile
