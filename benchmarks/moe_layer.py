@@ -6,8 +6,6 @@ FP8 (e4m3, 128 x 128 block scales, W8A8).
     python benchmarks/moe_layer.py --shape qwen3-30b-a3b      (H 2048, E 128, K 8, I 768: its own config file)
     python benchmarks/moe_layer.py --tune [--rows ...]     (sweep tiles, write sparrow/kernels/configs/*.json)
     python benchmarks/moe_layer.py --tune --quick --rows 2048 8192 --dtypes fp8   (prefill sizes: a short list)
-    python benchmarks/moe_layer.py --fused-sweep --rows 1 2 4 8   (the one-launch small path's tiles, coordinate
-                                                                   search, against the separate kernels)
 
 Per line: rows, path (small / grouped), time per call (CUDA-graph replay of ``fused_moe_triton``; each
 captured call uses the next of 16 routings, so the experts' weights come from HBM, not L2), the bytes
@@ -111,10 +109,7 @@ def bench_one(rows: int, fp8: bool, layer, peak: float, with_torch: bool = False
     call()  # compile outside the capture
     t = time_s(call)
     nbytes = bytes_bound(rows, fp8, routings)
-    from sparrow.kernels import moe
-
-    path = "grouped" if rows * K > 64 else "fused" if moe.fused_small_applies(x, routings[0][1]) else "small"
-    res = dict(rows=rows, dtype="fp8" if fp8 else "bf16", path=path,
+    res = dict(rows=rows, dtype="fp8" if fp8 else "bf16", path="small" if rows * K <= 64 else "grouped",
                us=t * 1e6, bound_us=nbytes / peak * 1e6, gbps=nbytes / t / 1e9, pct_copy=100 * nbytes / t / peak,
                tflops=2 * rows * K * 3 * I * H / t / 1e12)  # the experts' multiply-adds, x 2
     if with_torch:
@@ -263,49 +258,6 @@ def write_table(table: dict, fp8: bool, out_dir: pathlib.Path, device_name: str,
     return path
 
 
-def fused_sweep(rows_list, fp8: bool, layer) -> None:
-    """Coordinate search over ``FusedTile`` (block_i, then block_k, block_h, num_warps, num_stages) from the
-    shipped tile, per row count, printing each candidate's time and, first, the separate small-path kernels'."""
-    from sparrow.kernels import moe
-    from sparrow.kernels.moe_configs import forced_fused_tile
-
-    for rows in rows_list:
-        x, routings, call = make_call(rows, layer)
-        saved, moe.FUSED_MAX_ROWS = moe.FUSED_MAX_ROWS, 0
-        try:
-            call()
-            t_sep = time_s(call)
-        finally:
-            moe.FUSED_MAX_ROWS = max(saved, rows)
-        print(f"rows {rows} {'fp8' if fp8 else 'bf16'}: separate kernels {t_sep * 1e6:8.2f} us", flush=True)
-
-        def timed(tile):
-            try:
-                with forced_fused_tile(tile):
-                    call()
-                    t = time_s(call)
-            except Exception as e:  # noqa: BLE001  (a tile that does not compile or fit: skip it)
-                print(f"  skip {tile}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                return float("inf")
-            print(f"  {t * 1e6:8.2f} us  {tile}", flush=True)
-            return t
-
-        best = moe.fused_tile(fp8)
-        best_t = timed(best)
-        for field, values in (("block_i", (16, 32, 64)), ("block_k", (128, 256, 512)), ("block_h", (64, 128, 256)),
-                              ("num_warps", (2, 4, 8)), ("num_stages", (2, 3, 4))):
-            for v in values:
-                cand = dataclasses.replace(best, **{field: v})
-                if cand == best:
-                    continue
-                t = timed(cand)
-                if t < best_t:
-                    best, best_t = cand, t
-        print(f"rows {rows} {'fp8' if fp8 else 'bf16'}: fused best {best_t * 1e6:8.2f} us {best} "
-              f"(separate {t_sep * 1e6:.2f} us)", flush=True)
-        moe.FUSED_MAX_ROWS = saved
-
-
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 1024])
@@ -319,8 +271,6 @@ def main(argv=None) -> list[dict]:
                    help="with --tune: try only the swapped-dot tiles against the current entry")
     p.add_argument("--quick", action="store_true",
                    help="with --tune: time only the current entry and the prefill candidates (grouped path)")
-    p.add_argument("--fused-sweep", action="store_true",
-                   help="time FusedTile candidates of the one-launch small path at --rows (no file written)")
     args = p.parse_args(argv)
     set_shape(args.shape)
     if not torch.cuda.is_available():
@@ -333,9 +283,6 @@ def main(argv=None) -> list[dict]:
     results = []
     for dtype in args.dtypes:
         layer = make_layer(dtype == "fp8")
-        if args.fused_sweep:
-            fused_sweep(args.rows, dtype == "fp8", layer)
-            continue
         if args.tune and args.quick:
             print("wrote", tune_quick(args.rows, dtype == "fp8", layer, CONFIG_DIR))
         elif args.tune:

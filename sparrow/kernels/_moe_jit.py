@@ -16,8 +16,6 @@ Kernels, one launch each:
   first pair of each expert (its leader) gathers all pairs routed to that expert into BLOCK_R dot rows and
   streams the expert's weight tile once for all of them; the other programs exit at once. With SPLIT_K > 1
   the K splits are reduced in the kernel (``_split_k_jit``) before the epilogue.
-- ``moe_fused_small_kernel``: the small-batch path in one launch (gate|up, activation, down and the
-  weighted reduce; fp32 atomics, W8A16 for FP8 weights), program per (pair, slice of the intermediate).
 - ``moe_reduce_kernel``: out[r] = sum_k w[r, k] * y[r * K + k] (+ sigmoid(gate[r]) * shared[r]).
 
 FP8 activations are quantized per 128-column group when the consumer loads them (the numbers of
@@ -57,7 +55,6 @@ def _mm_rows(
     SWAP_AB: tl.constexpr = False,  # dots as W [BN, SUB_K] @ A^T (the weight tile fills the MMA's M side;
     # few rows become its N side), accumulators [BN, BM], transposed once at the end
     A_FP8: tl.constexpr = False,  # FP8_W with a already quantized (e4m3) and its scales at a_s_ptr
-    A16: tl.constexpr = False,  # FP8_W as W8A16: a unquantized, the e4m3 tile widened to a's dtype (exact)
 ):
     """(acc_gate, acc_up) [BM, BN] fp32 = A @ W[rn]^T (and A @ W[N_UP + rn]^T when GATED) over k_start:k_end."""
     if SWAP_AB:
@@ -90,29 +87,7 @@ def _mm_rows(
                 wg = tl.load(wg_rows + kk[:, None], mask=wmask, other=0.0)
                 if GATED:
                     wu = tl.load(wu_rows + kk[:, None], mask=wmask, other=0.0)
-            if FP8_W and A16:
-                if UPCAST:  # the interpreter widens e4m3 to bf16 wrongly; fp32 is exact too
-                    wg = wg.to(tl.float32)
-                    if GATED:
-                        wu = wu.to(tl.float32)
-                else:
-                    wg = wg.to(a.dtype)
-                    if GATED:
-                        wu = wu.to(a.dtype)
-                kb = tl.minimum(ks, k_end - 1) // 128
-                sg = tl.load(s_ptr + (rn // 128) * stride_sn + kb, mask=n_mask, other=0.0)
-                if GATED:
-                    su = tl.load(s_ptr + ((rn + N_UP) // 128) * stride_sn + kb, mask=n_mask, other=0.0)
-                if SWAP_AB:
-                    at = tl.trans(a)
-                    acc_g += _dot(wg, at, UPCAST) * sg[:, None]
-                    if GATED:
-                        acc_u += _dot(wu, at, UPCAST) * su[:, None]
-                else:
-                    acc_g += _dot(a, wg, UPCAST) * sg[None, :]
-                    if GATED:
-                        acc_u += _dot(a, wu, UPCAST) * su[None, :]
-            elif FP8_W:
+            if FP8_W:
                 kb = tl.minimum(ks, k_end - 1) // 128  # a sub-step wholly past K adds 0; keep the scale in bounds
                 if A_FP8:
                     aq = a
@@ -147,28 +122,24 @@ def _mm_rows(
 
 
 @triton.jit
-def _gated_act(g, u, limit, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr):
-    """act(gate) * up in fp32 from the fp32 accumulators (DeepSeek-V4's clamp with HAS_LIMIT)."""
-    if HAS_LIMIT:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-    if ACT == 0:
-        act = g / (1.0 + tl.exp(-g))  # silu
-    elif ACT == 1:
-        # gelu_tanh: 0.5 g (1 + tanh(z)) = g * sigmoid(2z), z = sqrt(2/pi) (g + 0.044715 g^3)
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        act = g / (1.0 + tl.exp(-2.0 * z))
-    else:
-        act = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))  # exact (erf) gelu
-    return act * u
-
-
-@triton.jit
 def _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit,
               GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, RNE_BF16: tl.constexpr):
     """Store act(gate) * up (GATED; DeepSeek-V4's clamp with HAS_LIMIT) or the plain product at c[pair, rn]."""
     if GATED:
-        out = _gated_act(acc_g, acc_u, limit, ACT, HAS_LIMIT)
+        g = acc_g
+        u = acc_u
+        if HAS_LIMIT:
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+        if ACT == 0:
+            act = g / (1.0 + tl.exp(-g))  # silu
+        elif ACT == 1:
+            # gelu_tanh: 0.5 g (1 + tanh(z)) = g * sigmoid(2z), z = sqrt(2/pi) (g + 0.044715 g^3)
+            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            act = g / (1.0 + tl.exp(-2.0 * z))
+        else:
+            act = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))  # exact (erf) gelu
+        out = act * u
     else:
         out = acc_g
     if RNE_BF16:
@@ -248,13 +219,23 @@ def moe_gemv_kernel(
         pk0, pk1 = split_k_range(K, pid_k, SPLIT_K, BLOCK_K)
         prefetch_tile_l2(w_ptr + e_pf * stride_we, pid_n * BLOCK_N, N, K, stride_wn, pk0, pk1, PREFETCH, BLOCK_N)
     pdl_enter(USE_PDL)
-    leader, member, rank, count, expert = _expert_group(ids_ptr, p, P, P_PAD)
-    if leader:  # the expert's leader does the work for all its pairs
+    q = tl.arange(0, P_PAD)
+    eid = tl.load(ids_ptr + q, mask=q < P, other=-1)
+    mine = tl.load(ids_ptr + p)
+    member = (eid == mine) & (q < P)  # the pairs routed to this pair's expert
+    first = tl.min(tl.where(member, q, P_PAD), axis=0)
+    if first == p:  # the expert's leader does the work for all its pairs
+        count = tl.sum(member.to(tl.int32), axis=0)
+        rank = tl.cumsum(member.to(tl.int32), axis=0) - 1
+        expert = mine.to(tl.int64)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = rn < N
+        sl = tl.arange(0, BLOCK_R)
         k_start, k_end = split_k_range(K, pid_k, SPLIT_K, BLOCK_K)
         for c0 in range(0, count, BLOCK_R):
-            pair, m_mask = _chunk_pairs(member, rank, count, c0, P_PAD, BLOCK_R)
+            match = member[None, :] & (rank[None, :] == (c0 + sl)[:, None])  # [BLOCK_R, P_PAD]
+            pair = tl.sum(tl.where(match, q[None, :], 0), axis=1)
+            m_mask = (c0 + sl) < count
             arow = (pair // A_ROW_DIV).to(tl.int64)
             acc_g, acc_u = _mm_rows(
                 a_ptr, arow, m_mask, stride_ar, a_ptr, 0, w_ptr + expert * stride_we, stride_wn,
@@ -263,7 +244,7 @@ def moe_gemv_kernel(
             )
             if SPLIT_K > 1:
                 # the chunk's tile is named by its first pair (each pair is in one chunk of one expert)
-                tile = tl.sum(tl.where(tl.arange(0, BLOCK_R) == 0, pair, 0), axis=0) * tl.num_programs(1) + pid_n
+                tile = tl.sum(tl.where(sl == 0, pair, 0), axis=0) * tl.num_programs(1) + pid_n
                 NACC: tl.constexpr = 2 if GATED else 1
                 split_k_store(acc_g, ws_ptr, (tile * SPLIT_K + pid_k) * NACC, BLOCK_R, BLOCK_N)
                 if GATED:
@@ -274,109 +255,6 @@ def moe_gemv_kernel(
                     acc_u = split_k_sum(ws_ptr, tile * SPLIT_K * NACC + 1, last, SPLIT_K, NACC, BLOCK_R, BLOCK_N)
                 m_mask = split_k_and(m_mask, last)
             _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit, GATED, ACT, HAS_LIMIT, RNE_BF16)
-
-
-@triton.jit
-def moe_fused_small_kernel(
-    x_ptr,  # [R, H], unit stride on H
-    w13_ptr,  # gate_up [E, 2I, H], unit stride on H; x's dtype, or e4m3 with FP8_W
-    s13_ptr,  # FP8_W: [E, ceil(2I / 128), ceil(H / 128)] fp32, unit last stride; else dummy
-    w2_ptr,  # down [E, H, I], unit stride on I
-    s2_ptr,  # FP8_W: [E, ceil(H / 128), ceil(I / 128)] fp32, unit last stride; else dummy
-    ids_ptr,  # [P] flattened topk_ids (int32 / int64)
-    tw_ptr,  # [P] flattened topk_weights (any float dtype)
-    acc_ptr,  # [R, H] fp32, 0 on entry and on exit (``split_k.accumulator``)
-    count_ptr,  # [1] int32, 0 on entry and on exit
-    y_ptr,  # [R, H] contiguous out, x's dtype
-    R, P, H, I, TOP_K,
-    stride_xr, stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_w2e, stride_w2n, stride_s2e,
-    stride_s2n,
-    limit,
-    ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, FP8_W: tl.constexpr, UPCAST: tl.constexpr,
-    RNE_BF16: tl.constexpr,
-    P_PAD: tl.constexpr,  # next power of two >= P
-    BLOCK_R: tl.constexpr,  # dot rows per pass (>= 16)
-    BLOCK_I: tl.constexpr,  # intermediate columns per program (divides 128 with FP8_W)
-    BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,  # gate|up K (= H) step and dot width (SUB_K divides 128, FP8_W)
-    BLOCK_H: tl.constexpr,  # down outputs per step
-    SWAP_AB: tl.constexpr,  # gate|up dots as weight tile @ rows^T
-    USE_PDL: tl.constexpr = False,
-):
-    """The whole small-batch MoE in one launch: program per (pair, BLOCK_I slice of the intermediate). The
-    expert's leader (as moe_gemv_kernel) computes act(gate) * up of its slice for all its pairs (rounded to
-    x's dtype), multiplies it by the matching [H, BLOCK_I] columns of down and adds w[pair] times the
-    product into acc[row] with fp32 atomics (so the sum order varies between runs); the grid's last program
-    rounds acc to y and zeroes it. FP8_W is W8A16: e4m3 tiles widened to x's dtype, scaled per 128 x 128 block."""
-    p = tl.program_id(0)
-    t = tl.program_id(1)
-    pdl_enter(USE_PDL)
-    leader, member, rank, count, expert = _expert_group(ids_ptr, p, P, P_PAD)
-    if leader:
-        ri = t * BLOCK_I + tl.arange(0, BLOCK_I)
-        i_mask = ri < I
-        for c0 in range(0, count, BLOCK_R):
-            pair, m_mask = _chunk_pairs(member, rank, count, c0, P_PAD, BLOCK_R)
-            arow = (pair // TOP_K).to(tl.int64)
-            acc_g, acc_u = _mm_rows(
-                x_ptr, arow, m_mask, stride_xr, x_ptr, 0, w13_ptr + expert * stride_w13e, stride_w13n,
-                s13_ptr + expert * stride_s13e, stride_s13n, ri, i_mask, I, 0, H,
-                True, FP8_W, False, UPCAST, BLOCK_R, BLOCK_I, BLOCK_K, SUB_K, SWAP_AB, False, True,
-            )
-            inter = _gated_act(acc_g, acc_u, limit, ACT, HAS_LIMIT)  # [BLOCK_R, BLOCK_I] fp32
-            if RNE_BF16:
-                inter = _rne_bf16(inter)
-            inter_t = tl.trans(inter.to(x_ptr.dtype.element_ty))  # [BLOCK_I, BLOCK_R], rounded as the twins
-            wts = tl.load(tw_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)
-            w2_base = w2_ptr + expert * stride_w2e
-            for h0 in range(0, H, BLOCK_H):
-                rh = h0 + tl.arange(0, BLOCK_H)
-                h_mask = rh < H
-                wd = tl.load(w2_base + rh[:, None].to(tl.int64) * stride_w2n + ri[None, :],
-                             mask=h_mask[:, None] & i_mask[None, :], other=0.0)
-                wd = wd.to(tl.float32) if UPCAST else wd.to(x_ptr.dtype.element_ty)  # as _mm_rows' A16
-                part = _dot(wd, inter_t, UPCAST)  # [BLOCK_H, BLOCK_R]
-                if FP8_W:
-                    sd = tl.load(s2_ptr + expert * stride_s2e + (rh // 128) * stride_s2n + (t * BLOCK_I) // 128,
-                                 mask=h_mask, other=0.0)
-                    part = part * sd[:, None]
-                tl.atomic_add(acc_ptr + arow[None, :] * H + rh[:, None], part * wts[None, :],
-                              mask=h_mask[:, None] & m_mask[None, :], sem="relaxed", scope="gpu")
-    tl.debug_barrier()  # every thread's atomics precede the release below (as split_k_arrive)
-    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) * tl.num_programs(1) - 1:  # the last program: acc holds every product;
-        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")  # round it to y and leave zeros
-        for r in range(0, R):
-            for h0 in range(0, H, BLOCK_H):
-                rh = h0 + tl.arange(0, BLOCK_H)
-                h_mask = rh < H
-                v = tl.load(acc_ptr + r * H + rh, mask=h_mask, other=0.0, cache_modifier=".cg")
-                if RNE_BF16:
-                    v = _rne_bf16(v)
-                tl.store(y_ptr + r * H + rh, v.to(y_ptr.dtype.element_ty), mask=h_mask)
-                tl.store(acc_ptr + r * H + rh, tl.zeros([BLOCK_H], dtype=tl.float32), mask=h_mask)
-
-
-@triton.jit
-def _expert_group(ids_ptr, p, P, P_PAD: tl.constexpr):
-    """(leader, member [P_PAD], rank [P_PAD], count, expert) of pair p: the pairs routed to its expert, each
-    one's rank among them, their number, and whether p is the first of them (the program that does the work)."""
-    q = tl.arange(0, P_PAD)
-    eid = tl.load(ids_ptr + q, mask=q < P, other=-1)
-    mine = tl.load(ids_ptr + p)
-    member = (eid == mine) & (q < P)
-    first = tl.min(tl.where(member, q, P_PAD), axis=0)
-    count = tl.sum(member.to(tl.int32), axis=0)
-    rank = tl.cumsum(member.to(tl.int32), axis=0) - 1
-    return first == p, member, rank, count, mine.to(tl.int64)
-
-
-@triton.jit
-def _chunk_pairs(member, rank, count, c0, P_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
-    """(pair [BLOCK_R], mask): the expert's pairs of rank c0 .. c0 + BLOCK_R (0 past its count)."""
-    q = tl.arange(0, P_PAD)
-    sl = tl.arange(0, BLOCK_R)
-    match = member[None, :] & (rank[None, :] == (c0 + sl)[:, None])  # [BLOCK_R, P_PAD]
-    return tl.sum(tl.where(match, q[None, :], 0), axis=1), (c0 + sl) < count
 
 
 @triton.jit

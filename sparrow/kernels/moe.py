@@ -21,12 +21,7 @@ Paths (``fused_moe`` picks by P vs ``pair_threshold``, Triton where ``use_triton
   buffers, CUDA-graph safe) -> grouped GEMM gate|up + activation [P, I] -> grouped GEMM down [P, H] ->
   ``moe_reduce`` (weighted sum over K back to row order, shared-expert blend fused);
 - small (decode, P <= SMALL_MAX_PAIRS): per-expert GEMV kernels (no sort; each selected expert's weights
-  streamed once for all the rows that picked it) -> the same ``moe_reduce``;
-- fused small (R <= FUSED_MAX_ROWS, ``reduce=True`` and no shared expert; ``fused_small_applies``): the small
-  path in one launch, gate|up, activation, down and the weighted reduce (fp32 atomics into a zeroed
-  per-stream accumulator, ``split_k.accumulator``). Each pair's output is not rounded before the reduce, the
-  atomics make the fp32 sum order vary from run to run, and FP8 weights run W8A16 (e4m3 widened to x's
-  dtype, activations not quantized: ``fused_moe_fp8_ref(quantize_activations=False)`` is its twin).
+  streamed once for all the rows that picked it) -> the same ``moe_reduce``.
 Accumulation is fp32; the intermediate [P, I] and the per-pair outputs [P, H] are rounded to x's dtype
 (like the references); act(gate) * up is computed from fp32 accumulators and rounded once; the reduce
 is fp32 with one final rounding. No launch synchronizes with the host.
@@ -38,14 +33,13 @@ dequantized weights); ``moe_align_ref``, ``moe_reduce_ref``. Errors: ValueError 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
 from sparrow.kernels import interpreting as _interpret, pdl_kwargs, prefetch_bytes, split_k, use_triton
 from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, dequantize_fp8_block_ref, dequantize_fp8_per_group_ref, \
     quantize_fp8_per_group_ref
-from sparrow.kernels.moe_configs import FUSED_TILES, FusedTile, MoeConfig, Tile, forced_fused_tile, pick_config
+from sparrow.kernels.moe_configs import MoeConfig, Tile, pick_config
 
 
 def _fp32_config(cfg: MoeConfig, fp8: bool) -> MoeConfig:
@@ -59,9 +53,6 @@ def _fp32_config(cfg: MoeConfig, fp8: bool) -> MoeConfig:
 from sparrow.layers.moe import _gate_up_act, fused_moe_grouped_ref, fused_moe_per_pair_ref
 
 SMALL_MAX_PAIRS = 256  # the small path holds all pair ids of the batch in one program
-FUSED_MAX_ROWS = int(os.environ.get("SPARROW_MOE_FUSED_ROWS", "8"))
-"""Rows up to which the small path runs as one launch (``fused_small_applies``); 0 turns it off
-(``SPARROW_MOE_FUSED_ROWS`` in the environment, or set it before the first call)."""
 _ACT_CODE = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -212,26 +203,21 @@ def fused_moe_fp8_ref(
     w13_scale: torch.Tensor,
     w2_scale: torch.Tensor,
     reduce: bool = True,
-    quantize_activations: bool = True,
 ) -> torch.Tensor:
     """Torch twin of the FP8 W8A8 experts: x and the intermediate quantized per 128-column group
     (fp8.py), weights dequantized per 128 x 128 block, matmuls in fp32, the intermediate and each pair's
-    output rounded to x's dtype, fp32 weighted reduce. Same contract as ``fused_moe``'s FP8 case.
-    ``quantize_activations=False``: W8A16, the fused small path's numbers (x and the intermediate as they
-    are, each pair's output kept in fp32 until the reduce)."""
+    output rounded to x's dtype, fp32 weighted reduce. Same contract as ``fused_moe``'s FP8 case."""
     num_rows, top_k = topk_ids.shape
     flat = topk_ids.reshape(-1).long()
-    quant = (lambda t: dequantize_fp8_per_group_ref(*quantize_fp8_per_group_ref(t))) if quantize_activations \
-        else (lambda t: t.float())
-    out_dtype = x.dtype if quantize_activations else torch.float32
-    xq = quant(x)  # [R, H] fp32
-    y = torch.empty(flat.numel(), down_proj.shape[1], dtype=out_dtype, device=x.device)  # [P, H]
+    xq = dequantize_fp8_per_group_ref(*quantize_fp8_per_group_ref(x))  # [R, H] fp32
+    y = torch.empty(flat.numel(), down_proj.shape[1], dtype=x.dtype, device=x.device)  # [P, H]
     for e in torch.unique(flat).tolist():
         pairs = (flat == e).nonzero().squeeze(1)
         h = xq[pairs // top_k] @ dequantize_fp8_block_ref(gate_up_proj[e], w13_scale[e]).t()  # [n, 2I] fp32
         a = _gate_up_act(h, activation, swiglu_limit).to(x.dtype)  # [n, I]
-        y[pairs] = (quant(a) @ dequantize_fp8_block_ref(down_proj[e], w2_scale[e]).t()).to(out_dtype)
-    return moe_reduce_ref(y, topk_weights, x.dtype) if reduce else y.to(x.dtype)
+        aq = dequantize_fp8_per_group_ref(*quantize_fp8_per_group_ref(a))
+        y[pairs] = (aq @ dequantize_fp8_block_ref(down_proj[e], w2_scale[e]).t()).to(x.dtype)
+    return moe_reduce_ref(y, topk_weights, x.dtype) if reduce else y
 
 
 def fused_moe_ref(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu", *, w13_scale=None,
@@ -242,75 +228,14 @@ def fused_moe_ref(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation
     _check_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, w13_scale, w2_scale)
     _check_reduce_shared(x.shape[0], x.shape[1], shared_output, shared_gate, reduce)
     if w13_scale is not None:
-        a16 = reduce and fused_small_shape(x, topk_ids, pair_threshold, shared_output)  # the fused path's numbers
         out = fused_moe_fp8_ref(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, swiglu_limit,
-                                w13_scale=w13_scale, w2_scale=w2_scale, reduce=reduce, quantize_activations=not a16)
+                                w13_scale=w13_scale, w2_scale=w2_scale, reduce=reduce)
     else:
         ref = fused_moe_grouped_ref if topk_ids.numel() > pair_threshold else fused_moe_per_pair_ref
         out = ref(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, swiglu_limit, reduce=reduce)
     if shared_output is None:
         return out
     return _blend_ref(out.float(), shared_output, shared_gate).to(x.dtype)
-
-
-def fused_small_applies(x: torch.Tensor, topk_ids: torch.Tensor, pair_threshold: int = 64,
-                        shared_output: torch.Tensor | None = None) -> bool:
-    """Whether ``fused_moe(x, ..., topk_ids, reduce=True)`` runs the one-launch small path: Triton for x,
-    1 <= R <= FUSED_MAX_ROWS, P <= min(pair_threshold, SMALL_MAX_PAIRS), no shared expert, and this stream's
-    accumulator holds R x H values. A caller that would fuse the weighted reduce itself (``reduce=False``)
-    asks first and takes the reduced output instead when this holds (Gemma 4)."""
-    return use_triton(x) and _fused_small_runs(x, topk_ids, pair_threshold, shared_output)
-
-
-def _fused_small_runs(x, topk_ids, pair_threshold, shared_output) -> bool:
-    """``fused_moe_triton``'s choice: the batch conditions, and an accumulator for this stream."""
-    return (fused_small_shape(x, topk_ids, pair_threshold, shared_output)
-            and split_k.accumulator(x.device, x.shape[0] * x.shape[1]) is not None)
-
-
-def fused_small_shape(x: torch.Tensor, topk_ids: torch.Tensor, pair_threshold: int = 64,
-                      shared_output: torch.Tensor | None = None) -> bool:
-    """The batch conditions of the fused small path: 1 <= R <= FUSED_MAX_ROWS, P <= min(pair_threshold,
-    SMALL_MAX_PAIRS), no shared expert. The twins follow its numbers under them (FP8: W8A16), on any device."""
-    return (shared_output is None and 1 <= x.shape[0] <= FUSED_MAX_ROWS
-            and topk_ids.numel() <= min(pair_threshold, SMALL_MAX_PAIRS))
-
-
-def fused_tile(fp8: bool) -> FusedTile:
-    """The fused small path's tile: the forced one (``moe_configs.forced_fused_tile``), else FUSED_TILES'."""
-    return forced_fused_tile.value or FUSED_TILES["fp8" if fp8 else "bf16"]
-
-
-def _fused_small(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, w13_scale, w2_scale,
-                 swiglu_limit) -> torch.Tensor:
-    """The one-launch small path (``moe_fused_small_kernel``) -> [R, H] in x's dtype."""
-    from sparrow.kernels._moe_jit import moe_fused_small_kernel
-
-    rows, hidden = x.shape
-    width = gate_up_proj.shape[1] // 2
-    pairs = topk_ids.numel()
-    fp8 = w13_scale is not None
-    tile = fused_tile(fp8)
-    _check_fused_tile(tile, fp8)
-    acc, count = split_k.accumulator(x.device, rows * hidden)
-    y = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-    p_pad = _next_pow2(pairs)
-    block_k = tile.block_k if x.dtype != torch.float32 or not x.is_cuda else max(16, tile.block_k // 2)
-    moe_fused_small_kernel[(pairs, -(-width // tile.block_i))](
-        x, gate_up_proj, w13_scale if fp8 else x, down_proj, w2_scale if fp8 else x, topk_ids.reshape(-1),
-        topk_weights.reshape(-1), acc, count, y, rows, pairs, hidden, width, topk_ids.shape[1],
-        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), w13_scale.stride(0) if fp8 else 0,
-        w13_scale.stride(1) if fp8 else 0, down_proj.stride(0), down_proj.stride(1),
-        w2_scale.stride(0) if fp8 else 0, w2_scale.stride(1) if fp8 else 0,
-        float(swiglu_limit) if swiglu_limit is not None else 0.0,
-        ACT=_ACT_CODE[activation], HAS_LIMIT=swiglu_limit is not None, FP8_W=fp8,
-        UPCAST=_interpret() or x.dtype == torch.float32, RNE_BF16=_interpret() and x.dtype == torch.bfloat16,
-        P_PAD=p_pad, BLOCK_R=max(16, min(p_pad, _next_pow2(rows))), BLOCK_I=tile.block_i, BLOCK_K=block_k,
-        SUB_K=min(block_k, GROUP) if fp8 else block_k, BLOCK_H=tile.block_h, SWAP_AB=tile.swap_ab,
-        num_warps=tile.num_warps, num_stages=tile.num_stages if x.dtype != torch.float32 else 2,
-        **pdl_kwargs(x),
-    )
-    return y
 
 
 def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu", *, w13_scale=None,
@@ -327,9 +252,6 @@ def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activat
     pairs = topk_ids.numel()
     if rows == 0:
         return torch.zeros_like(x) if reduce else x.new_zeros(0, hidden)
-    if reduce and _fused_small_runs(x, topk_ids, pair_threshold, shared_output):
-        return _fused_small(x if x.stride(1) == 1 else x.contiguous(), gate_up_proj, down_proj, topk_weights,
-                            topk_ids, activation, w13_scale, w2_scale, swiglu_limit)
     small = pairs <= min(pair_threshold, SMALL_MAX_PAIRS)
     fp8 = w13_scale is not None
     cfg = pick_config(rows, topk_ids.shape[1], num_experts, hidden, width, small, fp8,
@@ -488,15 +410,6 @@ def _fit_shared_memory(tile, block_r: int, a_bytes: int, w_bytes: int, gated: bo
     return tile if stages == tile.num_stages else dataclasses.replace(tile, num_stages=stages)
 
 
-def _check_fused_tile(tile: FusedTile, fp8: bool) -> None:
-    sizes = (tile.block_i, tile.block_k, tile.block_h)
-    if min(sizes) < 16 or any(s & (s - 1) for s in sizes):
-        raise ValueError(f"fused_moe: fused tile sizes must be powers of two >= 16 (tl.dot), got {tile}")
-    if fp8 and (GROUP % tile.block_i or (tile.block_k % GROUP and GROUP % tile.block_k)):
-        raise ValueError(f"fused_moe: FP8 needs block_i dividing {GROUP} and block_k dividing or a multiple of "
-                         f"{GROUP}, got {tile}")
-
-
 def _check_config(cfg: MoeConfig, fp8: bool) -> None:
     for name, tile in (("gate_up", cfg.gate_up), ("down", cfg.down)):
         if fp8 and tile.block_k % GROUP:
@@ -510,7 +423,6 @@ def _next_pow2(n: int) -> int:
 
 
 __all__ = [
-    "align_sizes", "fused_moe", "fused_moe_fp8_ref", "fused_moe_ref", "fused_moe_triton", "fused_small_applies",
-    "fused_small_shape",
+    "align_sizes", "fused_moe", "fused_moe_fp8_ref", "fused_moe_ref", "fused_moe_triton",
     "moe_align", "moe_align_ref", "moe_align_triton", "moe_reduce", "moe_reduce_ref", "moe_reduce_triton",
 ]

@@ -61,27 +61,6 @@ class MoeConfig:
 forced_config = ForcedConfig()  # ``with forced_config(MoeConfig(...)):`` overrides the heuristic
 
 
-@dataclasses.dataclass(frozen=True)
-class FusedTile:
-    """Tiles of the one-launch small path (``moe.fused_moe``'s ``moe_fused_small_kernel``)."""
-    block_i: int = 32
-    """Intermediate columns per program (power of two, >= 16; divides 128 for FP8 weights): the grid is
-    pairs x ceil(I / block_i)."""
-    block_k: int = 256
-    """gate|up reduction elements (of H) per loop step (power of two, >= 16)."""
-    block_h: int = 128
-    """down outputs (of H) per step, each step one atomic add of [block_h] per pair (power of two, >= 16)."""
-    num_warps: int = 4
-    num_stages: int = 3
-    swap_ab: bool = True
-    """gate|up dots as weight tile [block_i, K step] @ rows^T."""
-
-
-FUSED_TILES = {"bf16": FusedTile(), "fp8": FusedTile()}
-"""The fused small path's tile by weight format ("fp8": e4m3 weights; "bf16": weights of x's dtype)."""
-forced_fused_tile = ForcedConfig()  # ``with forced_fused_tile(FusedTile(...)):`` replaces the table's tile
-
-
 
 def default_config(rows: int, pairs: int, num_experts: int, small: bool, fp8: bool) -> MoeConfig:
     """Heuristic: small path - GEMV-like tiles (narrow N, long K); grouped path - BLOCK_M from the mean

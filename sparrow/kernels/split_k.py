@@ -3,7 +3,6 @@
     plan(device, tiles, k_steps, requested, tile_floats, dummy) -> (SPLIT_K, ws, locks)   what a launcher passes
     choose_split(tiles, k_steps, requested) -> SPLIT_K   programs per output tile
     workspace(device, floats, tiles) -> (ws fp32 [WORKSPACE_FLOATS], locks int32 [MAX_TILES]) or None
-    accumulator(device, floats) -> (acc fp32 [ACC_FLOATS], count int32 [1]), both zero, or None
 
 Kernels on one stream run one after another, so they can share one fixed-size fp32 workspace and one
 int32 counter array; kernels on two streams that may run at once (Gemma 4's dense branch on its side stream)
@@ -19,7 +18,6 @@ from __future__ import annotations
 import torch
 
 WORKSPACE_FLOATS = 1 << 21  # 8 MiB of fp32 partials per stream
-ACC_FLOATS = 1 << 18  # 1 MiB zeroed fp32 accumulator per stream (the fused MoE small path: rows x hidden)
 MAX_TILES = 4096  # output tiles of one split-K launch (more tiles fill the GPU without splitting)
 MAX_SPLIT = 16
 SETS = 4  # buffer sets per device: all ordinary streams, and up to 3 registered concurrent streams (8 MB each)
@@ -29,7 +27,6 @@ GEMV sweep (kernels_micro.py): N = 2816 in 32-wide tiles is fastest at split 4 (
 split 2-4, N = 8192 at split 1-2."""
 
 _SETS: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # device -> its buffer sets
-_ACCS: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # device -> its accumulators, one per set
 _CONCURRENT: dict[tuple, int] = {}  # (device, registered stream handle) -> its set index (1, 2, ...)
 
 
@@ -74,32 +71,16 @@ def workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tens
     """This stream's (workspace, counters) if ``floats`` partial values and ``tiles`` counters fit, else None."""
     if floats > WORKSPACE_FLOATS or tiles > MAX_TILES:
         return None
-    return _stream_set(device, _SETS)
-
-
-def accumulator(device: torch.device, floats: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """This stream's zeroed fp32 accumulator [ACC_FLOATS] and its int32 arrival counter [1] if ``floats``
-    values fit, else None. A kernel that adds into it (atomics) must leave both zero, as the counters above."""
-    if floats > ACC_FLOATS:
-        return None
-    return _stream_set(device, _ACCS)
-
-
-def _stream_set(device: torch.device, table: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The current stream's entry of ``table`` (``_SETS`` or ``_ACCS``; both are allocated for every set on
-    the first call outside a capture); None while capturing before that, or past the last set."""
     dev = _device_key(device)
     if device.type == "cuda":
         index = _CONCURRENT.get((dev, torch.cuda.current_stream(device).cuda_stream), 0)
         capturing = torch.cuda.is_current_stream_capturing()
     else:  # the interpreter (CPU tensors) runs programs one at a time
         index, capturing = 0, False
-    if dev not in _SETS:
+    sets = _SETS.get(dev)
+    if sets is None:
         if capturing:
             return None
-        _SETS[dev] = [(torch.empty(WORKSPACE_FLOATS, dtype=torch.float32, device=device),
-                       torch.zeros(MAX_TILES, dtype=torch.int32, device=device)) for _ in range(SETS)]
-        _ACCS[dev] = [(torch.zeros(ACC_FLOATS, dtype=torch.float32, device=device),
-                       torch.zeros(1, dtype=torch.int32, device=device)) for _ in range(SETS)]
-    sets = table[dev]
+        sets = _SETS[dev] = [(torch.empty(WORKSPACE_FLOATS, dtype=torch.float32, device=device),
+                              torch.zeros(MAX_TILES, dtype=torch.int32, device=device)) for _ in range(SETS)]
     return sets[index] if index < len(sets) else None

@@ -200,18 +200,6 @@ class FusedMoE(nn.Module):
         self.w13_scale = nn.Parameter(scales["gate_up_proj"], requires_grad=False)
         self.w2_scale = nn.Parameter(scales["down_proj"], requires_grad=False)
 
-    def reduces_in_one_launch(self, x: torch.Tensor, topk_ids: torch.Tensor) -> bool:
-        """Whether ``forward(x, ..., topk_ids)`` (reduce=True) runs the fused small path, whose single launch
-        includes the weighted reduce (``sparrow.kernels.moe.fused_small_applies``), or on the torch path its twin
-        (``fused_small_shape``: FP8 as W8A16): a caller that fuses the reduce itself (``reduce=False``) should
-        then take the reduced output instead, so both paths compute the same formulas."""
-        from sparrow.kernels import use_triton
-        from sparrow.kernels.moe import fused_small_applies, fused_small_shape
-
-        if use_triton(x):
-            return fused_small_applies(x, topk_ids, self.pair_threshold)
-        return fused_small_shape(x, topk_ids, self.pair_threshold)
-
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 reduce: bool = True) -> torch.Tensor:
         from sparrow.kernels import use_triton
@@ -223,12 +211,11 @@ class FusedMoE(nn.Module):
                              w13_scale=self.w13_scale, w2_scale=self.w2_scale,
                              pair_threshold=self.pair_threshold, swiglu_limit=self.swiglu_limit, reduce=reduce)
         if self.is_fp8:
-            from sparrow.kernels.moe import fused_moe_fp8_ref, fused_small_shape
+            from sparrow.kernels.moe import fused_moe_fp8_ref
 
-            a16 = reduce and fused_small_shape(x, topk_ids, self.pair_threshold)  # the fused small path's numbers
             return fused_moe_fp8_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
                                      self.activation, self.swiglu_limit, w13_scale=self.w13_scale,
-                                     w2_scale=self.w2_scale, reduce=reduce, quantize_activations=not a16)
+                                     w2_scale=self.w2_scale, reduce=reduce)
         path = fused_moe_grouped_ref if topk_ids.numel() > self.pair_threshold else fused_moe_per_pair_ref
         return path(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.activation,
                     self.swiglu_limit, reduce=reduce)

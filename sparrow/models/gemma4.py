@@ -95,17 +95,14 @@ class Gemma4DecoderLayer(nn.Module):
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             dense = self.mlp(pre)
         weights, ids = self.router(h)  # the router reads the raw residual
-        if self.experts.reduces_in_one_launch(pre2, ids):  # decode: one launch, the weighted reduce included
-            moe, pair_weights = self.experts(pre2, weights, ids), None
-        else:  # [R K, H]: the reduce is fused below
-            moe, pair_weights = self.experts(pre2, weights, ids, reduce=False), weights
+        moe = self.experts(pre2, weights, ids, reduce=False)  # [R K, H]: the reduce is fused below
         if stream is not None:
             torch.cuda.current_stream(h.device).wait_stream(stream)
         # (h + post_feedforward_layernorm(post_feedforward_layernorm_1(dense) + post_feedforward_layernorm_2(
         # sum_k weights[:, k] moe[:, k]))) x layer_scalar, and next_norm of it
         return self.post_feedforward_layernorm.norm_add(
             moe, h, self.layer_scalar, pre=(self.post_feedforward_layernorm_2, dense),
-            pre_add_norm=self.post_feedforward_layernorm_1, next_norms=(next_norm,), pair_weights=pair_weights)
+            pre_add_norm=self.post_feedforward_layernorm_1, next_norms=(next_norm,), pair_weights=weights)
 
 
 class Gemma4ForCausalLM(CausalLM):

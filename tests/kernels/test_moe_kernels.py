@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from sparrow.kernels import backend
-from sparrow.kernels import moe, moe_configs, split_k
+from sparrow.kernels import moe_configs
 from sparrow.kernels.fp8 import dequantize_fp8_block_ref, quantize_fp8_block_ref
 from sparrow.kernels.moe import (
     SMALL_MAX_PAIRS,
@@ -34,7 +34,7 @@ from sparrow.kernels.moe import (
     moe_reduce_ref,
     moe_reduce_triton,
 )
-from sparrow.kernels.moe_configs import FusedTile, MoeConfig, Tile, forced_config, forced_fused_tile, pick_config
+from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config, pick_config
 from sparrow.layers.moe import fused_moe_grouped_ref, fused_moe_per_pair_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -103,13 +103,6 @@ class _nullcontext:
 
     def __exit__(self, *a):
         return False
-
-
-@pytest.fixture
-def unfused(monkeypatch):
-    """The small path's separate kernels (gate|up GEMV, down GEMV, reduce) even where the one-launch fused
-    path would apply (R <= FUSED_MAX_ROWS): for tests of those kernels' tiles."""
-    monkeypatch.setattr(moe, "FUSED_MAX_ROWS", 0)
 
 
 def _check_against_fp32_ref(out, x, w13, w2, tw, ti, activation="silu", swiglu_limit=None):
@@ -227,7 +220,7 @@ def test_fp8_prequantized_activations_on_the_grouped_path(num_experts, top_k, ro
         with forced_config(MoeConfig(16, tile, tile)):
             outs.append(fused_moe_triton(x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2, pair_threshold=GROUPED))
     torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
-    twin = fused_moe_ref(x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2, pair_threshold=GROUPED)
+    twin = fused_moe_ref(x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2)
     torch.testing.assert_close(outs[1].float(), twin.float(), **FP8_TOL)
 
 
@@ -279,7 +272,7 @@ def test_unreduced_pairs(path):
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("num_experts,top_k,rows,swap", [(8, 8, 1, False), (8, 2, 17, False), (64, 1, 65, False),
                                                          (128, 8, 4, False), (8, 8, 1, True), (8, 2, 17, True)])
-def test_small_path_split_k(num_experts, top_k, rows, fp8, swap, unfused):
+def test_small_path_split_k(num_experts, top_k, rows, fp8, swap):
     """The small path with K split over programs and reduced in the kernel (ragged splits, some empty);
     ``swap``: the swapped dots (weight tile as the MMA's M side, accumulators transposed at the end)."""
     dtype = torch.bfloat16 if fp8 or rows == 1 else torch.float32
@@ -301,81 +294,6 @@ def test_small_path_split_k(num_experts, top_k, rows, fp8, swap, unfused):
             again = fused_moe_triton(x, w13, w2, tw, ti, pair_threshold=SMALL)
         _check_against_fp32_ref(out, x, w13, w2, tw, ti)
     assert torch.equal(out, again)  # counters reset, partials summed in split order
-
-
-# (E, K, R, dtype, fp8): every E, K and R <= FUSED_MAX_ROWS, fp32 / bf16, x-dtype and FP8 weights
-FUSED_CASES = [(8, 8, 1, torch.bfloat16, False), (64, 2, 3, torch.float32, False), (128, 8, 2, torch.bfloat16, True),
-               (8, 1, 8, torch.float32, True), (64, 8, 8, torch.bfloat16, False), (128, 1, 1, torch.float32, False),
-               (8, 2, 5, torch.bfloat16, True)]
-# tiles: ragged intermediate slices (I = 40 over 32 / 16), several down steps (block_h 16 over H = 64), K steps
-FUSED_TILES = [FusedTile(32, 128, 128), FusedTile(16, 32, 16, swap_ab=False)]
-
-
-def _check_accumulator_clean():
-    acc, count = split_k.accumulator(torch.device(DEVICE), 1)
-    assert not acc.any() and int(count) == 0  # left zero for the next launch
-
-
-@pytest.mark.parametrize("tile", range(len(FUSED_TILES)))
-@pytest.mark.parametrize("case", range(len(FUSED_CASES)))
-def test_fused_small_path(case, tile):
-    """The one-launch small path: against the fp32 reference (x-dtype weights), the W8A16 twin and the
-    dequantized fp32 reference (FP8: activations are not quantized, so only the bf16 intermediate differs)."""
-    num_experts, top_k, rows, dtype, fp8 = FUSED_CASES[case]
-    x, w13, w2, tw, ti = _case(num_experts, top_k, rows, dtype, seed=case)
-    with backend("triton"):
-        assert moe.fused_small_applies(x, ti, pair_threshold=SMALL)
-    forced = forced_fused_tile(FUSED_TILES[tile]) if not ON_GPU else _nullcontext()
-    if fp8:
-        q13, s13 = _quantize_experts(w13)
-        q2, s2 = _quantize_experts(w2)
-        with forced:
-            out = fused_moe_triton(x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2, pair_threshold=SMALL)
-        twin = fused_moe_ref(x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2, pair_threshold=SMALL)
-        torch.testing.assert_close(out, twin, **TOL[dtype])
-        deq = fused_moe_grouped_ref(x.float(), _dequantize_experts(q13, s13), _dequantize_experts(q2, s2), tw, ti)
-        assert _nmse(out, deq) < (1e-4 if dtype == torch.bfloat16 else 1e-10)
-    else:
-        with forced:
-            out = fused_moe_triton(x, w13, w2, tw, ti.int() if case % 2 else ti, pair_threshold=SMALL)
-        _check_against_fp32_ref(out, x, w13, w2, tw, ti)
-    _check_accumulator_clean()
-
-
-@pytest.mark.parametrize("activation,limit", [("gelu_pytorch_tanh", None), ("gelu", None), ("silu", 0.3)])
-def test_fused_small_path_activations(activation, limit):
-    x, w13, w2, tw, ti = _case(8, 2, 4, torch.bfloat16, seed=3)
-    with forced_fused_tile(FUSED_TILES[0]) if not ON_GPU else _nullcontext():
-        out = fused_moe_triton(x, w13, w2, tw, ti, activation, swiglu_limit=limit, pair_threshold=SMALL)
-    _check_against_fp32_ref(out, x, w13, w2, tw, ti, activation, limit)
-    _check_accumulator_clean()
-
-
-def test_fused_small_path_applies(monkeypatch):
-    """Where the fused path runs: Triton, 1..FUSED_MAX_ROWS rows, P within the small path, no shared expert;
-    FusedMoE reports it to callers that would fuse the reduce themselves (Gemma 4)."""
-    from sparrow.layers.moe import FusedMoE
-
-    x, w13, w2, tw, ti = _case(8, 2, 4, torch.float32)
-    layer = FusedMoE(8, H, I, params_dtype=torch.float32).to(DEVICE)
-    with backend("triton"):
-        assert moe.fused_small_applies(x, ti) and layer.reduces_in_one_launch(x, ti)
-        assert not moe.fused_small_applies(x, ti, pair_threshold=7)  # P = 8 goes to the grouped path
-        assert not moe.fused_small_applies(x, ti, shared_output=x)
-        assert not moe.fused_small_applies(x[:0], ti[:0])
-        monkeypatch.setattr(moe, "FUSED_MAX_ROWS", 3)
-        assert not moe.fused_small_applies(x, ti) and moe.fused_small_applies(x[:3], ti[:3])
-    with backend("torch"):
-        assert not moe.fused_small_applies(x[:3], ti[:3]) and not layer.reduces_in_one_launch(x[:3], ti[:3])
-
-
-@pytest.mark.parametrize("bad", [FusedTile(24, 128, 128), FusedTile(32, 128, 8), FusedTile(256, 128, 128)])
-def test_fused_small_path_rejects_tiles(bad):
-    x, w13, w2, tw, ti = _case(8, 2, 1, torch.float32)
-    q13, s13 = _quantize_experts(w13)
-    q2, s2 = _quantize_experts(w2)
-    with forced_fused_tile(bad), pytest.raises(ValueError, match="fused"):
-        fused_moe_triton(x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2, pair_threshold=SMALL)
 
 
 @pytest.mark.parametrize("gated", [False, True])
@@ -458,8 +376,7 @@ def test_shipped_config_files_parse():
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 17, 64, 65, 1024])
 @pytest.mark.parametrize("activation", ["gelu_pytorch_tanh", "silu"])
-def test_gpu_gemma4_shape(rows, fp8, activation, unfused):
-    """The separate small-path kernels and the grouped path (the fused small path: test_gpu_fused_small)."""
+def test_gpu_gemma4_shape(rows, fp8, activation):
     x, w13, w2, tw, ti = _case(128, 8, rows, torch.bfloat16, hidden=2816, width=704, seed=rows)
     if fp8:
         q13, s13 = _quantize_experts(w13)
@@ -579,7 +496,7 @@ def test_gpu_paths_and_align(num_experts, top_k, rows, path):
 @pytest.mark.parametrize("split", [2, 4])
 @pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_gpu_small_path_split_k(rows, fp8, split, swap, unfused):
+def test_gpu_small_path_split_k(rows, fp8, split, swap):
     x, w13, w2, tw, ti = _case(128, 8, rows, torch.bfloat16, hidden=2816, width=704, seed=rows)
     n = 64 if swap else 32  # swapped: the weight tile is the wgmma's M side (64 rows)
     cfg = MoeConfig(16, Tile(n, 256, split_k=split, swap_ab=swap), Tile(2 * n, 256, split_k=split, swap_ab=swap))
@@ -617,7 +534,7 @@ def test_gpu_fp8_prequantized_activations(rows, swap):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 2, 8])
-def test_gpu_fp8_small_path_wide_k(rows, unfused):
+def test_gpu_fp8_small_path_wide_k(rows):
     """The swapped FP8 small-path tiles with 1024-wide K steps (``moe_layer.py --tune``'s rows-1 pick, sixth
     session: gate|up 64 x 1024 with 3 K splits (H = 2816 has 3 steps), down 128 x 1024 in one step) against the
     twin at Gemma 4's shape."""

@@ -12,7 +12,7 @@ import torch
 
 from sparrow.kernels import backend
 from sparrow.kernels.fp8 import dequantize_fp8_block_ref
-from sparrow.kernels.moe import fused_moe_fp8_ref, fused_small_shape
+from sparrow.kernels.moe import fused_moe_fp8_ref
 from sparrow.layers.moe import FusedMoE
 from tests.helpers import make_llm
 from tests.quant.test_fp8 import greedy_agreement
@@ -89,8 +89,7 @@ def test_layer_equals_fp8_reference(llms, rows):
     x, w, ids = _routing(rows)
     for _, m in _experts(fp8):
         want = fused_moe_fp8_ref(x, m.gate_up_proj, m.down_proj, w, ids, m.activation, m.swiglu_limit,
-                                 w13_scale=m.w13_scale, w2_scale=m.w2_scale,
-                                 quantize_activations=not fused_small_shape(x, ids, m.pair_threshold))
+                                 w13_scale=m.w13_scale, w2_scale=m.w2_scale)
         assert torch.equal(m(x, w, ids), want)
 
 
@@ -161,8 +160,7 @@ def test_unaligned_expert_width_quantizes_with_partial_blocks(tmp_path):
             wf = ref[name].gate_up_proj[k]
             assert torch.all((dq - wf).abs() <= wf.abs() * 2 ** -4 + m.w13_scale[k].max() * 2 ** -9), name
         want = fused_moe_fp8_ref(x, m.gate_up_proj, m.down_proj, w, ids, m.activation, m.swiglu_limit,
-                                 w13_scale=m.w13_scale, w2_scale=m.w2_scale, quantize_activations=False)
-        assert fused_small_shape(x, ids, m.pair_threshold)  # 5 rows: decode-sized, the fused path's W8A16
+                                 w13_scale=m.w13_scale, w2_scale=m.w2_scale)
         assert torch.equal(m(x, w, ids), want)
         with backend("triton"):
             torch.testing.assert_close(m(x, w, ids), want, atol=TRITON_ATOL, rtol=0)
