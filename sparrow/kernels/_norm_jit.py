@@ -3,6 +3,8 @@
 Shapes: R = rows, nH = heads per row (1 for a plain [R, H] norm), H = normalized width,
 G = ceil(H / GROUP) fp8 groups per row. One program normalizes one (row, head) vector of H elements,
 held in registers as a [BLOCK_G, GROUP] tile (so the fp8 group amax is a reduction over axis 1).
+Under PDL the norm weights and post_scale are read before ``pdl_enter``: they must be tensors that the kernel
+launched just before this one does not write (model parameters). Every other input is read right after it.
 """
 import triton
 import triton.language as tl
@@ -61,13 +63,35 @@ def rms_norm_kernel(
     GROUP: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
 ):
-    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     dt = x_ptr.dtype.element_ty
     g = tl.arange(0, BLOCK_G)
     cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [BLOCK_G, GROUP]
     mask = cols < H
+    # The norm weights and post_scale are parameters no kernel writes: loaded before the PDL wait, so their
+    # memory latency overlaps the previous kernel's tail instead of following the reductions one by one.
+    if HAS_WEIGHT:
+        w_raw = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    if HAS_PRE:
+        pre_w_raw = tl.load(pre_w_ptr + cols, mask=mask, other=0.0)
+        if PRE_ADD_NORM:
+            a_w_raw = tl.load(pre_add_w_ptr + cols, mask=mask, other=0.0)
+    if HAS_POST_SCALE:
+        post_scale = tl.load(post_scale_ptr).to(tl.float32)
+    if NUM_NEXT > 0:
+        w1_raw = tl.load(next_w1_ptr + cols, mask=mask, other=0.0)
+        if NUM_NEXT > 1:
+            w2_raw = tl.load(next_w2_ptr + cols, mask=mask, other=0.0)
+    pdl_enter(USE_PDL)
+    # The addends earlier kernels wrote: all loaded right after the wait, before the first reduction (whose
+    # barriers would otherwise put each load's latency after the one before it).
+    if HAS_PRE:
+        a_raw = tl.load(pre_add_ptr + row * H + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r_raw = tl.load(res_ptr + row * H + cols, mask=mask, other=0.0)
+    if HAS_POST_ADD:
+        b_raw = tl.load(post_add_ptr + row * H + cols, mask=mask, other=0.0)
 
     if TOPK > 0:
         # the experts' weighted reduce, as moe_reduce_kernel: fp32 in slot order, rounded once
@@ -80,17 +104,17 @@ def rms_norm_kernel(
         x = tl.load(x_ptr + row * stride_xr + head * stride_xh + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_PRE:
         pre_hat = x * tl.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / H + eps)
-        pre_w = tl.load(pre_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        pre_w = pre_w_raw.to(tl.float32)
         t = _weighted(pre_hat, pre_w, dt, GEMMA, UNIT_OFFSET)
-        a = tl.load(pre_add_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+        a = a_raw.to(tl.float32)
         if PRE_ADD_NORM:
             a_hat = a * tl.rsqrt(tl.sum(tl.sum(a * a, axis=1), axis=0) / H + eps)
-            a_w = tl.load(pre_add_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            a_w = a_w_raw.to(tl.float32)
             a = _weighted(a_hat, a_w, dt, GEMMA, UNIT_OFFSET).to(tl.float32)
         x = (a + t.to(tl.float32)).to(dt).to(tl.float32)
     if HAS_RESIDUAL:
         # HF adds the residual in the model dtype: round the sum, store it, normalize the rounded value.
-        r = tl.load(res_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+        r = r_raw.to(tl.float32)
         s = (x + r).to(dt)
         tl.store(res_out_ptr + row * H + cols, s, mask=mask)
         x = s.to(tl.float32)
@@ -99,16 +123,16 @@ def rms_norm_kernel(
     xhat = x * tl.rsqrt(var + eps)
 
     if HAS_WEIGHT:
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        w = w_raw.to(tl.float32)
         y = _weighted(xhat, w, dt, GEMMA, UNIT_OFFSET)
     else:
         y = xhat.to(dt)
 
     if HAS_POST_ADD:
-        b = tl.load(post_add_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+        b = b_raw.to(tl.float32)
         y = (y.to(tl.float32) + b).to(dt)
     if HAS_POST_SCALE:
-        y = (y.to(tl.float32) * tl.load(post_scale_ptr).to(tl.float32)).to(dt)
+        y = (y.to(tl.float32) * post_scale).to(dt)
 
     out_row = row * NUM_HEADS + head
     if FP8_OUT:
@@ -126,8 +150,8 @@ def rms_norm_kernel(
         # the next sandwich norms read the stored (rounded) y; they share its mean square, not their weights
         yf = y.to(tl.float32)
         y_hat = yf * tl.rsqrt(tl.sum(tl.sum(yf * yf, axis=1), axis=0) / H + eps)
-        w1 = tl.load(next_w1_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        w1 = w1_raw.to(tl.float32)
         tl.store(next_y1_ptr + out_row * H + cols, _weighted(y_hat, w1, dt, GEMMA, UNIT_OFFSET), mask=mask)
         if NUM_NEXT > 1:
-            w2 = tl.load(next_w2_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            w2 = w2_raw.to(tl.float32)
             tl.store(next_y2_ptr + out_row * H + cols, _weighted(y_hat, w2, dt, GEMMA, UNIT_OFFSET), mask=mask)

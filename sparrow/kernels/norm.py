@@ -216,6 +216,10 @@ def rms_norm(
     pair order, first reduced as ``moe.moe_reduce_ref`` does (fp32 sum over k of w[r, k] x[r K + k], rounded to
     x's dtype); every other tensor and each output is then [R, H] (the experts' weighted reduce fused).
 
+    Under PDL (``sparrow.kernels.use_pdl``) the kernel reads weight, pre_weight, pre_add_weight, post_scale and
+    next_weights before it waits for the kernel launched before it, so none of them may be that kernel's output
+    (model parameters are fine).
+
     Returns ``y`` [R, H] in x's dtype, or with fp8_out ``(q e4m3 [R, H], scales fp32 [R, G])``, with
     ``new_residual`` [R, H] appended when residual is given: ``(y, new_residual)`` / ``(q, scales, new_residual)``;
     then one [R, H] tensor in x's dtype per next_weights entry.

@@ -89,6 +89,33 @@ def _weights_chain(x, w8, s8, w16, experts, steps):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 16])
+def test_gpu_norm_chain_early_loads_change_no_result(rows):
+    """The norm chain reads its weights and layer scalar before the PDL wait and its addends (pre_add, post_add,
+    residual) right after it: every step's inputs are the previous launches' outputs, and the bits equal plain
+    launches'."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, 2816, device="cuda", generator=g).bfloat16()
+    w = torch.rand(2816, device="cuda", generator=g).bfloat16()
+    w2 = torch.rand(2816, device="cuda", generator=g).bfloat16()
+    scale = torch.full((1,), 0.75, device="cuda").bfloat16()
+
+    def run():
+        outs = []
+        y, h = x, x
+        for _ in range(8):
+            y, n1, n2 = rms_norm_triton(y, w, 1e-6, gemma=True, unit_offset=False, post_add=h, post_scale=scale,
+                                        pre_weight=w2, pre_add=n1 if outs else x, pre_add_weight=w,
+                                        next_weights=(w2, w))
+            n2, h = rms_norm_triton(n2, w2, 1e-6, gemma=True, unit_offset=False, residual=y)
+            outs += [n1, n2]
+            y = n2
+        return torch.cat(outs, dim=1).float()
+
+    _same_as_plain_launches(run, x)
+
+
+@pytest.mark.gpu
 def test_gpu_l2_prefetch_changes_no_result():
     from sparrow.kernels.fp8 import quantize_fp8_block_ref
 
