@@ -5,6 +5,7 @@
     python benchmarks/kernels_micro.py tune_gemv_fp8             (the same, FP8 weights only; tune_gemv_bf16)
     python benchmarks/kernels_micro.py tune_fp8_gemm             (sweep Fp8GemmConfig at M = 64)
     python benchmarks/kernels_micro.py tune_w8a8                 (W8A8 GEMV tiles vs W8A16, fp8_gemm, cuBLAS)
+    python benchmarks/kernels_micro.py tune_w8a8_launch          (the shipped W8A8 tile's warps / stages / split-K)
     python benchmarks/kernels_micro.py fp8_linears               (every FP8 linear kernel by row count, with
                                                                   cuBLAS's block-scaled FP8 GEMM)
     python benchmarks/kernels_micro.py router_logits             (Gemma 4's router logits: kernel vs torch)
@@ -245,6 +246,37 @@ def tune_w8a8(peak: float) -> None:
         del w, nxt, nxt16
 
 
+def tune_w8a8_launch(peak: float) -> None:
+    """The shipped W8A8 GEMV tile (W8A8_GEMV_CONFIGS) at the four dense Gemma 4 shapes, rows 1 and 8, then a
+    coordinate search from it over the launch parameters the earlier sweeps held fixed: num_warps x num_stages,
+    then split-K (the automatic one fills split_k.FILL_PROGRAMS programs), then block_n x block_k."""
+    import dataclasses
+    import itertools
+
+    from sparrow.kernels import gemv
+    from sparrow.kernels.fp8 import quantize_fp8_block_ref
+
+    shipped = gemv.W8A8_GEMV_CONFIGS[-1][1]
+    for (k, n), rows in itertools.product(((2816, 8192), (4096, 2816), (2112, 2816), (2816, 4224)), (1, 8)):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        nxt = _rotating(lambda: quantize_fp8_block_ref(w), n * k)
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        call = lambda: gemv.gemv_w8a8_triton(x, *nxt())  # noqa: E731
+        best_t, best = _sweep([shipped], gemv.forced_config, call)[0]
+        t_shipped = best_t
+        steps = ([dict(num_warps=nw, num_stages=ns) for nw, ns in itertools.product((2, 4, 8), (2, 3, 4, 5, 6))],
+                 [dict(split_k=sk) for sk in (0, 1, 2, 3, 4, 6, 8)],
+                 [dict(block_n=bn, block_k=bk) for bn, bk in itertools.product((64, 128), (128, 256, 512))])
+        for step in steps:
+            results = _sweep([dataclasses.replace(best, **c) for c in step], gemv.forced_config, call)
+            if results and results[0][0] < best_t:
+                best_t, best = results[0]
+        pct = lambda t: 100 * n * k / t / peak  # noqa: E731
+        print(f"w8a8 launch R={rows} K={k} N={n}: shipped {t_shipped * 1e6:6.1f} us ({pct(t_shipped):4.1f} %), "
+              f"best {best_t * 1e6:6.1f} us ({pct(best_t):4.1f} %)  {best}", flush=True)
+        del w, nxt
+
+
 def _for_cublas(wq: torch.Tensor, ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 weight, its scales in cuBLAS's layout) from a block-quantized weight."""
     from sparrow.kernels.scaled_mm import scaled_mm_weight_scale
@@ -360,7 +392,8 @@ def main(which: list[str]) -> None:
         {"norm": bench_norm, "act": bench_act, "gemv": bench_gemv, "tune_gemv": tune_gemv,
          "tune_gemv_fp8": lambda p: tune_gemv(p, (True,)),
          "tune_gemv_bf16": lambda p: tune_gemv(p, (False,)), "tune_fp8_gemm": tune_fp8_gemm,
-         "tune_fp8_rows": tune_fp8_rows, "tune_w8a8": tune_w8a8, "fp8_linears": fp8_linears,
+         "tune_fp8_rows": tune_fp8_rows, "tune_w8a8": tune_w8a8, "tune_w8a8_launch": tune_w8a8_launch,
+         "fp8_linears": fp8_linears,
          "router_logits": bench_router_logits, "router_topk": bench_router_topk}[name](peak)
 
 

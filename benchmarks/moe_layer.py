@@ -122,11 +122,12 @@ def bench_one(rows: int, fp8: bool, layer, peak: float, with_torch: bool = False
 
 
 def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path, verbose: bool = False,
-         swapped_only: bool = False) -> pathlib.Path:
+         swapped_only: bool = False, warps_stages_only: bool = False) -> pathlib.Path:
     """Coordinate search per rows, from the data file's entry for those rows (else the default): BLOCK_M (on the
     grouped path also paired with each swapped tile, and for FP8 with the pre-quantized-activation tiles), then
     the gate|up tile, then the down tile (45 tiles each on the small path, 18 with ``swapped_only``; 24 grouped,
-    32 FP8 grouped (16 and the same with ``a_fp8``), 6 / 8 with ``swapped_only``).
+    32 FP8 grouped (16 and the same with ``a_fp8``), 6 / 8 with ``swapped_only``), then each GEMM's num_warps x
+    num_stages (12 each; ``warps_stages_only``: only this last step, from the current entry).
     Writes the data file ``pick_config`` reads for this shape and device."""
     from sparrow.kernels import moe_configs
     from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config
@@ -171,7 +172,9 @@ def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path, verbose: bool = Fal
         if fp8 and not small:  # prefill sizes: the pre-quantized activations with swapped and wide plain tiles
             starts += [(t, t) for t in [dataclasses.replace(t, a_fp8=True) for t in swapped]
                        + [Tile(128, 128, w, 3, a_fp8=True) for w in (4, 8)]]
-        for bm, (gate_up, down) in itertools.product(ms, starts):
+        if warps_stages_only:
+            starts, tiles = [], []
+        for bm, (gate_up, down) in itertools.product(ms if starts else (), starts):
             cand = MoeConfig(bm, gate_up, down)
             t = timed(cand)
             if t < best_t:
@@ -183,6 +186,14 @@ def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path, verbose: bool = Fal
                 t = timed(cand)
                 if t < best_t:
                     best, best_t = cand, t
+        for which in ("gate_up", "down"):
+            for nw, ns in itertools.product((2, 4, 8), (2, 3, 4, 5)):
+                tile = dataclasses.replace(getattr(best, which), num_warps=nw, num_stages=ns)
+                cand = dataclasses.replace(best, **{which: tile})
+                if cand != best:
+                    t = timed(cand)
+                    if t < best_t:
+                        best, best_t = cand, t
         print(f"rows {rows:5d} {'fp8' if fp8 else 'bf16'}: {best_t * 1e6:8.2f} us  {best}", flush=True)
         table[str(rows)] = best.to_json()
         # after each row count, so a run cut short keeps what it tuned
@@ -269,6 +280,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--verbose", action="store_true", help="with --tune: print every candidate's time")
     p.add_argument("--swapped-only", action="store_true",
                    help="with --tune: try only the swapped-dot tiles against the current entry")
+    p.add_argument("--warps-stages", action="store_true",
+                   help="with --tune: only each GEMM's num_warps x num_stages, from the current entry")
     p.add_argument("--quick", action="store_true",
                    help="with --tune: time only the current entry and the prefill candidates (grouped path)")
     args = p.parse_args(argv)
@@ -286,7 +299,8 @@ def main(argv=None) -> list[dict]:
         if args.tune and args.quick:
             print("wrote", tune_quick(args.rows, dtype == "fp8", layer, CONFIG_DIR))
         elif args.tune:
-            print("wrote", tune(args.rows, dtype == "fp8", layer, CONFIG_DIR, args.verbose, args.swapped_only))
+            print("wrote", tune(args.rows, dtype == "fp8", layer, CONFIG_DIR, args.verbose, args.swapped_only,
+                                args.warps_stages))
         print(f"{'rows':>5} {'dtype':>5} {'path':>8} {'us':>9} {'bound us':>9} {'GB/s':>8} {'% copy':>7} "
               f"{'x bound':>7} {'TFLOP/s':>7}" + (f" {'torch us':>9}" if args.torch else ""))
         for rows in args.rows:
