@@ -9,7 +9,6 @@
     python benchmarks/kernels_micro.py fp8_linears               (every FP8 linear kernel by row count, with
                                                                   cuBLAS's block-scaled FP8 GEMM)
     python benchmarks/kernels_micro.py router_logits             (Gemma 4's router logits: kernel vs torch)
-    python benchmarks/kernels_micro.py router_topk               (Gemma 4's router: one launch vs two)
 
 Each line: kernel, shape, time per call (CUDA-graph replay, so launch overhead is excluded), bytes moved
 (each input read once + each output written once), GB/s and % of the device-to-device copy bandwidth
@@ -364,23 +363,6 @@ def bench_router_logits(peak: float) -> None:
               flush=True)
 
 
-def bench_router_topk(peak: float) -> None:
-    """Gemma 4's router at decode sizes (bf16 x [R, 2816], fp32 weight [128, 2816], top-8): logits and routing
-    in one launch (``router_topk_triton``, by num_warps) against two (``router_logits_triton`` +
-    ``fused_router_triton``), us a call."""
-    from sparrow.kernels.router import fused_router_triton, router_logits_triton, router_topk_triton
-
-    w = torch.randn(128, 2816, device="cuda") / 2816**0.5
-    scale = torch.rand(128, device="cuda") + 0.5
-    kw = dict(scoring="softmax", renormalize=True, per_expert_scale=scale)
-    for rows in (1, 2, 4, 8, 16):
-        x = torch.randn(rows, 2816, device="cuda", dtype=torch.bfloat16)
-        t_two = time_s(lambda: fused_router_triton(router_logits_triton(x, w, 1e-6), 8, **kw), rep=20)
-        ones = "  ".join(f"warps {nw}: {time_s(lambda: router_topk_triton(x, w, 8, 1e-6, **kw, num_warps=nw), rep=20) * 1e6:6.1f} us"
-                         for nw in (1, 2, 4, 8))
-        print(f"router_topk R={rows:<3} two launches {t_two * 1e6:6.1f} us  one launch {ones}", flush=True)
-
-
 def main(which: list[str]) -> None:
     if not torch.cuda.is_available():
         print("kernels_micro: needs a CUDA GPU")
@@ -394,7 +376,7 @@ def main(which: list[str]) -> None:
          "tune_gemv_bf16": lambda p: tune_gemv(p, (False,)), "tune_fp8_gemm": tune_fp8_gemm,
          "tune_fp8_rows": tune_fp8_rows, "tune_w8a8": tune_w8a8, "tune_w8a8_launch": tune_w8a8_launch,
          "fp8_linears": fp8_linears,
-         "router_logits": bench_router_logits, "router_topk": bench_router_topk}[name](peak)
+         "router_logits": bench_router_logits}[name](peak)
 
 
 if __name__ == "__main__":

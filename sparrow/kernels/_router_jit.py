@@ -1,18 +1,13 @@
 """Triton body of the fused MoE router (launcher and torch twin: ``sparrow.kernels.router``).
 
 Shapes: R = rows, E = experts, K = top-k, G = expert groups (1 without grouped top-k), E / G = experts per
-group. ``route_row`` routes one row: its logits are held as a [G_PAD, PER_PAD] tile (expert
+group. One program routes one row: its logits are held as a [G_PAD, PER_PAD] tile (expert
 e = g * (E / G) + j), so grouped top-k needs no reshape. Formulas: ``sparrow.layers.router`` (design §3).
-
-Kernels: ``router_kernel`` (routing of given logits, one program per row), ``router_logits_kernel`` (fp32
-logits of x, Gemma 4's scale-free RMSNorm folded in), ``router_logits_topk_kernel`` (both in one launch:
-the last program of a row block routes its rows in turn).
 """
 import triton
 import triton.language as tl
 
 from sparrow.kernels._pdl_jit import pdl_enter
-from sparrow.kernels._split_k_jit import split_k_arrive
 
 SOFTMAX = 0
 SIGMOID = 1
@@ -20,22 +15,34 @@ SQRTSOFTPLUS = 2
 
 
 @triton.jit
-def route_row(
-    logits_ptr, row, stride_lr, bias_ptr, scale_ptr, w_ptr, ids_ptr, routed_scaling,
-    SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, RENORM: tl.constexpr,
-    TOPK: tl.constexpr, K_PAD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    PER_GROUP: tl.constexpr, G_PAD: tl.constexpr, PER_PAD: tl.constexpr,
-    CG: tl.constexpr = False,
+def router_kernel(
+    logits_ptr,  # [R, E], unit stride on E, any float dtype
+    bias_ptr,  # [E] fp32 e_score_correction_bias, or dummy
+    scale_ptr,  # [E] per_expert_scale, or dummy
+    w_ptr,  # [R, K] fp32 out
+    ids_ptr,  # [R, K] int32 / int64 out
+    stride_lr,
+    routed_scaling,
+    SCORING: tl.constexpr,  # SOFTMAX / SIGMOID / SQRTSOFTPLUS
+    HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    RENORM: tl.constexpr,
+    TOPK: tl.constexpr,
+    K_PAD: tl.constexpr,
+    N_GROUP: tl.constexpr,  # 1: no grouped top-k
+    TOPK_GROUP: tl.constexpr,
+    PER_GROUP: tl.constexpr,  # E // N_GROUP
+    G_PAD: tl.constexpr,
+    PER_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
 ):
-    """Route one row (int64 ``row``): its logits -> weights [K] and ids [K] stored at row * TOPK."""
+    pdl_enter(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, G_PAD)
     j = tl.arange(0, PER_PAD)
     e = g[:, None] * PER_GROUP + j[None, :]  # [G_PAD, PER_PAD] expert id
     valid = (g[:, None] < N_GROUP) & (j[None, :] < PER_GROUP)
-    if CG:  # logits stored by other programs of this launch: read from L2, past the non-coherent L1
-        x = tl.load(logits_ptr + row * stride_lr + e, mask=valid, other=0.0, cache_modifier=".cg").to(tl.float32)
-    else:
-        x = tl.load(logits_ptr + row * stride_lr + e, mask=valid, other=0.0).to(tl.float32)
+    x = tl.load(logits_ptr + row * stride_lr + e, mask=valid, other=0.0).to(tl.float32)
     if SCORING == 0:
         xm = tl.where(valid, x, float("-inf"))
         m = tl.max(tl.max(xm, axis=1), axis=0)
@@ -94,44 +101,29 @@ def route_row(
     tl.store(ids_ptr + row * TOPK + kk, ids.to(ids_ptr.dtype.element_ty), mask=kmask)
 
 
-
-
 @triton.jit
-def router_kernel(
-    logits_ptr,  # [R, E], unit stride on E, any float dtype
-    bias_ptr,  # [E] fp32 e_score_correction_bias, or dummy
-    scale_ptr,  # [E] per_expert_scale, or dummy
-    w_ptr,  # [R, K] fp32 out
-    ids_ptr,  # [R, K] int32 / int64 out
-    stride_lr,
-    routed_scaling,
-    SCORING: tl.constexpr,  # SOFTMAX / SIGMOID / SQRTSOFTPLUS
-    HAS_BIAS: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    RENORM: tl.constexpr,
-    TOPK: tl.constexpr,
-    K_PAD: tl.constexpr,
-    N_GROUP: tl.constexpr,  # 1: no grouped top-k
-    TOPK_GROUP: tl.constexpr,
-    PER_GROUP: tl.constexpr,  # E // N_GROUP
-    G_PAD: tl.constexpr,
-    PER_PAD: tl.constexpr,
+def router_logits_kernel(
+    x_ptr,  # [R, H], unit stride on H, any float dtype
+    w_ptr,  # [E, H], unit stride on H, any float dtype (read as fp32)
+    out_ptr,  # [R, E] fp32 contiguous
+    R,
+    E,
+    H,
+    stride_xr,
+    stride_we,
+    eps,
+    RMS_NORM: tl.constexpr,  # scale-free RMSNorm of x first (Gemma 4): logits * rsqrt(mean(x^2) + eps)
+    BLOCK_R: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
 ):
+    """logits[r, e] = sum_h x[r, h] * w[e, h] in fp32 for a [BLOCK_R, BLOCK_E] tile; grid (E / BLOCK_E,
+    R / BLOCK_R). With RMS_NORM the per-row factor rsqrt(mean(x^2) + eps) multiplies the dot (norm(x) . w
+    = rsqrt(..) * (x . w)), its sum of squares taken in the same pass over x."""
     pdl_enter(USE_PDL)
-    route_row(logits_ptr, tl.program_id(0).to(tl.int64), stride_lr, bias_ptr, scale_ptr, w_ptr, ids_ptr,
-              routed_scaling, SCORING, HAS_BIAS, HAS_SCALE, RENORM, TOPK, K_PAD, N_GROUP, TOPK_GROUP, PER_GROUP,
-              G_PAD, PER_PAD)
-
-
-@triton.jit
-def _logits_tile(x_ptr, w_ptr, out_ptr, R, E, H, stride_xr, stride_we, eps, pid_e, pid_r,
-                 RMS_NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Store logits[r, e] = sum_h x[r, h] * w[e, h] (fp32) of the [BLOCK_R, BLOCK_E] tile (pid_r, pid_e); with
-    RMS_NORM the per-row factor rsqrt(mean(x^2) + eps) multiplies the dot (norm(x) . w = rsqrt(..) * (x . w)),
-    its sum of squares taken in the same pass over x."""
-    re = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    rr = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    re = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    rr = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     rh = tl.arange(0, BLOCK_H)
     r_mask = rr < R
     e_mask = re < E
@@ -150,54 +142,3 @@ def _logits_tile(x_ptr, w_ptr, out_ptr, R, E, H, stride_xr, stride_we, eps, pid_
     if RMS_NORM:
         acc = acc * (1.0 / tl.sqrt_rn(ss / H + eps))[:, None]
     tl.store(out_ptr + rr[:, None].to(tl.int64) * E + re[None, :], acc, mask=r_mask[:, None] & e_mask[None, :])
-
-
-@triton.jit
-def router_logits_kernel(
-    x_ptr,  # [R, H], unit stride on H, any float dtype
-    w_ptr,  # [E, H], unit stride on H, any float dtype (read as fp32)
-    out_ptr,  # [R, E] fp32 contiguous
-    R,
-    E,
-    H,
-    stride_xr,
-    stride_we,
-    eps,
-    RMS_NORM: tl.constexpr,  # scale-free RMSNorm of x first (Gemma 4): logits * rsqrt(mean(x^2) + eps)
-    BLOCK_R: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
-):
-    """logits [R, E] fp32 (``_logits_tile``), grid (E / BLOCK_E, R / BLOCK_R)."""
-    pdl_enter(USE_PDL)
-    _logits_tile(x_ptr, w_ptr, out_ptr, R, E, H, stride_xr, stride_we, eps, tl.program_id(0), tl.program_id(1),
-                 RMS_NORM, BLOCK_R, BLOCK_E, BLOCK_H)
-
-
-@triton.jit
-def router_logits_topk_kernel(
-    x_ptr, w_ptr, out_ptr, R, E, H, stride_xr, stride_we, eps,  # as router_logits_kernel
-    lock_ptr,  # int32 [R / BLOCK_R] counters, 0 on entry and on exit (split_k.workspace's)
-    bias_ptr, scale_ptr, wts_ptr, ids_ptr, routed_scaling,  # as router_kernel (wts_ptr its w_ptr)
-    RMS_NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-    E_PROGRAMS: tl.constexpr,  # E / BLOCK_E, the programs of one row block
-    SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, RENORM: tl.constexpr,
-    TOPK: tl.constexpr, K_PAD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    PER_GROUP: tl.constexpr, G_PAD: tl.constexpr, PER_PAD: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
-):
-    """Logits and routing in one launch, grid (E / BLOCK_E, R / BLOCK_R): each program stores its logits tile;
-    the last of a row block's E_PROGRAMS to arrive (an acq_rel counter, as in ``_split_k_jit``) routes the
-    block's rows from the stored logits (``route_row``)."""
-    pdl_enter(USE_PDL)
-    pid_r = tl.program_id(1)
-    _logits_tile(x_ptr, w_ptr, out_ptr, R, E, H, stride_xr, stride_we, eps, tl.program_id(0), pid_r,
-                 RMS_NORM, BLOCK_R, BLOCK_E, BLOCK_H)
-    if split_k_arrive(lock_ptr, pid_r, E_PROGRAMS):
-        for i in range(0, BLOCK_R):
-            row = pid_r.to(tl.int64) * BLOCK_R + i
-            if row < R:
-                route_row(out_ptr, row, E, bias_ptr, scale_ptr, wts_ptr, ids_ptr, routed_scaling, SCORING,
-                          HAS_BIAS, HAS_SCALE, RENORM, TOPK, K_PAD, N_GROUP, TOPK_GROUP, PER_GROUP, G_PAD, PER_PAD,
-                          CG=True)

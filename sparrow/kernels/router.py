@@ -15,9 +15,9 @@ ties go to the lowest expert id. ``fused_router_ref`` is the torch twin (it call
 The logits themselves: ``router_logits(x [R, H], weight [E, H], rms_eps=None) -> [R, E] fp32`` (twin
 ``router_logits_ref``, launcher ``router_logits_triton``), fp32 x . weight with Gemma 4's scale-free
 RMSNorm of x folded in; the kernel serves decode-sized R. Logits and routing: ``router_topk(x, weight,
-top_k, rms_eps, scoring, renormalize, per_expert_scale, ids_dtype)`` (Gemma 4's router; twin
-``router_topk_ref``, one-launch launcher ``router_topk_triton``, measured slower than two launches on the
-H200 and off by default: FUSED_ROUTER_MAX_ROWS).
+top_k, rms_eps, scoring, renormalize, per_expert_scale, ids_dtype)`` (Gemma 4's router): ``router_logits``
+then ``fused_router``, two launches (one launch was slower on the H200: benchmarks/README.md, eighth
+session).
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def fused_router_triton(
     ids_dtype: torch.dtype = torch.int64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher of ``fused_router_ref`` (same contract); one program per row, no host sync."""
-    from sparrow.kernels._router_jit import router_kernel
+    from sparrow.kernels._router_jit import SIGMOID, SOFTMAX, SQRTSOFTPLUS, router_kernel
 
     _check(router_logits, top_k, scoring, e_score_correction_bias, per_expert_scale, ids_dtype)
     rows, num_experts = router_logits.shape
@@ -74,25 +74,17 @@ def fused_router_triton(
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     bias = e_score_correction_bias.float().contiguous() if e_score_correction_bias is not None else None
     scale = per_expert_scale.contiguous() if per_expert_scale is not None else None
+    per_group = num_experts // groups
     router_kernel[(rows,)](
         logits, bias if bias is not None else weights, scale if scale is not None else weights, weights, ids,
         logits.stride(0), float(routed_scaling_factor),
-        **_route_constexprs(scoring, bias is not None, scale is not None, renormalize, top_k, groups, keep,
-                            num_experts), num_warps=4 if num_experts >= 512 else 1, **pdl_kwargs(logits),
+        SCORING={"softmax": SOFTMAX, "sigmoid": SIGMOID, "sqrtsoftplus": SQRTSOFTPLUS}[scoring],
+        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, RENORM=bool(renormalize),
+        TOPK=top_k, K_PAD=_next_pow2(top_k), N_GROUP=groups, TOPK_GROUP=keep, PER_GROUP=per_group,
+        G_PAD=_next_pow2(groups), PER_PAD=_next_pow2(per_group), num_warps=4 if num_experts >= 512 else 1,
+        **pdl_kwargs(logits),
     )
     return weights, ids
-
-
-def _route_constexprs(scoring: str, has_bias: bool, has_scale: bool, renormalize: bool, top_k: int, groups: int,
-                      keep: int, num_experts: int) -> dict:
-    """The constexpr arguments of ``_router_jit.route_row`` (both routing kernels pass them through)."""
-    from sparrow.kernels._router_jit import SIGMOID, SOFTMAX, SQRTSOFTPLUS
-
-    per_group = num_experts // groups
-    return dict(SCORING={"softmax": SOFTMAX, "sigmoid": SIGMOID, "sqrtsoftplus": SQRTSOFTPLUS}[scoring],
-                HAS_BIAS=has_bias, HAS_SCALE=has_scale, RENORM=bool(renormalize), TOPK=top_k, K_PAD=_next_pow2(top_k),
-                N_GROUP=groups, TOPK_GROUP=keep, PER_GROUP=per_group, G_PAD=_next_pow2(groups),
-                PER_PAD=_next_pow2(per_group))
 
 
 def fused_router(
@@ -122,16 +114,6 @@ MAX_LOGIT_ROWS = 16  # above this, router_logits goes to torch's (cuBLAS) fp32 m
 # / 42.9 / 245.8); end to end, FP8 batch 64 ran at 5,575.5 tok/s with it above 16 rows against 5,631.8 without.
 
 
-FUSED_ROUTER_MAX_ROWS = 0
-"""router_topk's one launch up to this many rows; 0: off, the layers take two launches. Measured on the H200
-(``kernels_micro.py router_topk``, Gemma 4's router, us a call in graph replay, two launches / one launch with
-1 / 4 warps): R = 1 4.2 / 4.6 / 6.1, R = 2 5.1 / 6.9 / 10.3, R = 8 8.7 / 20.8 / 34.0, R = 16 13.9 / 42.3 / 67.8.
-The last program routes its rows one after another, each through ~27 cross-thread reductions, and that tail
-costs more than the launch it saves; end to end (FP8, one launch up to 16 rows) batch 8 fell from 1,093.4 to
-964.2 tok/s. A row-parallel tail ([BLOCK_R, E] tile) is the next thing to try."""
-ROUTER_TOPK_WARPS = 4
-
-
 def router_logits_ref(x: torch.Tensor, weight: torch.Tensor, rms_eps: float | None = None) -> torch.Tensor:
     """Router logits in fp32: x [R, H] (any float dtype) @ weight [E, H].T -> [R, E] fp32, with
     ``rms_eps`` the scale-free RMSNorm of x first (Gemma 4's router: x / sqrt(mean(x^2) + eps), transformers
@@ -156,7 +138,9 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, rms_eps: float |
     out = torch.empty(rows, num_experts, dtype=torch.float32, device=x.device)
     if rows == 0 or num_experts == 0:
         return out
-    block_r, block_e, block_h = _logits_tiles(rows, hidden)
+    # one expert per program (E programs share the weight stream), as much of H per step as registers allow
+    block_r, block_e = min(_next_pow2(rows), 16), 1
+    block_h = min(max(16, _next_pow2(hidden)), max(128, 4096 // block_r))
     grid = (-(-num_experts // block_e), -(-rows // block_r))
     router_logits_kernel[grid](
         x, weight, out, rows, num_experts, hidden, x.stride(0), weight.stride(0), float(rms_eps or 0.0),
@@ -173,72 +157,15 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, rms_eps: float | None =
     return router_logits_ref(x, weight, rms_eps)
 
 
-def router_topk_ref(x: torch.Tensor, weight: torch.Tensor, top_k: int, rms_eps: float | None = None,
-                    scoring: str = "softmax", renormalize: bool = False, per_expert_scale: torch.Tensor | None = None,
-                    ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch twin of ``router_topk``: ``fused_router_ref(router_logits_ref(x, weight, rms_eps), ...)``."""
-    return fused_router_ref(router_logits_ref(x, weight, rms_eps), top_k, scoring, renormalize,
-                            per_expert_scale=per_expert_scale, ids_dtype=ids_dtype)
-
-
-def router_topk_triton(x: torch.Tensor, weight: torch.Tensor, top_k: int, rms_eps: float | None = None,
-                       scoring: str = "softmax", renormalize: bool = False,
-                       per_expert_scale: torch.Tensor | None = None,
-                       ids_dtype: torch.dtype = torch.int64, num_warps: int | None = None,
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton launcher of ``router_topk``: one launch (``router_logits_topk_kernel``: the last program of each
-    row block routes its rows one after another). Without a free split-K counter set (``split_k.workspace``:
-    none allocated yet during a CUDA-graph capture, or all taken) it runs ``router_logits_triton`` +
-    ``fused_router_triton``. ``num_warps``: per program (default ROUTER_TOPK_WARPS; benchmarks sweep it)."""
-    from sparrow.kernels import split_k
-    from sparrow.kernels._router_jit import router_logits_topk_kernel
-
-    _check_logits(x, weight)
-    rows, hidden = x.shape
-    num_experts = weight.shape[0]
-    block_r, block_e, block_h = _logits_tiles(rows, hidden)
-    row_blocks = -(-rows // block_r)
-    buffers = split_k.workspace(x.device, 0, row_blocks) if rows else None
-    if buffers is None:
-        return fused_router_triton(router_logits_triton(x, weight, rms_eps), top_k, scoring, renormalize,
-                                   per_expert_scale=per_expert_scale, ids_dtype=ids_dtype)
-    logits = torch.empty(rows, num_experts, dtype=torch.float32, device=x.device)
-    _check(logits, top_k, scoring, None, per_expert_scale, ids_dtype)
-    x = x if x.stride(1) == 1 else x.contiguous()
-    weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    weights = torch.empty(rows, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(rows, top_k, dtype=ids_dtype, device=x.device)
-    scale = per_expert_scale.contiguous() if per_expert_scale is not None else None
-    e_programs = -(-num_experts // block_e)
-    router_logits_topk_kernel[(e_programs, row_blocks)](
-        x, weight, logits, rows, num_experts, hidden, x.stride(0), weight.stride(0), float(rms_eps or 0.0),
-        buffers[1], weights, scale if scale is not None else weights, weights, ids, 1.0,
-        RMS_NORM=rms_eps is not None, BLOCK_R=block_r, BLOCK_E=block_e, BLOCK_H=block_h, E_PROGRAMS=e_programs,
-        **_route_constexprs(scoring, False, scale is not None, renormalize, top_k, 1, 1, num_experts),
-        num_warps=num_warps or ROUTER_TOPK_WARPS, **pdl_kwargs(x),
-    )
-    return weights, ids
-
-
 def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, rms_eps: float | None = None,
                 scoring: str = "softmax", renormalize: bool = False, per_expert_scale: torch.Tensor | None = None,
                 ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
     """Route x [R, H] with router weight [E, H] (any float dtype, read as fp32; ``router_logits``, then
-    ``fused_router`` without bias or groups: Gemma 4's router) -> (weights [R, K] fp32, ids [R, K] ids_dtype).
-    One Triton launch where ``use_triton(x)`` and R <= FUSED_ROUTER_MAX_ROWS (0 by default: slower, see there),
-    else ``router_logits`` and ``fused_router`` (the logits on torch's matmul above MAX_LOGIT_ROWS). Raises ValueError as
-    ``router_logits`` and ``fused_router`` do."""
-    if x.shape[0] <= FUSED_ROUTER_MAX_ROWS and use_triton(x):
-        return router_topk_triton(x, weight, top_k, rms_eps, scoring, renormalize, per_expert_scale, ids_dtype)
+    ``fused_router`` without bias or groups: Gemma 4's router) -> (weights [R, K] fp32, ids [R, K] ids_dtype),
+    each step on its Triton kernel where ``use_triton(x)`` (the logits on torch's matmul above
+    MAX_LOGIT_ROWS). Raises ValueError as ``router_logits`` and ``fused_router`` do."""
     return fused_router(router_logits(x, weight, rms_eps), top_k, scoring, renormalize,
                         per_expert_scale=per_expert_scale, ids_dtype=ids_dtype)
-
-
-def _logits_tiles(rows: int, hidden: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_E, BLOCK_H) of the logits kernels: one expert per program (E programs share the weight
-    stream), as much of H per step as registers allow."""
-    block_r = min(_next_pow2(max(rows, 1)), 16)
-    return block_r, 1, min(max(16, _next_pow2(hidden)), max(128, 4096 // block_r))
 
 
 def _check_logits(x: torch.Tensor, weight: torch.Tensor) -> None:

@@ -15,9 +15,6 @@ from sparrow.kernels.router import (
     router_logits,
     router_logits_ref,
     router_logits_triton,
-    router_topk,
-    router_topk_ref,
-    router_topk_triton,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -148,33 +145,10 @@ def test_router_logits_bf16_weight_and_dispatch():
     torch.testing.assert_close(router_logits_triton(xs, wb), router_logits_ref(xs, wb), atol=1e-5, rtol=1e-5)
 
 
-def _topk_kw(num_experts, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return dict(scoring="softmax", renormalize=True,
-                per_expert_scale=(torch.rand(num_experts, generator=g) + 0.5).to(DEVICE))
-
-
-@pytest.mark.parametrize("rms_eps", [None, 1e-6])
-@pytest.mark.parametrize("rows,num_experts,hidden,top_k", [(1, 8, 64, 2), (3, 128, 200, 8), (16, 40, 96, 4),
-                                                          (40, 8, 64, 2)])
-def test_router_topk_one_launch(rows, num_experts, hidden, top_k, rms_eps):
-    """Logits + routing in one launch give exactly the two Triton launches' result (same logits tile, same
-    ``route_row``), the twin's routing, and leave the row-block counters at 0 for the next launch."""
-    from sparrow.kernels import split_k
-
-    x, w = _logit_args(rows, num_experts, hidden, torch.bfloat16)
-    kw = _topk_kw(num_experts)
-    got = router_topk_triton(x, w, top_k, rms_eps, **kw)
-    two = fused_router_triton(router_logits_triton(x, w, rms_eps), top_k, **kw)
-    assert torch.equal(got[0], two[0]) and torch.equal(got[1], two[1])
-    _assert_same_routing(got, router_topk_ref(x, w, top_k, rms_eps, **kw))
-    assert not split_k.workspace(x.device, 0, 1)[1].any()
-
-
 @pytest.mark.parametrize("rows", [1, 5, 20])
 def test_gemma4_router_backends_agree(rows):
-    """``Gemma4Router`` on the Triton path routes as its torch path does, with ``router_topk``'s one launch
-    (FUSED_ROUTER_MAX_ROWS raised to 16 here) and without it."""
+    """``Gemma4Router`` on the Triton path (``router_topk``: the logits kernel, or torch's matmul above
+    MAX_LOGIT_ROWS, then the routing kernel) routes as its torch path does."""
     from sparrow.kernels import backend
     from sparrow.layers.router import Gemma4Router
 
@@ -184,54 +158,12 @@ def test_gemma4_router_backends_agree(rows):
     router.scale.copy_(torch.rand(64, generator=g) + 0.5)
     router.per_expert_scale.copy_(torch.rand(16, generator=g) + 0.5)
     x = (torch.randn(rows, 64, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
-    from sparrow.kernels import router as router_kernels
-
     with backend("torch"):
         want = router(x)
-    for fused_rows in (0, 16):
-        with backend("triton"), pytest.MonkeyPatch.context() as mp:
-            mp.setattr(router_kernels, "FUSED_ROUTER_MAX_ROWS", fused_rows)
-            got = router(x)
-        assert got[1].dtype == want[1].dtype == torch.int64
-        _assert_same_routing(got, want)
-
-
-def test_router_topk_fallback_and_dispatch(monkeypatch):
-    """Without a counter set the launcher takes the two launches; above MAX_LOGIT_ROWS the dispatcher keeps
-    torch's matmul for the logits; bad shapes are named."""
-    from sparrow.kernels import backend, split_k
-    from sparrow.kernels.router import MAX_LOGIT_ROWS
-
-    x, w = _logit_args(2, 8, 64, torch.float32)
-    kw = _topk_kw(8)
-    one = router_topk_triton(x, w, 2, 1e-6, **kw)
-    monkeypatch.setattr(split_k, "workspace", lambda *a: None)
-    two = router_topk_triton(x, w, 2, 1e-6, **kw)
-    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
-    big, _ = _logit_args(MAX_LOGIT_ROWS + 1, 8, 64, torch.float32)
     with backend("triton"):
-        _assert_same_routing(router_topk(big, w, 2, 1e-6, **kw), router_topk_ref(big, w, 2, 1e-6, **kw))
-    with pytest.raises(ValueError, match="need x"):
-        router_topk_triton(x, w[:, :32], 2)
-    with pytest.raises(ValueError, match="top_k"):
-        router_topk_triton(x, w, 9)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 2, 8, 16])
-def test_gpu_router_topk_real_shape_and_graph(rows):
-    """Gemma 4's router (E = 128, H = 2816, top-8) in one launch against the twin, then in a CUDA graph
-    replayed on new inputs (the counters reset themselves)."""
-    x, w = _logit_args(rows, 128, 2816, torch.bfloat16)
-    kw = _topk_kw(128)
-    _assert_same_routing(router_topk_triton(x, w, 8, 1e-6, **kw), router_topk_ref(x, w, 8, 1e-6, **kw))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = router_topk_triton(x, w, 8, 1e-6, **kw)
-    for seed in (1, 2):
-        x.copy_(_logit_args(rows, 128, 2816, torch.bfloat16, seed=seed)[0])
-        graph.replay()
-        _assert_same_routing(captured, router_topk_ref(x, w, 8, 1e-6, **kw))
+        got = router(x)
+    assert got[1].dtype == want[1].dtype == torch.int64
+    _assert_same_routing(got, want)
 
 
 @pytest.mark.gpu
