@@ -40,6 +40,7 @@ from sparrow.kernels import interpreting as _interpret, pdl_kwargs, prefetch_byt
 from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, dequantize_fp8_block_ref, dequantize_fp8_per_group_ref, \
     quantize_fp8_per_group_ref
 from sparrow.kernels.moe_configs import MoeConfig, Tile, pick_config
+from sparrow.layers.moe import _gate_up_act, fused_moe_grouped_ref, fused_moe_per_pair_ref
 
 
 def _fp32_config(cfg: MoeConfig, fp8: bool) -> MoeConfig:
@@ -50,7 +51,7 @@ def _fp32_config(cfg: MoeConfig, fp8: bool) -> MoeConfig:
         return dataclasses.replace(t, block_k=block_k, num_stages=min(t.num_stages, 2))
 
     return MoeConfig(cfg.block_m, shrink(cfg.gate_up), shrink(cfg.down))
-from sparrow.layers.moe import _gate_up_act, fused_moe_grouped_ref, fused_moe_per_pair_ref
+
 
 SMALL_MAX_PAIRS = 256  # the small path holds all pair ids of the batch in one program
 _ACT_CODE = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
