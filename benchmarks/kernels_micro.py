@@ -6,9 +6,11 @@
     python benchmarks/kernels_micro.py tune_fp8_gemm             (sweep Fp8GemmConfig at M = 64)
     python benchmarks/kernels_micro.py tune_w8a8                 (W8A8 GEMV tiles vs W8A16, fp8_gemm, cuBLAS)
     python benchmarks/kernels_micro.py tune_w8a8_launch          (the shipped W8A8 tile's warps / stages / split-K)
+    python benchmarks/kernels_micro.py tune_gemv_fma             (the FMA path's narrow tiles at 1-2 rows)
     python benchmarks/kernels_micro.py fp8_linears               (every FP8 linear kernel by row count, with
                                                                   cuBLAS's block-scaled FP8 GEMM)
     python benchmarks/kernels_micro.py router_logits             (Gemma 4's router logits: kernel vs torch)
+    python benchmarks/kernels_micro.py tune_router_logits        (its tiles and H splits above 16 rows)
 
 Each line: kernel, shape, time per call (CUDA-graph replay, so launch overhead is excluded), bytes moved
 (each input read once + each output written once), GB/s and % of the device-to-device copy bandwidth
@@ -276,6 +278,49 @@ def tune_w8a8_launch(peak: float) -> None:
         del w, nxt
 
 
+def tune_gemv_fma(peak: float) -> None:
+    """Batch 1: the GEMV's CUDA-core FMA path (fp32 products summed over K after the loop) with narrow
+    tiles (block_n 4-16: one program per few full weight rows, 176-2,048 programs at these shapes) and long K
+    steps, which the tune_gemv sweep (block_n >= 16, block_k <= 512) left out, against the shipped kernels of
+    the same rows: FP8 (W8A16 here) against the W8A8 GEMV, bf16 against the Triton GEMV and cuBLAS."""
+    import itertools
+
+    import torch.nn.functional as F
+
+    from sparrow.kernels import gemv
+    from sparrow.kernels.fp8 import quantize_fp8_block_ref
+
+    def fma(fp8):
+        out = []
+        for bn, bk, sk, nw in itertools.product((4, 8, 16), (512, 1024, 2048) if fp8 else (256, 512, 1024),
+                                                (1, 2), (2, 4)):
+            if fp8 or bn * bk <= 32 * 32 * nw * 4:  # bf16: the [bn, bk] fp32 accumulator within ~128 registers
+                out.append(gemv.GemvConfig(bn, bk, False, num_warps=nw, num_stages=3, split_k=sk))
+        return out
+
+    for (k, n), fp8 in itertools.product(((2816, 8192), (4096, 2816), (2112, 2816), (2816, 4224)), (True, False)):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        nxt = _rotating(lambda: quantize_fp8_block_ref(w), n * k) if fp8 else _rotating(lambda: (w.clone(),), 2 * n * k)
+        nbytes = n * k * (1 if fp8 else 2)
+        pct = lambda t: 100 * nbytes / t / peak  # noqa: E731
+        for rows in (1,):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            if fp8:
+                t_ship = time_s(lambda: gemv.gemv_w8a8_triton(x, *nxt()), rep=20)
+                base = f"W8A8 GEMV {t_ship * 1e6:6.1f} us ({pct(t_ship):4.1f} %)"
+            else:
+                t_ship = time_s(lambda: gemv.gemv_triton(x, *nxt()), rep=20)
+                t_cublas = time_s(lambda: F.linear(x, *nxt()), rep=20)
+                base = (f"Triton GEMV {t_ship * 1e6:6.1f} us ({pct(t_ship):4.1f} %)  cuBLAS {t_cublas * 1e6:6.1f} us "
+                        f"({pct(t_cublas):4.1f} %)")
+            fn = gemv.gemv_fp8_triton if fp8 else gemv.gemv_triton
+            results = _sweep(fma(fp8), gemv.forced_config, lambda: fn(x, *nxt()))
+            print(f"fma {'fp8 ' if fp8 else 'bf16'} R={rows} K={k} N={n}: shipped {base}", flush=True)
+            for t, cfg in results[:3]:
+                print(f"    FMA {t * 1e6:6.1f} us ({pct(t):4.1f} %)  {cfg}", flush=True)
+        del w, nxt
+
+
 def _for_cublas(wq: torch.Tensor, ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 weight, its scales in cuBLAS's layout) from a block-quantized weight."""
     from sparrow.kernels.scaled_mm import scaled_mm_weight_scale
@@ -363,6 +408,28 @@ def bench_router_logits(peak: float) -> None:
               flush=True)
 
 
+def tune_router_logits(peak: float) -> None:
+    """Gemma 4's router logits above 16 rows: ``router_logits_kernel`` tiles (rows x experts x H step, H split
+    over programs or not) against torch's matmul and the table's entry, us a call; the best three per row count."""
+    import itertools
+
+    from sparrow.kernels.router import LogitsConfig, forced_logits_config, router_logits_ref, router_logits_triton
+
+    tiles = [(br, be, bh, 4) for br, be, bh in itertools.product((16, 32), (4, 8, 16), (32, 64, 128))
+             if br * bh * (be + 1) <= 12288]
+    tiles += [(32, 8, 64, 8), (16, 16, 64, 8), (32, 16, 32, 8)]
+    configs = [LogitsConfig(br, be, bh, split_k=sk, num_warps=nw) for (br, be, bh, nw), sk in itertools.product(tiles, (0, 1))]
+    w = torch.randn(128, 2816, device="cuda") / 2816**0.5
+    for rows in (17, 32, 64, 128, 256, 1024):
+        x = torch.randn(rows, 2816, device="cuda", dtype=torch.bfloat16)
+        t_ref = time_s(lambda: router_logits_ref(x, w, 1e-6), rep=20)
+        t_table = time_s(lambda: router_logits_triton(x, w, 1e-6), rep=20)
+        results = _sweep(configs, forced_logits_config, lambda: router_logits_triton(x, w, 1e-6))
+        print(f"router_logits tiles R={rows:<5} torch {t_ref * 1e6:7.1f} us  table entry {t_table * 1e6:7.1f} us", flush=True)
+        for t, cfg in results[:3]:
+            print(f"    {t * 1e6:7.1f} us  {cfg}", flush=True)
+
+
 def main(which: list[str]) -> None:
     if not torch.cuda.is_available():
         print("kernels_micro: needs a CUDA GPU")
@@ -375,8 +442,8 @@ def main(which: list[str]) -> None:
          "tune_gemv_fp8": lambda p: tune_gemv(p, (True,)),
          "tune_gemv_bf16": lambda p: tune_gemv(p, (False,)), "tune_fp8_gemm": tune_fp8_gemm,
          "tune_fp8_rows": tune_fp8_rows, "tune_w8a8": tune_w8a8, "tune_w8a8_launch": tune_w8a8_launch,
-         "fp8_linears": fp8_linears,
-         "router_logits": bench_router_logits}[name](peak)
+         "fp8_linears": fp8_linears, "tune_gemv_fma": tune_gemv_fma,
+         "router_logits": bench_router_logits, "tune_router_logits": tune_router_logits}[name](peak)
 
 
 if __name__ == "__main__":
