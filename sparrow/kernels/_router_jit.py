@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from sparrow.kernels._pdl_jit import pdl_enter
+from sparrow.kernels._split_k_jit import split_k_and, split_k_arrive, split_k_range, split_k_store, split_k_sum
 
 SOFTMAX = 0
 SIGMOID = 1
@@ -106,6 +107,8 @@ def router_logits_kernel(
     x_ptr,  # [R, H], unit stride on H, any float dtype
     w_ptr,  # [E, H], unit stride on H, any float dtype (read as fp32)
     out_ptr,  # [R, E] fp32 contiguous
+    ws_ptr,  # SPLIT_K > 1: fp32 partials, (1 + RMS_NORM) * SPLIT_K * BLOCK_R * BLOCK_E per tile; else dummy
+    lock_ptr,  # SPLIT_K > 1: int32 [tiles] counters, 0 on entry and on exit; else dummy
     R,
     E,
     H,
@@ -116,29 +119,51 @@ def router_logits_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    SPLIT_K: tl.constexpr = 1,  # programs per (row tile, expert tile) (grid axis 2), each over a contiguous H range
     USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
 ):
     """logits[r, e] = sum_h x[r, h] * w[e, h] in fp32 for a [BLOCK_R, BLOCK_E] tile; grid (E / BLOCK_E,
-    R / BLOCK_R). With RMS_NORM the per-row factor rsqrt(mean(x^2) + eps) multiplies the dot (norm(x) . w
-    = rsqrt(..) * (x . w)), its sum of squares taken in the same pass over x."""
+    R / BLOCK_R, SPLIT_K). Products go into a [BLOCK_R, BLOCK_E, BLOCK_H] fp32 accumulator summed over H once,
+    after the loop. With RMS_NORM the per-row factor rsqrt(mean(x^2) + eps) multiplies the dot (norm(x) . w
+    = rsqrt(..) * (x . w)), its sum of squares taken in the same pass over x. With SPLIT_K > 1 the H splits
+    (dot and sum of squares) are reduced in the kernel (``_split_k_jit``) before the factor is applied."""
     pdl_enter(USE_PDL)
-    re = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    rr = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    pid_e = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    re = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    rr = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     rh = tl.arange(0, BLOCK_H)
     r_mask = rr < R
     e_mask = re < E
-    acc = tl.zeros([BLOCK_R, BLOCK_E], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
+    acc3 = tl.zeros([BLOCK_R, BLOCK_E, BLOCK_H], dtype=tl.float32)
+    ss2 = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+    h_start, h_end = split_k_range(H, pid_k, SPLIT_K, BLOCK_H)
+    for h0 in range(h_start, h_end, BLOCK_H):
         hh = h0 + rh
-        h_mask = hh < H
+        h_mask = hh < h_end
         x = tl.load(x_ptr + rr[:, None].to(tl.int64) * stride_xr + hh[None, :],
                     mask=r_mask[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_ptr + re[:, None] * stride_we + hh[None, :],
                     mask=e_mask[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        acc3 += x[:, None, :] * w[None, :, :]
         if RMS_NORM:
-            ss += tl.sum(x * x, axis=1)
+            ss2 += x * x
+    acc = tl.sum(acc3, axis=2)
+    ss = tl.sum(ss2, axis=1)
+    mask = r_mask[:, None] & e_mask[None, :]
+    if SPLIT_K > 1:
+        tile = pid_r * tl.num_programs(0) + pid_e
+        NACC: tl.constexpr = 2 if RMS_NORM else 1
+        split_k_store(acc, ws_ptr, (tile * SPLIT_K + pid_k) * NACC, BLOCK_R, BLOCK_E)
+        if RMS_NORM:  # each row's partial sum of squares, in every column of a second partial tile
+            split_k_store(ss[:, None] + tl.zeros([BLOCK_R, BLOCK_E], dtype=tl.float32), ws_ptr,
+                          (tile * SPLIT_K + pid_k) * NACC + 1, BLOCK_R, BLOCK_E)
+        last = split_k_arrive(lock_ptr, tile, SPLIT_K)
+        acc = split_k_sum(ws_ptr, tile * SPLIT_K * NACC, last, SPLIT_K, NACC, BLOCK_R, BLOCK_E)
+        if RMS_NORM:
+            ss = tl.max(split_k_sum(ws_ptr, tile * SPLIT_K * NACC + 1, last, SPLIT_K, NACC, BLOCK_R, BLOCK_E), axis=1)
+        mask = split_k_and(mask, last)
     if RMS_NORM:
         acc = acc * (1.0 / tl.sqrt_rn(ss / H + eps))[:, None]
-    tl.store(out_ptr + rr[:, None].to(tl.int64) * E + re[None, :], acc, mask=r_mask[:, None] & e_mask[None, :])
+    tl.store(out_ptr + rr[:, None].to(tl.int64) * E + re[None, :], acc, mask=mask)

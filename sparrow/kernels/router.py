@@ -21,10 +21,12 @@ session).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
-from sparrow.kernels import pdl_kwargs, use_triton
+from sparrow.kernels import ForcedConfig, pdl_kwargs, split_k, use_triton
 from sparrow.layers.router import SCORING_FUNCS, select_experts
 
 MAX_EXPERTS = 4096  # one row's logits live in one program's registers
@@ -105,13 +107,36 @@ def fused_router(
               routed_scaling_factor, per_expert_scale, ids_dtype)
 
 
-MAX_LOGIT_ROWS = 16  # above this, router_logits goes to torch's (cuBLAS) fp32 matmul
-# (H200, Gemma 4's router, us a call in graph replay, kernels_micro.py router_logits: this kernel 1.9 / 6.3 / 11.5
-# at 1 / 8 / 16 rows against torch's 9.8 / 15.7 / 16.1; torch 14.8-16.0 from 17 to 64 rows. A tl.dot row-tile
-# variant in exact fp32 (FMA, [16 x 16] tiles) took 70.8 us from 17 to 256 rows and was dropped; both stay far
-# from the 1.4 MB weight's bound). Tried and dropped in the ninth session: a tensor-core variant with "tf32x3" dots
-# ([16 x 16] to [128 x 64] tiles) took 34.6 us from 1 to 256 rows, 98.6 at 1,024 and 138-159 at 8,192 (torch 14.6-21.6
-# / 42.9 / 245.8); end to end, FP8 batch 64 ran at 5,575.5 tok/s with it above 16 rows against 5,631.8 without.
+MAX_LOGIT_ROWS = 256  # above this, router_logits goes to torch's (cuBLAS) fp32 matmul (LOGITS_CONFIGS)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitsConfig:
+    """Tile of ``router_logits_kernel``: BLOCK_R rows x BLOCK_E experts per program, BLOCK_H of H per step."""
+    block_r: int
+    block_e: int
+    block_h: int
+    """0: as much of H per step as registers allow (max(128, 4096 / block_r), at most H rounded up)."""
+    split_k: int = 1
+    """Programs per tile over contiguous H ranges, reduced in the kernel; 0: automatic (``split_k.choose_split``)."""
+    num_warps: int = 4
+
+
+# (largest R, config), the first entry whose bound covers R. Up to 16 rows: one expert per program, all E
+# programs sharing the weight stream. Above: expert tiles, H split over programs (automatic: about
+# split_k.FILL_PROGRAMS programs), since a program per expert walking all of H grew with the rows (38.9 us at
+# 64 rows against torch's 15.7 in the ninth session). H200, Gemma 4's router (E 128, H 2816), us a call,
+# kernels_micro.py router_logits / tune_router_logits (24 tiles x split automatic / none), this kernel against
+# torch's cast + norm + fp32 matmul: 2.1 / 9.9 at 1 row, 4.5 / 15.7 at 8, 8.3 / 16.2 at 16, 7.1 / 15.1 at
+# 17, 7.0 / 15.1 at 32, 10.3 / 16.1 at 64, 14.1 / 18.2 at 128, 18.7 / 21.9 at 256; 57.8 / 43.4 at 1,024,
+# so MAX_LOGIT_ROWS is 256.
+LOGITS_CONFIGS: tuple[tuple[int, LogitsConfig], ...] = (
+    (16, LogitsConfig(16, 1, 0)),
+    (32, LogitsConfig(32, 8, 32, split_k=0)),
+    (128, LogitsConfig(16, 16, 32, split_k=0)),
+    (MAX_LOGIT_ROWS, LogitsConfig(16, 8, 64, split_k=0)),
+)
+forced_logits_config = ForcedConfig()  # ``with forced_logits_config(LogitsConfig(...)):`` overrides the table
 
 
 def router_logits_ref(x: torch.Tensor, weight: torch.Tensor, rms_eps: float | None = None) -> torch.Tensor:
@@ -138,13 +163,17 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, rms_eps: float |
     out = torch.empty(rows, num_experts, dtype=torch.float32, device=x.device)
     if rows == 0 or num_experts == 0:
         return out
-    # one expert per program (E programs share the weight stream), as much of H per step as registers allow
-    block_r, block_e = min(_next_pow2(rows), 16), 1
-    block_h = min(max(16, _next_pow2(hidden)), max(128, 4096 // block_r))
-    grid = (-(-num_experts // block_e), -(-rows // block_r))
-    router_logits_kernel[grid](
-        x, weight, out, rows, num_experts, hidden, x.stride(0), weight.stride(0), float(rms_eps or 0.0),
-        RMS_NORM=rms_eps is not None, BLOCK_R=block_r, BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4, **pdl_kwargs(x),
+    cfg = forced_logits_config.value or next((c for bound, c in LOGITS_CONFIGS if rows <= bound), LOGITS_CONFIGS[-1][1])
+    block_r = min(_next_pow2(rows), cfg.block_r)
+    block_h = cfg.block_h or min(max(16, _next_pow2(hidden)), max(128, 4096 // block_r))
+    grid_e, grid_r = -(-num_experts // cfg.block_e), -(-rows // block_r)
+    nacc = 2 if rms_eps is not None else 1
+    split, ws, locks = split_k.plan(x.device, grid_e * grid_r, -(-hidden // block_h), cfg.split_k,
+                                    nacc * block_r * cfg.block_e, out)
+    router_logits_kernel[(grid_e, grid_r, split)](
+        x, weight, out, ws, locks, rows, num_experts, hidden, x.stride(0), weight.stride(0), float(rms_eps or 0.0),
+        RMS_NORM=rms_eps is not None, BLOCK_R=block_r, BLOCK_E=cfg.block_e, BLOCK_H=block_h, SPLIT_K=split,
+        num_warps=cfg.num_warps, **pdl_kwargs(x),
     )
     return out
 

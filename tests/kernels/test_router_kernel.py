@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from sparrow.kernels.router import (
+    LogitsConfig,
+    forced_logits_config,
     fused_router,
     fused_router_ref,
     fused_router_triton,
@@ -127,6 +129,21 @@ def test_router_logits_kernel_matches_twin(rows, num_experts, hidden, x_dtype, r
     got, want = router_logits_triton(x, w, rms_eps), router_logits_ref(x, w, rms_eps)
     assert got.dtype == torch.float32 and got.shape == (rows, num_experts)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rms_eps", [None, 1e-6])
+@pytest.mark.parametrize("rows,num_experts,hidden", [(17, 6, 200), (33, 40, 96), (64, 16, 300)])
+@pytest.mark.parametrize("config", [LogitsConfig(16, 4, 32, split_k=3), LogitsConfig(32, 8, 64, split_k=0),
+                                    LogitsConfig(16, 2, 0)])
+def test_router_logits_expert_tiles_and_split_k(rows, num_experts, hidden, rms_eps, config):
+    """Expert tiles (ragged against E), H split over programs and reduced in the kernel (3 uneven ranges, some
+    empty at small H; automatic; none), the norm's sum of squares reduced with the dot. Twice, for the
+    counters' reset and a deterministic sum."""
+    x, w = _logit_args(rows, num_experts, hidden, torch.bfloat16, seed=rows)
+    with forced_logits_config(config):
+        got, again = router_logits_triton(x, w, rms_eps), router_logits_triton(x, w, rms_eps)
+    torch.testing.assert_close(got, router_logits_ref(x, w, rms_eps), atol=1e-5, rtol=1e-5)
+    assert torch.equal(got, again)
 
 
 def test_router_logits_bf16_weight_and_dispatch():
