@@ -122,13 +122,12 @@ def bench_one(rows: int, fp8: bool, layer, peak: float, with_torch: bool = False
 
 
 def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path, verbose: bool = False,
-         swapped_only: bool = False, warps_stages_only: bool = False, fma_only: bool = False) -> pathlib.Path:
+         swapped_only: bool = False, warps_stages_only: bool = False) -> pathlib.Path:
     """Coordinate search per rows, from the data file's entry for those rows (else the default): BLOCK_M (on the
     grouped path also paired with each swapped tile, and for FP8 with the pre-quantized-activation tiles), then
     the gate|up tile, then the down tile (45 tiles each on the small path, 18 with ``swapped_only``; 24 grouped,
     32 FP8 grouped (16 and the same with ``a_fp8``), 6 / 8 with ``swapped_only``), then each GEMM's num_warps x
-    num_stages (12 each; ``warps_stages_only``: only this last step, from the current entry). ``fma_only``: the
-    small path's tiles are CUDA-core FMA ones (``Tile.use_dot`` False, block_n 4-32, 36 / 30 bf16).
+    num_stages (12 each; ``warps_stages_only``: only this last step, from the current entry).
     Writes the data file ``pick_config`` reads for this shape and device."""
     from sparrow.kernels import moe_configs
     from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config
@@ -146,11 +145,6 @@ def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path, verbose: bool = Fal
             # swapped dots: the weight tile as the wgmma's M side (64 / 128 rows)
             swapped = [Tile(n, k, 4, 3, split, swap_ab=True) for n, k, split in itertools.product((64, 128), ks, (1, 2, 4))]
             tiles = swapped if swapped_only else tiles + swapped
-            if fma_only:  # CUDA-core FMA tiles (Tile.use_dot False): narrow N, long K steps
-                ks = (256, 512, 1024) if fp8 else (128, 256, 512)
-                tiles = [Tile(n, k, 4, 3, split, use_dot=False)
-                         for n, k, split in itertools.product((4, 8, 16, 32), ks, (1, 2, 4))
-                         if fp8 or n * k <= 8192]
         else:  # 24 tiles per GEMM (16 for FP8), the last 6 (4) with swapped dots
             ks = (128,) if fp8 else (32, 64, 128)
             stages = (3, 4) if fp8 else (3,)
@@ -288,8 +282,6 @@ def main(argv=None) -> list[dict]:
                    help="with --tune: try only the swapped-dot tiles against the current entry")
     p.add_argument("--warps-stages", action="store_true",
                    help="with --tune: only each GEMM's num_warps x num_stages, from the current entry")
-    p.add_argument("--fma", action="store_true",
-                   help="with --tune: the small path's tiles are CUDA-core FMA ones (Tile.use_dot False)")
     p.add_argument("--quick", action="store_true",
                    help="with --tune: time only the current entry and the prefill candidates (grouped path)")
     args = p.parse_args(argv)
@@ -308,7 +300,7 @@ def main(argv=None) -> list[dict]:
             print("wrote", tune_quick(args.rows, dtype == "fp8", layer, CONFIG_DIR))
         elif args.tune:
             print("wrote", tune(args.rows, dtype == "fp8", layer, CONFIG_DIR, args.verbose, args.swapped_only,
-                                args.warps_stages, args.fma))
+                                args.warps_stages))
         print(f"{'rows':>5} {'dtype':>5} {'path':>8} {'us':>9} {'bound us':>9} {'GB/s':>8} {'% copy':>7} "
               f"{'x bound':>7} {'TFLOP/s':>7}" + (f" {'torch us':>9}" if args.torch else ""))
         for rows in args.rows:

@@ -15,8 +15,7 @@ Kernels, one launch each:
 - ``moe_gemv_kernel``: the small-batch path, no sort: program per (pair, BLOCK_N outputs, K split); the
   first pair of each expert (its leader) gathers all pairs routed to that expert into BLOCK_R dot rows and
   streams the expert's weight tile once for all of them; the other programs exit at once. With SPLIT_K > 1
-  the K splits are reduced in the kernel (``_split_k_jit``) before the epilogue. USE_DOT=False: the same
-  program on CUDA-core FMAs (``_fma_rows``; FP8 weights then W8A16), for the few rows of batch-1 decode.
+  the K splits are reduced in the kernel (``_split_k_jit``) before the epilogue.
 - ``moe_reduce_kernel``: out[r] = sum_k w[r, k] * y[r * K + k] (+ sigmoid(gate[r]) * shared[r]).
 
 FP8 activations are quantized per 128-column group when the consumer loads them (the numbers of
@@ -123,43 +122,6 @@ def _mm_rows(
 
 
 @triton.jit
-def _fma_rows(
-    a_ptr, arow, m_mask, stride_ar, w_ptr, stride_wn, s_ptr, stride_sn, rn, n_mask, N_UP, k_start, k_end,
-    GATED: tl.constexpr, FP8_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
-):
-    """``_mm_rows``' (acc_gate, acc_up) [BM, BN] on CUDA cores: fp32 products into [BM, BN, SUB_K]
-    accumulators summed over K once, after the loop (no reduction across lanes per step, no padding of the
-    rows to a dot's 16). FP8 weights are widened to fp32 and scaled per 128 x 128 block (W8A16: a is not
-    quantized). For a few rows (BM <= 4), where a tensor-core dot would compute 16 rows for each real one."""
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N, SUB_K], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N, SUB_K], dtype=tl.float32)
-    rk = tl.arange(0, SUB_K)
-    a_rows = a_ptr + arow[:, None] * stride_ar
-    wg_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
-    wu_rows = w_ptr + (rn[:, None] + N_UP).to(tl.int64) * stride_wn
-    for k0 in range(k_start, k_end, BLOCK_K):
-        for j in tl.static_range(BLOCK_K // SUB_K):
-            ks = k0 + j * SUB_K
-            kk = ks + rk
-            k_mask = kk < k_end
-            a = tl.load(a_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-            wmask = n_mask[:, None] & k_mask[None, :]
-            wg = tl.load(wg_rows + kk[None, :], mask=wmask, other=0.0).to(tl.float32)
-            if GATED:
-                wu = tl.load(wu_rows + kk[None, :], mask=wmask, other=0.0).to(tl.float32)
-            if FP8_W:
-                kb = tl.minimum(ks, k_end - 1) // 128  # a sub-step wholly past K adds 0; keep the scale in bounds
-                wg = wg * tl.load(s_ptr + (rn // 128) * stride_sn + kb, mask=n_mask, other=0.0)[:, None]
-                if GATED:
-                    wu = wu * tl.load(s_ptr + ((rn + N_UP) // 128) * stride_sn + kb, mask=n_mask, other=0.0)[:, None]
-            acc_g += a[:, None, :] * wg[None, :, :]
-            if GATED:
-                acc_u += a[:, None, :] * wu[None, :, :]
-    return tl.sum(acc_g, axis=2), tl.sum(acc_u, axis=2)
-
-
-@triton.jit
 def _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit,
               GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, RNE_BF16: tl.constexpr):
     """Store act(gate) * up (GATED; DeepSeek-V4's clamp with HAS_LIMIT) or the plain product at c[pair, rn]."""
@@ -245,7 +207,6 @@ def moe_gemv_kernel(
     SPLIT_K: tl.constexpr,  # programs per (pair, N tile) (grid axis 2), each over a contiguous K range
     SWAP_AB: tl.constexpr = False,  # _mm_rows' swapped dots (the weight tile as the MMA's M side)
     USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
-    USE_DOT: tl.constexpr = True,  # tensor-core dots (_mm_rows); False: CUDA-core FMAs (_fma_rows, FP8 as W8A16)
     PREFETCH: tl.constexpr = 0,  # down GEMM with USE_PDL: bytes of each weight row of this pair's expert tile
     # sent to L2 before the wait. ids come from two launches back (the router, before the gate|up GEMM): the
     # gate|up grid let this one start only after its own wait on that kernel, so they are complete.
@@ -276,18 +237,11 @@ def moe_gemv_kernel(
             pair = tl.sum(tl.where(match, q[None, :], 0), axis=1)
             m_mask = (c0 + sl) < count
             arow = (pair // A_ROW_DIV).to(tl.int64)
-            if USE_DOT:
-                acc_g, acc_u = _mm_rows(
-                    a_ptr, arow, m_mask, stride_ar, a_ptr, 0, w_ptr + expert * stride_we, stride_wn,
-                    s_ptr + expert * stride_se, stride_sn, rn, n_mask, N, k_start, k_end,
-                    GATED, FP8_W, EMULATE_FP8, UPCAST, BLOCK_R, BLOCK_N, BLOCK_K, SUB_K, SWAP_AB,
-                )
-            else:
-                acc_g, acc_u = _fma_rows(
-                    a_ptr, arow, m_mask, stride_ar, w_ptr + expert * stride_we, stride_wn,
-                    s_ptr + expert * stride_se, stride_sn, rn, n_mask, N, k_start, k_end,
-                    GATED, FP8_W, BLOCK_R, BLOCK_N, BLOCK_K, SUB_K,
-                )
+            acc_g, acc_u = _mm_rows(
+                a_ptr, arow, m_mask, stride_ar, a_ptr, 0, w_ptr + expert * stride_we, stride_wn,
+                s_ptr + expert * stride_se, stride_sn, rn, n_mask, N, k_start, k_end,
+                GATED, FP8_W, EMULATE_FP8, UPCAST, BLOCK_R, BLOCK_N, BLOCK_K, SUB_K, SWAP_AB,
+            )
             if SPLIT_K > 1:
                 # the chunk's tile is named by its first pair (each pair is in one chunk of one expert)
                 tile = tl.sum(tl.where(sl == 0, pair, 0), axis=0) * tl.num_programs(1) + pid_n

@@ -53,7 +53,6 @@ def _fp32_config(cfg: MoeConfig, fp8: bool) -> MoeConfig:
     return MoeConfig(cfg.block_m, shrink(cfg.gate_up), shrink(cfg.down))
 
 
-FMA_MAX_ROWS = 4  # pairs of one expert per pass of a small-path FMA tile (Tile.use_dot False); more loop
 SMALL_MAX_PAIRS = 256  # the small path holds all pair ids of the batch in one program
 _ACT_CODE = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -277,9 +276,8 @@ def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activat
 
         flat_ids = topk_ids.reshape(-1)
         p_pad = _next_pow2(pairs)
-        dot_r = max(16, min(p_pad, _next_pow2(rows)))  # an expert appears at most once per row
+        block_r = max(16, min(p_pad, _next_pow2(rows)))  # an expert appears at most once per row
         for a, div, w, s, out, n, k, gated, tile in gemms:
-            block_r = dot_r if tile.use_dot else min(_next_pow2(rows), FMA_MAX_ROWS)
             tile = _fit_shared_memory(tile, block_r, a.element_size(), w.element_size(), gated)
             n_tiles = -(-n // tile.block_n)
             split, ws, locks = split_k.plan(x.device, pairs * n_tiles, -(-k // tile.block_k), tile.split_k,
@@ -290,7 +288,7 @@ def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activat
                 s.stride(0) if fp8 else 0, s.stride(1) if fp8 else 0, GATED=gated, P_PAD=p_pad,
                 BLOCK_R=block_r, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                 SUB_K=min(tile.block_k, GROUP) if fp8 else tile.block_k, SPLIT_K=split, SWAP_AB=tile.swap_ab,
-                USE_DOT=tile.use_dot, PREFETCH=0 if gated else prefetch_bytes(x, w),
+                PREFETCH=0 if gated else prefetch_bytes(x, w),
                 num_warps=tile.num_warps, num_stages=tile.num_stages, **common, **pdl_kwargs(x),
             )
     else:
@@ -417,10 +415,8 @@ def _check_config(cfg: MoeConfig, fp8: bool) -> None:
     for name, tile in (("gate_up", cfg.gate_up), ("down", cfg.down)):
         if fp8 and tile.block_k % GROUP:
             raise ValueError(f"fused_moe: FP8 needs {name}.block_k a multiple of {GROUP}, got {tile.block_k}")
-        if min(tile.block_n, tile.block_k, cfg.block_m) < (16 if tile.use_dot else 1):
+        if min(tile.block_n, tile.block_k, cfg.block_m) < 16:
             raise ValueError(f"fused_moe: tile sizes must be >= 16 (tl.dot), got {cfg}")
-        if any(v & (v - 1) for v in (tile.block_n, tile.block_k)):
-            raise ValueError(f"fused_moe: tile sizes must be powers of two, got {cfg}")
 
 
 def _next_pow2(n: int) -> int:

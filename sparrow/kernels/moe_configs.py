@@ -36,10 +36,6 @@ class Tile:
     needs M >= 64: block_n >= 64) and the few rows (or block_m sorted pairs) its N side. With e4m3 weights
     this keeps the dot on e4m3 wgmma; Triton lowers a 16-row e4m3 dot to f16 mma.sync after converting both
     operands."""
-    use_dot: bool = True
-    """Small path only: False runs the GEMM on CUDA-core FMAs instead of tensor-core dots (rows are not padded
-    to 16, block_n may be 4 or 8; FP8 weights are W8A16 there: the activations are not quantized), in dot
-    rows of at most FMA_MAX_ROWS pairs an expert. The grouped path ignores it."""
     a_fp8: bool = False
     """FP8 weights, grouped path: the GEMM's activations (x, the intermediate) are quantized per 128-column
     group by a launch of their own before it, so the kernel loads e4m3 rows and their scales instead of
