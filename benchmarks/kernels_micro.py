@@ -6,7 +6,6 @@
     python benchmarks/kernels_micro.py tune_fp8_gemm             (sweep Fp8GemmConfig at M = 64)
     python benchmarks/kernels_micro.py tune_w8a8                 (W8A8 GEMV tiles vs W8A16, fp8_gemm, cuBLAS)
     python benchmarks/kernels_micro.py tune_w8a8_launch          (the shipped W8A8 tile's warps / stages / split-K)
-    python benchmarks/kernels_micro.py tune_gemv_fma             (the FMA path's narrow tiles at 1-2 rows)
     python benchmarks/kernels_micro.py fp8_linears               (every FP8 linear kernel by row count, with
                                                                   cuBLAS's block-scaled FP8 GEMM)
     python benchmarks/kernels_micro.py router_logits             (Gemma 4's router logits: kernel vs torch)
@@ -126,7 +125,8 @@ def _sweep(configs, forced_config, call) -> list:
 
 def tune_gemv(peak: float, dtypes=(False, True)) -> None:
     """Sweep GemvConfig per shape: tensor-core tiles x split-K at R = 1 and 8, and the FMA path (deferred K
-    sum) at R = 1 (bf16 and / or FP8 weights); print the best few, to fill GEMV_CONFIGS / FP8_GEMV_CONFIGS."""
+    sum) at R = 1 (bf16 and / or FP8 weights), also with narrow tiles (block_n 4-16: a program per few full
+    weight rows) and long K steps; print the best few, to fill GEMV_CONFIGS / FP8_GEMV_CONFIGS."""
     import itertools
 
     import torch.nn.functional as F
@@ -138,6 +138,12 @@ def tune_gemv(peak: float, dtypes=(False, True)) -> None:
     dot = [GemvConfig(bn, bk, True, split_k=sk) for bn, bk, sk in itertools.product((32, 64), (256, 512), splits)]
     fma = [GemvConfig(bn, bk, False, split_k=sk) for bn, bk, sk in itertools.product((16, 32, 64), (128, 256, 512), splits)
            if bn * bk <= 16384]
+
+    def narrow(fp8):  # bf16: the [bn, bk] fp32 accumulator within ~128 registers a thread
+        return [GemvConfig(bn, bk, False, num_warps=nw, split_k=sk) for bn, bk, sk, nw
+                in itertools.product((4, 8, 16), (512, 1024, 2048) if fp8 else (256, 512, 1024), (1, 2), (2, 4))
+                if fp8 or bn * bk <= 4096 * nw]
+
     for (k, n), fp8 in itertools.product(((2816, 8192), (4096, 2816), (2112, 2816), (2816, 4224)), dtypes):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         nxt = _rotating(lambda: quantize_fp8_block_ref(w), n * k) if fp8 else _rotating(lambda: (w.clone(),), 2 * n * k)
@@ -145,7 +151,8 @@ def tune_gemv(peak: float, dtypes=(False, True)) -> None:
         nbytes = n * k * (1 if fp8 else 2)
         for rows in (1, 8):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            results = _sweep(dot + (fma if rows == 1 else []), forced_config, lambda: fn(x, *nxt()))
+            cands = list(dict.fromkeys(dot + (fma + narrow(fp8) if rows == 1 else [])))
+            results = _sweep(cands, forced_config, lambda: fn(x, *nxt()))
             if not fp8:
                 t = time_s(lambda: F.linear(x, *nxt()), rep=20)
                 print(f"tune cuBLAS R={rows:<2} K={k} N={n}: {t * 1e6:6.1f} us {nbytes / t / 1e9:7.1f} GB/s "
@@ -278,49 +285,6 @@ def tune_w8a8_launch(peak: float) -> None:
         del w, nxt
 
 
-def tune_gemv_fma(peak: float) -> None:
-    """Batch 1: the GEMV's CUDA-core FMA path (fp32 products summed over K after the loop) with narrow
-    tiles (block_n 4-16: one program per few full weight rows, 176-2,048 programs at these shapes) and long K
-    steps, which the tune_gemv sweep (block_n >= 16, block_k <= 512) left out, against the shipped kernels of
-    the same rows: FP8 (W8A16 here) against the W8A8 GEMV, bf16 against the Triton GEMV and cuBLAS."""
-    import itertools
-
-    import torch.nn.functional as F
-
-    from sparrow.kernels import gemv
-    from sparrow.kernels.fp8 import quantize_fp8_block_ref
-
-    def fma(fp8):
-        out = []
-        for bn, bk, sk, nw in itertools.product((4, 8, 16), (512, 1024, 2048) if fp8 else (256, 512, 1024),
-                                                (1, 2), (2, 4)):
-            if fp8 or bn * bk <= 32 * 32 * nw * 4:  # bf16: the [bn, bk] fp32 accumulator within ~128 registers
-                out.append(gemv.GemvConfig(bn, bk, False, num_warps=nw, num_stages=3, split_k=sk))
-        return out
-
-    for (k, n), fp8 in itertools.product(((2816, 8192), (4096, 2816), (2112, 2816), (2816, 4224)), (True, False)):
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-        nxt = _rotating(lambda: quantize_fp8_block_ref(w), n * k) if fp8 else _rotating(lambda: (w.clone(),), 2 * n * k)
-        nbytes = n * k * (1 if fp8 else 2)
-        pct = lambda t: 100 * nbytes / t / peak  # noqa: E731
-        for rows in (1,):
-            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            if fp8:
-                t_ship = time_s(lambda: gemv.gemv_w8a8_triton(x, *nxt()), rep=20)
-                base = f"W8A8 GEMV {t_ship * 1e6:6.1f} us ({pct(t_ship):4.1f} %)"
-            else:
-                t_ship = time_s(lambda: gemv.gemv_triton(x, *nxt()), rep=20)
-                t_cublas = time_s(lambda: F.linear(x, *nxt()), rep=20)
-                base = (f"Triton GEMV {t_ship * 1e6:6.1f} us ({pct(t_ship):4.1f} %)  cuBLAS {t_cublas * 1e6:6.1f} us "
-                        f"({pct(t_cublas):4.1f} %)")
-            fn = gemv.gemv_fp8_triton if fp8 else gemv.gemv_triton
-            results = _sweep(fma(fp8), gemv.forced_config, lambda: fn(x, *nxt()))
-            print(f"fma {'fp8 ' if fp8 else 'bf16'} R={rows} K={k} N={n}: shipped {base}", flush=True)
-            for t, cfg in results[:3]:
-                print(f"    FMA {t * 1e6:6.1f} us ({pct(t):4.1f} %)  {cfg}", flush=True)
-        del w, nxt
-
-
 def _for_cublas(wq: torch.Tensor, ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 weight, its scales in cuBLAS's layout) from a block-quantized weight."""
     from sparrow.kernels.scaled_mm import scaled_mm_weight_scale
@@ -442,7 +406,7 @@ def main(which: list[str]) -> None:
          "tune_gemv_fp8": lambda p: tune_gemv(p, (True,)),
          "tune_gemv_bf16": lambda p: tune_gemv(p, (False,)), "tune_fp8_gemm": tune_fp8_gemm,
          "tune_fp8_rows": tune_fp8_rows, "tune_w8a8": tune_w8a8, "tune_w8a8_launch": tune_w8a8_launch,
-         "fp8_linears": fp8_linears, "tune_gemv_fma": tune_gemv_fma,
+         "fp8_linears": fp8_linears,
          "router_logits": bench_router_logits, "tune_router_logits": tune_router_logits}[name](peak)
 
 
