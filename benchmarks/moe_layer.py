@@ -47,8 +47,6 @@ def set_shape(name: str) -> None:
     K = cfg.get("num_experts_per_tok") or cfg["top_k_experts"]
 
 
-
-
 def make_layer(fp8: bool, seed: int = 0):
     from sparrow.kernels.fp8 import quantize_fp8_block_ref
 
