@@ -31,6 +31,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: quantize the linear layers to block-scaled FP8 at load (FP8 checkpoints load as FP8 "
                         "without it)")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="with FP8 linears: the LM head in block-scaled FP8 too (half its bytes; rounds the logits)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -54,7 +56,7 @@ def _llm(args):
     from sparrow.engine.llm import LLM
 
     return LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-               quantization=args.quantization)
+               quantization=args.quantization, quantize_lm_head=args.quantize_lm_head)
 
 
 def cmd_generate(args) -> int:

@@ -139,3 +139,11 @@ def test_fp8_shape_bench_quantizes_at_load(tmp_path):
     wb, wb8 = base["meta"]["bytes_model"]["weight_bytes"], fp8["meta"]["bytes_model"]["weight_bytes"]
     assert sum(wb8.values()) < sum(wb.values())
     assert wb8["dense"] < wb["dense"]
+    # --quantize-lm-head: the logits read the FP8 copy (V x H bytes + scales) instead of the bf16 LM weight
+    head = _bench(tmp_path, "--model-shape", "tiny-moe", "--quantization", "fp8", "--quantize-lm-head", "--no-hf")
+    wbh = head["meta"]["bytes_model"]["weight_bytes"]
+    lm_bf16 = wb8["lm_head"] if "lm_head" in wb8 else wb8["embedding"]
+    assert lm_bf16 // 2 < wbh["lm_head"] < lm_bf16
+    steph = {r["batch"]: r["bytes_per_step"] for r in head["results"]}
+    for b in (1, 3):
+        assert steph[b] == step["sparrow", b] - (lm_bf16 - wbh["lm_head"])

@@ -16,8 +16,9 @@ class Footprint:
     """What one decode step must read, apart from activations (bytes)."""
 
     weight_bytes: dict[str, int]
-    """Parameter bytes by group: 'dense' (every step reads it), 'lm_head', 'embedding' (a step gathers B rows;
-    when tied it is the LM head, read whole), 'experts' (all of them; scaled by the hit fraction per step)."""
+    """Parameter bytes by group: 'dense' (every step reads it), 'lm_head' (the weight the logits read: sparrow's
+    FP8 copy ``lm_head_fp8`` when it has one), 'embedding' (a step gathers B rows; when tied and without an
+    'lm_head' entry it is the LM head, read whole), 'experts' (all of them; scaled by the hit fraction per step)."""
     num_experts: int = 0
     """Routed experts per MoE layer (0: dense model)."""
     top_k: int = 0
@@ -46,7 +47,7 @@ class Footprint:
     def step_bytes(self, batch: int, context: float) -> dict[str, float]:
         """Bytes read by one decode step of ``batch`` sequences, by group, plus 'total'."""
         w = self.weight_bytes
-        lm_head = w.get("embedding", 0) if self.tied else w.get("lm_head", 0)
+        lm_head = w["lm_head"] if "lm_head" in w else w.get("embedding", 0) if self.tied else 0
         out = {"dense": float(w.get("dense", 0)), "lm_head": float(lm_head),
                "experts": w.get("experts", 0) * self.expert_hit_fraction(batch),
                "embedding": float(batch * self.hidden * self.element_size),  # the rows gathered
@@ -74,6 +75,8 @@ def footprint(model: torch.nn.Module, cfg: dict, tied: bool, hidden: int) -> Foo
         nbytes = p.numel() * p.element_size()
         if "embed_tokens" in name:
             group, elt = "embedding", p.element_size()
+        elif name.startswith("lm_head_fp8."):
+            group = "lm_head_fp8"
         elif name.startswith("lm_head"):
             group = "lm_head"
         elif n_exp and ".experts." in name and p.dim() >= 3 and p.shape[0] == n_exp:
@@ -81,6 +84,8 @@ def footprint(model: torch.nn.Module, cfg: dict, tied: bool, hidden: int) -> Foo
         else:
             group = "dense"
         groups[group] = groups.get(group, 0) + nbytes
+    if "lm_head_fp8" in groups:  # the logits read the FP8 copy, not the model-dtype LM weight
+        groups["lm_head"] = groups.pop("lm_head_fp8")
     return Footprint(groups, n_exp, top_k, tied, hidden, _kv_layers(model), elt)
 
 

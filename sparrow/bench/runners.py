@@ -49,7 +49,7 @@ def sparrow_from_hf(hf_model, full_cfg: dict, s: Settings, engine_kw: dict):
     """sparrow's model for ``full_cfg`` on the device, filled from the transformers model's state dict (the
     same weights), wrapped in an Engine. Raises UnsupportedArchitectureError if sparrow lacks the architecture."""
     from sparrow.config import ModelConfig
-    from sparrow.loader.model_loader import build_model, finish_loading
+    from sparrow.loader.model_loader import build_model, check_quantize_lm_head, finish_loading
     from sparrow.loader.weights import load_weights
     from sparrow.models.registry import get_model_class
 
@@ -59,9 +59,10 @@ def sparrow_from_hf(hf_model, full_cfg: dict, s: Settings, engine_kw: dict):
         from sparrow.quant.fp8 import Fp8Config
 
         quant_config = Fp8Config(from_checkpoint=False)
+    check_quantize_lm_head(s.quantize_lm_head, quant_config)
     model = build_model(get_model_class(mcfg.architecture), mcfg, _DTYPES[s.dtype], s.device, quant_config)
     load_weights(model, hf_model.state_dict().items())
-    finish_loading(model, quant_config)
+    finish_loading(model, quant_config, s.quantize_lm_head)
     kw = {k: v for k, v in engine_kw.items() if k != "skip_tokenizer_init"}
     return engine_from_model(model, mcfg, s, **kw)
 
@@ -99,6 +100,7 @@ def shape_runners(name: str, s: Settings, engine_kw: dict, with_hf: bool, meta: 
     full = full_config_dict(cfg)
     tied, hidden, vocab = bool(full.get("tie_word_embeddings")), int(full["hidden_size"]), int(full["vocab_size"])
     quant = f", {s.quantization} for sparrow" if s.quantization else ""
+    quant += " (LM head too)" if s.quantize_lm_head else ""
     print(f"building random-weight {name} ({s.dtype}{quant}) on {s.device} ...", flush=True)
     hf = build_random_hf_model(cfg, _DTYPES[s.dtype], s.device, seed=s.seed)
     meta["params"] = sum(p.numel() for p in hf.parameters())
@@ -133,6 +135,8 @@ def path_runners(path: Path, s: Settings, engine_kw: dict, with_hf: bool, meta: 
 
     print(f"loading {path} with sparrow ({s.dtype}, {s.device}) ...", flush=True)
     quant = {"quantization": s.quantization} if s.quantization else {}
+    if s.quantize_lm_head:
+        quant["quantize_lm_head"] = True
     engine = LLM(str(path), device=s.device, dtype=s.dtype, **quant, **engine_kw).engine
     mcfg = engine.config.model
     fp = footprint(engine.runner.model, mcfg.raw, mcfg.tie_word_embeddings, mcfg.hidden_size)

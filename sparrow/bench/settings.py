@@ -19,6 +19,8 @@ class Settings:
     seed: int = 0
     enforce_eager: bool = False
     quantization: str | None = None
+    quantize_lm_head: bool = False
+    """sparrow's LM head in FP8 too (--quantize-lm-head; needs --quantization fp8 or an FP8 checkpoint)."""
     hf_dtype: str | None = None
     """transformers' dtype when it differs from sparrow's (--hf-dtype, checkpoints only); None: the same."""
 
@@ -52,6 +54,7 @@ def resolve_settings(args) -> Settings:
         decode_tokens=args.decode_tokens or (64 if gpu else 32),
         repeats=getattr(args, "repeats", 1) or 1, seed=getattr(args, "seed", 0) or 0,
         enforce_eager=bool(getattr(args, "enforce_eager", False)), quantization=getattr(args, "quantization", None),
+        quantize_lm_head=bool(getattr(args, "quantize_lm_head", False)),
         hf_dtype=resolve_dtype(args.hf_dtype, device) if getattr(args, "hf_dtype", None) else None,
     )
     if s.hf_dtype and args.model_shape:

@@ -59,6 +59,8 @@ class LLM:
     'float16'. max_model_len: longest prompt + output (default: the model's, capped at 8192).
     quantization: None | 'fp8' (quantize a float checkpoint's linear layers to block-scaled FP8 at load; an
     FP8 checkpoint, declared by config.json's quantization_config, loads as FP8 either way).
+    quantize_lm_head: with FP8 linears, compute the logits on a block-scaled FP8 copy of the LM head too (off by
+    default, as in vLLM: it halves the LM head's bytes and rounds the logits; see ``CausalLM.quantize_lm_head``).
     tokenizer: a transformers tokenizer to use instead of the model's; skip_tokenizer_init=True runs without one.
     Raises sparrow errors (ModelNotFoundError, ModelLoadError, UnsupportedArchitectureError, ...)."""
 
@@ -66,7 +68,7 @@ class LLM:
                  max_model_len: int | None = None, quantization: str | None = None, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, enforce_eager: bool = False,
                  num_kv_blocks: int | None = None, enable_prefix_caching: bool = True, seed: int = 0,
-                 tokenizer=None, skip_tokenizer_init: bool = False):
+                 tokenizer=None, skip_tokenizer_init: bool = False, quantize_lm_head: bool = False):
         from sparrow.default_model import default_model_path
         from sparrow.loader.model_loader import load_model
         from sparrow.quant.fp8 import SUPPORTED_QUANTIZATION
@@ -87,7 +89,8 @@ class LLM:
         if dtype == "float16" and device == "cpu":
             raise InvalidRequestError("dtype='float16' is not supported on the CPU (use 'float32' or 'bfloat16')")
         torch.manual_seed(seed)
-        loaded = load_model(path, _DTYPES[dtype], device, quantization=quantization)
+        loaded = load_model(path, _DTYPES[dtype], device, quantization=quantization,
+                            quantize_lm_head=quantize_lm_head)
         mcfg = loaded.config
         limit = mcfg.max_position_embeddings
         if max_model_len is None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from sparrow.config import ModelConfig
-from sparrow.errors import ModelLoadError, ModelNotFoundError
+from sparrow.errors import InvalidRequestError, ModelLoadError, ModelNotFoundError
 from sparrow.loader.weights import load_weights
 from sparrow.models.registry import get_model_class
 
@@ -61,8 +61,6 @@ def resolve_quant_config(path: Path, is_gguf: bool, quantization: str | None):
     from sparrow.quant.fp8 import SUPPORTED_QUANTIZATION, Fp8Config
 
     if quantization is not None and quantization not in SUPPORTED_QUANTIZATION:
-        from sparrow.errors import InvalidRequestError
-
         raise InvalidRequestError(f"quantization={quantization!r} is not supported "
                                   f"(supported: None, {', '.join(map(repr, SUPPORTED_QUANTIZATION))})")
     if not is_gguf:
@@ -77,14 +75,16 @@ def resolve_quant_config(path: Path, is_gguf: bool, quantization: str | None):
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               quantization: str | None = None) -> LoadedModel:
+               quantization: str | None = None, quantize_lm_head: bool = False) -> LoadedModel:
     """Instantiate the registered architecture and fill its weights. ``quantization``: None or "fp8"
     (quantize a float checkpoint's Linear weights at load; FP8 checkpoints are recognized from config.json).
+    ``quantize_lm_head``: with FP8 linears, also an FP8 LM head (``CausalLM.quantize_lm_head``).
     Errors name the problem (missing path, unsupported architecture or quantization, missing/misshaped/
-    unused tensor, truncated file)."""
+    unused tensor, truncated file, ``quantize_lm_head`` without FP8 linears)."""
     path = Path(path).expanduser()
     config, is_gguf, ckpt = read_model_config(path)
     quant_config = resolve_quant_config(path, is_gguf, quantization)
+    check_quantize_lm_head(quantize_lm_head, quant_config)
     cls = get_model_class(config.architecture)
     model = build_model(cls, config, dtype, device, quant_config)
     if is_gguf:
@@ -107,7 +107,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         for mod in model.modules():
             if hasattr(mod, "set_freq_factors"):
                 mod.set_freq_factors(rope_freqs[0])
-    finish_loading(model, quant_config)
+    finish_loading(model, quant_config, quantize_lm_head)
     return LoadedModel(model, config, path, is_gguf, ckpt.metadata if is_gguf else None, quant_config)
 
 
@@ -126,9 +126,17 @@ def build_model(cls, config, dtype: torch.dtype, device, quant_config) -> torch.
     return model
 
 
-def finish_loading(model: torch.nn.Module, quant_config) -> None:
+def check_quantize_lm_head(quantize_lm_head: bool, quant_config) -> None:
+    """Raise InvalidRequestError unless ``quantize_lm_head`` is off or the linears are FP8 (``quant_config``)."""
+    if quantize_lm_head and quant_config is None:
+        raise InvalidRequestError("quantize_lm_head needs FP8 linear layers: pass quantization='fp8' "
+                                  "(--quantization fp8) or load an FP8 checkpoint")
+
+
+def finish_loading(model: torch.nn.Module, quant_config, quantize_lm_head: bool = False) -> None:
     """After every tensor is loaded: each Linear's ``process_weights_after_loading`` (on-load FP8 quantizes
-    here), on-load FP8 of the routed experts, the model's own post-processing, eval mode."""
+    here), on-load FP8 of the routed experts, the model's own post-processing, the FP8 LM head copy
+    (``quantize_lm_head``), eval mode."""
     for mod in model.modules():
         method = getattr(mod, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
@@ -137,6 +145,9 @@ def finish_loading(model: torch.nn.Module, quant_config) -> None:
         _quantize_experts(model, quant_config)
     if hasattr(model, "process_weights_after_loading"):
         model.process_weights_after_loading()
+    if quantize_lm_head:
+        check_quantize_lm_head(quantize_lm_head, quant_config)
+        model.quantize_lm_head()
     model.eval()
 
 

@@ -71,6 +71,7 @@ def test_bf16_matches_transformers_bf16(case):
 def test_gemma4_dual_stream_decode_equals_single_stream(tmp_path, monkeypatch):
     """The dense branch on a side stream inside the captured decode graphs (models/gemma4.py) computes
     the same kernels on the same inputs, so ids and logprobs equal the one-stream graphs (bf16)."""
+    from sparrow.engine import cuda_graphs
     from sparrow.models import gemma4
 
     path = tmp_path / "gemma4"
@@ -79,13 +80,32 @@ def test_gemma4_dual_stream_decode_equals_single_stream(tmp_path, monkeypatch):
     gemma4._SIDE_STREAMS.clear()
     overlapped = _run(path, ps, "bfloat16")
     assert gemma4._SIDE_STREAMS, "no side stream was used during graph capture"
+    monkeypatch.setattr(cuda_graphs, "HIGH_PRIORITY", False)  # both streams at the default priority
+    same_priority = _run(path, ps, "bfloat16")
     monkeypatch.setattr(gemma4, "DUAL_STREAM", False)
     single = _run(path, ps, "bfloat16")
-    for a, b in zip(overlapped, single):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert la.keys() == lb.keys()
-            assert all(abs(la[t].logprob - lb[t].logprob) <= 1e-6 for t in la)
+    for other in (same_priority, single):
+        for a, b in zip(overlapped, other):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                assert la.keys() == lb.keys()
+                assert all(abs(la[t].logprob - lb[t].logprob) <= 1e-6 for t in la)
+
+
+def test_graph_capture_stream_takes_the_highest_priority():
+    """DecodeGraphs captures on the device's highest-priority stream, so its kernel nodes are scheduled before
+    the side stream's (default priority); SPARROW_GRAPH_PRIORITY=0 (HIGH_PRIORITY False) keeps the default."""
+    from sparrow.engine import cuda_graphs
+
+    least, greatest = torch.cuda.Stream.priority_range()
+    assert greatest < least, f"this device has one stream priority ({least}): nothing to test"
+    assert cuda_graphs.capture_stream(torch.device("cuda")).priority == greatest
+    assert torch.cuda.Stream().priority == least  # the side stream's
+    cuda_graphs.HIGH_PRIORITY = False
+    try:
+        assert cuda_graphs.capture_stream(torch.device("cuda")).priority == least
+    finally:
+        cuda_graphs.HIGH_PRIORITY = True
 
 
 
@@ -109,8 +129,8 @@ def fp8_divergence(test_outs, ref_outs, tie_gap: float = 0.02) -> tuple[float, f
     return len(diffs) / max(total, 1), median, len(diffs)
 
 
-@pytest.mark.parametrize("family", FP8_FAMILIES)
-def test_fp8_triton_path_follows_torch_path(tmp_path, family, capsys):
+@pytest.mark.parametrize("family,lm_head", [(f, False) for f in FP8_FAMILIES] + [("gemma4", True), ("llama", True)])
+def test_fp8_triton_path_follows_torch_path(tmp_path, family, lm_head, capsys):
     """quantization='fp8' (on load; MoE experts too), fp32 activations: the GPU kernels (W8A8 GEMV at decode,
     cuBLAS block-scaled GEMM or W8A16 GEMV at prefill, FP8 MoE kernels, CUDA graphs) against the torch twins of
     the same FP8 weights on the same GPU, which pick the same formulas.
@@ -123,7 +143,10 @@ def test_fp8_triton_path_follows_torch_path(tmp_path, family, capsys):
     its twins looked like the larger perturbation: 33-100 %, medians 1.2e-2 to 5.0e-2 (Gemma 4). A wrong decode
     kernel that changes the argmax diverges at step 1 (step 0 comes from the prefill): at most 1/16 of the
     steps. Bounds: >= 25 % of the steps, median <= 0.1; the kernels' exact agreement with their twins is
-    tested per kernel (tests/kernels, fp32 activations included).
+    tested per kernel (tests/kernels, fp32 activations included). lm_head: the LM head in FP8 too
+    (``quantize_lm_head``), on both sides: the logits then round the hidden state to e4m3 as well, one more
+    amplifier (H200: Gemma 4 22.9 % of the steps, median 4.1e-2; Llama 53.1 %, 3.0e-2), so the bound is 15 %,
+    still above the 1/16 of a wrong kernel.
     """
     path = tmp_path / family
     build(ALL, family, path, **_overrides(family))
@@ -132,7 +155,7 @@ def test_fp8_triton_path_follows_torch_path(tmp_path, family, capsys):
 
     def run(**kw):
         llm = make_llm(path, device="cuda", dtype="float32", max_model_len=128, max_num_seqs=4, quantization="fp8",
-                       **kw)
+                       quantize_lm_head=lm_head, **kw)
         return llm.generate([{"prompt_token_ids": p} for p in ps], params)
 
     triton_outs = run()
@@ -140,6 +163,7 @@ def test_fp8_triton_path_follows_torch_path(tmp_path, family, capsys):
         torch_outs = run(enforce_eager=True)
     prefix, median, steps = fp8_divergence(triton_outs, torch_outs)
     with capsys.disabled():
-        print(f"\n{family} FP8 GPU kernels vs torch twins: {prefix:.1%} of steps before the first mismatch, "
+        name = family + (" (FP8 LM head)" if lm_head else "")
+        print(f"\n{name} FP8 GPU kernels vs torch twins: {prefix:.1%} of steps before the first mismatch, "
               f"median |d logprob| {median:.2e} over {steps} steps")
-    assert prefix >= 0.25 and median <= 0.1, (family, prefix, median)
+    assert prefix >= (0.15 if lm_head else 0.25) and median <= 0.1, (family, lm_head, prefix, median)

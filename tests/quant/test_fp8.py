@@ -405,3 +405,66 @@ def test_unsupported_quantization_names_itself(tiny_dir):
 
     args = build_parser().parse_args(["generate", "hi", "--quantization", "fp8"])
     assert args.quantization == "fp8"
+
+
+def test_fp8_lm_head_logits_and_greedy_agreement(tiny_dir, capsys):
+    """``quantize_lm_head``: the logits come from the block quantization of the LM weight (the numbers of the
+    other FP8 linears: NMSE budget by rows against x @ dequant(W).T), and greedy decoding mostly agrees with
+    the FP8 model whose LM head stays fp32."""
+    from sparrow import LLM
+
+    fp8 = LLM(str(tiny_dir), device="cpu", dtype="float32", skip_tokenizer_init=True, quantization="fp8")
+    head = LLM(str(tiny_dir), device="cpu", dtype="float32", skip_tokenizer_init=True, quantization="fp8",
+               quantize_lm_head=True)
+    model = head.engine.runner.model
+    assert getattr(fp8.engine.runner.model, "lm_head_fp8", None) is None
+    q, s = quantize_fp8_block(model.lm_weight.float())
+    assert torch.equal(model.lm_head_fp8.weight.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(model.lm_head_fp8.weight_scale_inv, s)
+    g = torch.Generator().manual_seed(3)
+    for rows in (1, 17, 33, 80):
+        h = torch.randn(rows, TINY["hidden_size"], generator=g)
+        logits = model.compute_logits(h)
+        assert logits.dtype == torch.float32 and logits.shape == (rows, TINY["vocab_size"])
+        assert nmse(logits, h @ dequantize_fp8_block(q, s).T) <= _budget(rows), rows
+    per_step, prefix = greedy_agreement(fp8, head, _prompts())
+    with capsys.disabled():
+        print(f"\nFP8 LM head vs fp32 LM head (FP8 linears both): per-step agreement {per_step:.1%}, "
+              f"free-running prefix {prefix:.1%}")
+    assert per_step >= 0.8
+
+
+def test_fp8_lm_head_needs_fp8_linears(tiny_dir):
+    from sparrow import LLM
+    from sparrow.cli import build_parser
+
+    with pytest.raises(InvalidRequestError, match="quantize_lm_head needs FP8 linear layers"):
+        LLM(str(tiny_dir), device="cpu", skip_tokenizer_init=True, quantize_lm_head=True)
+    args = build_parser().parse_args(["generate", "hi", "--quantization", "fp8", "--quantize-lm-head"])
+    assert args.quantize_lm_head and args.quantization == "fp8"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 17, 64, 200])
+def test_gpu_fp8_lm_head_shape(rows):
+    """An FP8 Linear at Gemma 4's LM head (V 262,144 x H 2,816), bf16 activations, as ``quantize_lm_head`` builds
+    it: the W8A8 GEMV (4,096 tiles, no split-K) up to 16 rows, then cuBLAS's block-scaled GEMM where the device
+    has it (a weight this wide takes it from 17 rows), else the W8A16 GEMV / Triton GEMM; against x @ dequant(W).T
+    (W8A8 budget; the W8A16 GEMV's products are exact)."""
+    from sparrow.kernels.scaled_mm import scaled_mm_supported
+    from sparrow.quant.fp8 import scaled_mm_min_rows
+
+    v, h = 262144, 2816
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    w = torch.randn(v, h, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+    with torch.device("cuda"):
+        layer = Linear(h, v, dtype=torch.bfloat16, quant_method=Fp8LinearMethod(from_checkpoint=False))
+    layer.weight.weight_loader(layer.weight, w, None, "lm_head.weight")
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(rows, h, generator=g, device="cuda", dtype=torch.bfloat16)
+    ref = x.float() @ layer.quant_method.dequantized_weight(layer).T
+    y = layer(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, v)
+    cublas = scaled_mm_supported(x.device) and rows >= scaled_mm_min_rows(layer)
+    w8a16 = W8A8_MAX_ROWS < rows <= FP8_MAX_ROWS and not cublas
+    assert nmse(y, ref) <= (1e-4 if w8a16 else GEMM_NMSE), (rows, cublas)
