@@ -10,7 +10,6 @@
                                                                   cuBLAS's block-scaled FP8 GEMM)
     python benchmarks/kernels_micro.py router_logits             (Gemma 4's router logits: kernel vs torch)
     python benchmarks/kernels_micro.py tune_router_logits        (its tiles and H splits above 16 rows)
-    python benchmarks/kernels_micro.py align                     (expert alignment: two launches against three)
 
 Each line: kernel, shape, time per call (CUDA-graph replay, so launch overhead is excluded), bytes moved
 (each input read once + each output written once), GB/s and % of the device-to-device copy bandwidth
@@ -373,28 +372,6 @@ def bench_router_logits(peak: float) -> None:
               flush=True)
 
 
-def bench_align(peak: float) -> None:
-    """Expert alignment (``moe_align_triton``) at Gemma 4's E 128, top-8: two launches (the count kernel's last
-    program runs the offsets) against three (no split-K counters: the offsets on a launch of their own), us a
-    call; both checked against ``moe_align_ref``."""
-    from unittest import mock
-
-    from sparrow.kernels import moe
-
-    for rows, block_m in ((64, 32), (256, 32), (1024, 64), (8192, 64)):
-        ids = torch.stack([torch.randperm(128, device="cuda")[:8] for _ in range(rows)]).int()
-        want = moe.moe_align_ref(ids, 128, block_m)
-        times = {}
-        for name, workspace in (("2 launches", moe.split_k.workspace), ("3 launches", lambda *a: None)):
-            with mock.patch.object(moe.split_k, "workspace", workspace):
-                got = moe.moe_align_triton(ids, 128, block_m)
-                ok = all(torch.equal(g, w) for g, w in zip(got, want))
-                times[name] = (time_s(lambda: moe.moe_align_triton(ids, 128, block_m), rep=20), ok)
-        print(f"align pairs={rows * 8:<6} BM={block_m}: " + "  ".join(
-            f"{name} {t * 1e6:6.1f} us ({'matches' if ok else 'DIFFERS FROM'} the twin)" for name, (t, ok) in times.items()),
-            flush=True)
-
-
 def tune_router_logits(peak: float) -> None:
     """Gemma 4's router logits above 16 rows: ``router_logits_kernel`` tiles (rows x experts x H step, H split
     over programs or not) against torch's matmul and the table's entry, us a call; the best three per row count."""
@@ -430,7 +407,7 @@ def main(which: list[str]) -> None:
          "tune_gemv_bf16": lambda p: tune_gemv(p, (False,)), "tune_fp8_gemm": tune_fp8_gemm,
          "tune_fp8_rows": tune_fp8_rows, "tune_w8a8": tune_w8a8, "tune_w8a8_launch": tune_w8a8_launch,
          "fp8_linears": fp8_linears,
-         "router_logits": bench_router_logits, "tune_router_logits": tune_router_logits, "align": bench_align}[name](peak)
+         "router_logits": bench_router_logits, "tune_router_logits": tune_router_logits}[name](peak)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,9 @@ Weights (design §3): gate_up [E, 2I, H] (rows :I gate, I: up), down [E, H, I]; 
 fp32 scales per 128 x 128 block, ``s [E, ceil(rows / 128), ceil(cols / 128)]`` (fp8.py's layout).
 
 Kernels, one launch each:
-- ``align_count_kernel`` (with OFFSETS, its last program also runs ``align_offsets``; else
-  ``align_offsets_kernel`` does) and ``align_scatter_kernel``: pairs sorted (stably) by expert, each expert's
-  segment padded to a multiple of BLOCK_M with the sentinel P, the expert of every block (-1 past the end)
-  and the padded total, all on the device into worst-case-sized buffers.
+- ``align_count_kernel`` / ``align_offsets_kernel`` / ``align_scatter_kernel``: pairs sorted (stably) by
+  expert, each expert's segment padded to a multiple of BLOCK_M with the sentinel P, the expert of every
+  block (-1 past the end) and the padded total, all on the device into worst-case-sized buffers.
 - ``moe_gemm_kernel``: grouped GEMM, program per (block of BLOCK_M sorted pairs, BLOCK_N outputs); GATED
   computes gate and up of x[pair // K] and stores act(gate) * up [P, I]; otherwise y = act[pair] @ down^T
   [P, H]. Each block reads only its expert's weights, so every expert's weights are read once per N tile.
@@ -294,14 +293,9 @@ def align_count_kernel(
     ids_ptr,  # [P] flattened topk_ids
     counts_ptr,  # [C, E_PAD] int32 out: pairs per expert in each chunk of BLOCK_P pairs
     rank_ptr,  # [P] int32 out: a pair's rank among its chunk's pairs of the same expert
-    lock_ptr,  # OFFSETS: int32 [1], 0 on entry and on exit (split_k's counters); else unused
-    chunk_off_ptr, start_ptr, sorted_ptr, block_expert_ptr, total_ptr,  # OFFSETS: align_offsets' outputs
-    P, C, S, NB,
-    BLOCK_P: tl.constexpr, E_PAD: tl.constexpr, OFFSETS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+    P,
+    BLOCK_P: tl.constexpr, E_PAD: tl.constexpr,
 ):
-    """Counts and ranks of chunk ``program_id``; with OFFSETS the grid's last program to finish then runs
-    ``align_offsets`` (one launch fewer; its counts loads bypass L1, after an acq_rel count-in)."""
     c = tl.program_id(0)
     offs = c * BLOCK_P + tl.arange(0, BLOCK_P)
     m = offs < P
@@ -311,28 +305,10 @@ def align_count_kernel(
     tl.store(counts_ptr + c * E_PAD + ex, tl.sum(onehot, axis=0))
     rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
     tl.store(rank_ptr + offs, rank, mask=m)
-    if OFFSETS:  # split_k_arrive's count-in, with C (not a constexpr) programs
-        tl.debug_barrier()
-        count = tl.atomic_add(lock_ptr, 1, sem="acq_rel", scope="gpu")
-        tl.atomic_xchg(lock_ptr, 0, sem="relaxed", scope="gpu", mask=count == C - 1)
-        if count == C - 1:
-            align_offsets(counts_ptr, chunk_off_ptr, start_ptr, sorted_ptr, block_expert_ptr, total_ptr, C, P,
-                          S, NB, BLOCK_M, E_PAD, BLOCK_C, BLOCK_S)
 
 
 @triton.jit
 def align_offsets_kernel(
-    counts_ptr, chunk_off_ptr, start_ptr, sorted_ptr, block_expert_ptr, total_ptr,  # see align_offsets
-    C, P, S, NB,
-    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    """``align_offsets`` as a launch of its own (one program), after ``align_count_kernel`` without OFFSETS."""
-    align_offsets(counts_ptr, chunk_off_ptr, start_ptr, sorted_ptr, block_expert_ptr, total_ptr, C, P, S, NB,
-                  BLOCK_M, E_PAD, BLOCK_C, BLOCK_S)
-
-
-@triton.jit
-def align_offsets(
     counts_ptr,  # [C, E_PAD] int32 from align_count_kernel
     chunk_off_ptr,  # [C, E_PAD] int32 out: pairs of each expert in earlier chunks
     start_ptr,  # [E_PAD] int32 out: first sorted position of each expert's segment
@@ -340,18 +316,14 @@ def align_offsets(
     block_expert_ptr,  # [NB] int32 out
     total_ptr,  # [1] int32 out
     C, P, S, NB,
-    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """Segment offsets, block owners and the sentinel fill, in one program; BLOCK_C chunks' counts a step."""
     ex = tl.arange(0, E_PAD)
-    cs = tl.arange(0, BLOCK_C)
     run = tl.zeros([E_PAD], dtype=tl.int32)
-    for c0 in range(0, C, BLOCK_C):
-        idx = (c0 + cs)[:, None] * E_PAD + ex[None, :]
-        cmask = (c0 + cs)[:, None] < C
-        cnt = tl.load(counts_ptr + idx, mask=cmask, other=0, cache_modifier=".cg")  # [BLOCK_C, E_PAD]
-        tl.store(chunk_off_ptr + idx, run[None, :] + tl.cumsum(cnt, axis=0) - cnt, mask=cmask)
-        run += tl.sum(cnt, axis=0)
+    for c in range(0, C):
+        cnt = tl.load(counts_ptr + c * E_PAD + ex)
+        tl.store(chunk_off_ptr + c * E_PAD + ex, run)
+        run += cnt
     padded = (run + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     end = tl.cumsum(padded, axis=0)
     tl.store(start_ptr + ex, end - padded)

@@ -99,8 +99,7 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton launcher of ``moe_align_ref`` (same contract): two launches (three when this stream has no
-    split-K counters: see ``split_k.workspace``), no host sync."""
+    """Triton launcher of ``moe_align_ref`` (same contract): three launches, no host sync."""
     from sparrow.kernels._moe_jit import align_count_kernel, align_offsets_kernel, align_scatter_kernel
 
     _check_align(topk_ids, num_experts, block_m)
@@ -118,17 +117,13 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
     sorted_ids = torch.empty(size, dtype=torch.int32, device=dev)
     block_expert = torch.empty(nblocks, dtype=torch.int32, device=dev)
     total = torch.empty(1, dtype=torch.int32, device=dev)
-    buffers = split_k.workspace(dev, 0, 1)  # its counters: the count kernel's last program runs the offsets
-    outs = (chunk_off, start, sorted_ids, block_expert, total)
-    meta = dict(BLOCK_M=block_m, E_PAD=e_pad, BLOCK_C=max(1, min(16, 2048 // e_pad)), BLOCK_S=256,
-                num_warps=8 if e_pad >= 256 else 4)
-    align_count_kernel[(chunks,)](flat, counts, rank, counts if buffers is None else buffers[1], *outs, pairs,
-                                  chunks, size, nblocks, BLOCK_P=block_p, OFFSETS=buffers is not None, **meta)
-    if buffers is None:
-        align_offsets_kernel[(1,)](counts, *outs, chunks, pairs, size, nblocks, **meta)
+    warps = 8 if e_pad >= 256 else 4
+    align_count_kernel[(chunks,)](flat, counts, rank, pairs, BLOCK_P=block_p, E_PAD=e_pad, num_warps=warps)
+    align_offsets_kernel[(1,)](counts, chunk_off, start, sorted_ids, block_expert, total, chunks, pairs, size,
+                               nblocks, BLOCK_M=block_m, E_PAD=e_pad, BLOCK_S=256, num_warps=warps)
     if pairs:
         align_scatter_kernel[(chunks,)](flat, rank, chunk_off, start, sorted_ids, pairs, BLOCK_P=block_p,
-                                        E_PAD=e_pad, num_warps=meta["num_warps"])
+                                        E_PAD=e_pad, num_warps=warps)
     return sorted_ids, block_expert, total
 
 
