@@ -13,8 +13,9 @@
 # Stage `ab`: the same `sparrow bench` (AB_ARGS, default gemma4-26b-a4b FP8 at batch 1 and 8) on this tree and on an
 # older one, alternating, AB_REPEATS rounds, on one machine (runs of one tree on one machine spread by up to ~5 %:
 # benchmarks/README.md, ninth session). Make the older tree first, here: `mkdir -p .ab/old && git archive REV sparrow | tar -x -C .ab/old`,
-# and carry `.ab` (ignored) beside `.whl`. AB_ENV_NEW / AB_ENV_OLD: environment assignments for one side (e.g.
-# AB_ENV_OLD=SPARROW_GRAPH_PRIORITY=0 with .ab/old a copy of this tree: an A/B of a switch).
+# and carry `.ab` (ignored) beside `.whl`. AB_ENV_NEW / AB_ENV_OLD: environment assignments for one side, and
+# AB_ARGS_OLD: the old side's bench flags (default AB_ARGS); with .ab/old a copy of this tree, an A/B of a switch
+# (e.g. AB_ENV_OLD=SPARROW_PDL=0, or AB_ARGS_OLD without --quantize-lm-head).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -77,9 +78,10 @@ for stage in ${@:-tests gemma4 llama eager}; do
             # -P: no current directory on sys.path, or `python3 -m sparrow` would import ./sparrow for both sides
             site=; [ -d /tmp/site ] && site=/tmp/site:
             PYTHONPATH=$site$root python3 -P -c "import sparrow; print('sparrow from', sparrow.__file__)"
-            side_env=$AB_ENV_NEW; [ "$side" = old ] && side_env=$AB_ENV_OLD
+            side_env=$AB_ENV_NEW side_args=$AB_ARGS
+            [ "$side" = old ] && side_env=$AB_ENV_OLD side_args=${AB_ARGS_OLD:-$AB_ARGS}
             PYTHONPATH=$site$root timeout "${T_AB:-150}" env $side_env python3 -P -m sparrow bench --device cuda --no-hf \
-              ${AB_ARGS:---model-shape gemma4-26b-a4b --quantization fp8 --batch-sizes 1,8 --prompt-len 128 --decode-tokens 32} \
+              ${side_args:---model-shape gemma4-26b-a4b --quantization fp8 --batch-sizes 1,8 --prompt-len 128 --decode-tokens 32} \
               > "$OUT/ab_${side}_$round.log" 2>&1; grep -E "^\[sparrow\]|Error" "$OUT/ab_${side}_$round.log" | tail -4
           done
         done ;;

@@ -9,7 +9,6 @@ Shapes: Bmax = largest bucket, M = blocks per sequence at max_model_len, V = voc
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import torch
@@ -19,19 +18,6 @@ from sparrow.layers.attention import AttentionMetadata
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-
-HIGH_PRIORITY = os.environ.get("SPARROW_GRAPH_PRIORITY", "1") != "0"
-"""Capture on a stream of the device's highest priority. Kernel nodes keep their capturing stream's priority
-and torch instantiates graphs with ``cudaGraphInstantiateFlagUseNodePriority``, so in every replay the
-capturing stream's kernels (Gemma 4: attention, router, experts) take free SMs before those of side streams
-captured at the default priority (the dense branch, ``models/gemma4.side_stream``). ``SPARROW_GRAPH_PRIORITY=0``
-in the environment captures at the default priority (A/B runs)."""
-
-
-def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """A new stream for graph capture: the device's highest priority with ``HIGH_PRIORITY`` (torch clamps the
-    requested priority into the device's range), else the default priority."""
-    return torch.cuda.Stream(device, priority=-(1 << 20) if HIGH_PRIORITY else 0)
 
 
 class DecodeGraphs:
@@ -75,7 +61,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket, largest first (smaller graphs reuse the memory pool). A bucket whose
         capture fails (an op that syncs with the host) is left to eager execution, with a log line."""
-        stream = capture_stream(self.device)
+        stream = torch.cuda.Stream(self.device)
         for i, bs in enumerate(reversed(self.buckets)):
             print(f"\rcapturing CUDA graphs: {i + 1}/{len(self.buckets)} (batch {bs})   ", end="", file=sys.stderr)
             try:
@@ -85,7 +71,7 @@ class DecodeGraphs:
                         self._forward(bs)
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                with torch.cuda.graph(graph, pool=self.pool):
                     out = self._forward(bs)
                 self.pool = graph.pool()
                 self.graphs[bs], self.logits[bs] = graph, out
