@@ -3,7 +3,7 @@
 The model maps each checkpoint name to (parameter name, shard id) with ``resolve_weight`` (packed
 projections, stacked experts); the parameter's ``weight_loader(param, tensor, shard_id, name)`` copies it.
 Loading fails loudly, naming the tensor, on unused checkpoint tensors, misshaped tensors, FP8 block scales
-that are not finite, and parameters left unfilled (style.md 5). A whole-tensor load (shard id None)
+that are not finite, e4m3 weights with NaN bytes, and parameters left unfilled (style.md 5). A whole-tensor load (shard id None)
 completes a parameter whatever its shards (e.g. transformers 5's fused 3-D ``experts.gate_up_proj`` fills
 the stacked experts in one go).
 
@@ -97,6 +97,9 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
             raise ModelLoadError(  # a NaN / inf block scale would turn every output it touches into NaN
                 f"checkpoint tensor {name!r} (FP8 block scales) holds non-finite values (nan or inf): the checkpoint "
                 "is corrupt")
+        if tensor.dtype == torch.float8_e4m3fn and bool(((tensor.view(torch.uint8) & 0x7F) == 0x7F).any()):
+            raise ModelLoadError(  # e4m3fn has no inf; S.1111.111 is its NaN, which no quantizer writes
+                f"checkpoint tensor {name!r} (float8_e4m3fn) holds NaN bytes (0x7f / 0xff): the checkpoint is corrupt")
         if shard is not None and shard not in expected_shards(param):
             raise ModelLoadError(
                 f"checkpoint tensor {name!r} is not used by {type(model).__name__} "

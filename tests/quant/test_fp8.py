@@ -373,6 +373,23 @@ def test_non_finite_block_scale_is_refused_by_name(tiny_dir, tmp_path, bad):
         load_model(ckpt)
 
 
+@pytest.mark.parametrize("byte", [0x7F, 0xFF])
+def test_nan_e4m3_weight_byte_is_refused_by_name(tiny_dir, tmp_path, byte):
+    """An e4m3 weight byte that encodes NaN (S.1111.111; the OCP FP8 spec's e4m3fn has no inf, and no quantizer
+    writes NaN) is a ModelLoadError naming the tensor, not a layer whose outputs turn NaN."""
+    from safetensors.torch import load_file, save_file
+
+    from sparrow.loader.model_loader import load_model
+
+    ckpt = write_fp8_checkpoint(tiny_dir, tmp_path / "fp8")
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    tensors["model.layers.0.mlp.down_proj.weight"].view(torch.uint8)[3, 7] = byte
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"'model.layers.0.mlp.down_proj.weight' \(float8_e4m3fn\) holds NaN "
+                                             r"bytes"):
+        load_model(ckpt)
+
+
 def test_fp8_tensors_outside_an_fp8_model_are_named(tiny_dir, tmp_path):
     """An FP8 checkpoint without its quantization_config (scales unused), and an e4m3 tensor for a float
     parameter (the embedding), are refused by name instead of being dropped or cast."""
