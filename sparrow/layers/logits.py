@@ -13,7 +13,8 @@ class LogitsProcessor(nn.Module):
         super().__init__()
         self.soft_cap = soft_cap
 
-    def forward(self, hidden: torch.Tensor, lm_weight: torch.Tensor, head: nn.Module | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, lm_weight: torch.Tensor | None,
+                head: nn.Module | None = None) -> torch.Tensor:
         logits = (F.linear(hidden, lm_weight) if head is None else head(hidden)).float()
         if self.soft_cap is not None:
             logits = self.soft_cap * torch.tanh(logits / self.soft_cap)

@@ -3,9 +3,9 @@
 The model maps each checkpoint name to (parameter name, shard id) with ``resolve_weight`` (packed
 projections, stacked experts); the parameter's ``weight_loader(param, tensor, shard_id, name)`` copies it.
 Loading fails loudly, naming the tensor, on unused checkpoint tensors, misshaped tensors, FP8 block scales
-that are not finite, e4m3 weights with NaN bytes, and parameters left unfilled (style.md 5). A whole-tensor load (shard id None)
-completes a parameter whatever its shards (e.g. transformers 5's fused 3-D ``experts.gate_up_proj`` fills
-the stacked experts in one go).
+that are not finite, e4m3 weights with NaN bytes, and parameters left unfilled (style.md 5). A whole-tensor
+load (shard id None) completes a parameter whatever its shards (e.g. transformers 5's fused 3-D
+``experts.gate_up_proj`` fills the stacked experts in one go).
 
 Stacked experts (``bind_expert_loaders``): ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] are filled
 in place, one expert slice per checkpoint tensor as the tensors stream by (shard id (e, block): rows

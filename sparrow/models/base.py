@@ -122,14 +122,16 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.logits_processor(hidden, self.lm_weight, getattr(self, "lm_head_fp8", None))
+        head = getattr(self, "lm_head_fp8", None)
+        return self.logits_processor(hidden, self.lm_weight if head is None else None, head)
 
     def quantize_lm_head(self) -> None:
         """Compute the logits with a block-scaled FP8 copy of the LM weight (``lm_head_fp8``, a Linear with
         ``Fp8LinearMethod``: 128 x 128 blocks, activations quantized per 128-group, the kernels of the other
         FP8 linears) instead of the model-dtype weight: half the bytes of the largest matrix read every decode
-        step (Gemma 4: V 262,144 x H 2,816), at the cost of FP8 rounding in the logits. The model-dtype weight
-        stays (the embedding, when tied), so the copy adds V x H bytes plus its scales."""
+        step (Gemma 4: V 262,144 x H 2,816), at the cost of FP8 rounding in the logits. A tied weight stays (it
+        is the embedding), so there the copy adds V x H bytes plus its scales; an untied ``lm_head`` is dropped
+        (``lm_weight`` then raises AttributeError)."""
         from sparrow.layers.linear import Linear
         from sparrow.quant.fp8 import Fp8LinearMethod
 
@@ -139,6 +141,8 @@ class CausalLM(nn.Module):
         head.weight.weight_loader(head.weight, w.data, None, "lm_head.weight")
         head.quant_method.process_weights_after_loading(head)
         self.lm_head_fp8 = head.eval()
+        if not self.config.tie_word_embeddings:
+            del self.lm_head
 
     def resolve_weight(self, name: str) -> tuple[str, object] | None:
         """(parameter name, shard id) for a checkpoint tensor name; None for tensors outside the text

@@ -435,7 +435,8 @@ def test_fp8_lm_head_logits_and_greedy_agreement(tiny_dir, capsys):
                quantize_lm_head=True)
     model = head.engine.runner.model
     assert getattr(fp8.engine.runner.model, "lm_head_fp8", None) is None
-    q, s = quantize_fp8_block(model.lm_weight.float())
+    assert not hasattr(model, "lm_head")  # untied (LlamaConfig's default): the fp32 LM head is dropped
+    q, s = quantize_fp8_block(fp8.engine.runner.model.lm_weight.float())
     assert torch.equal(model.lm_head_fp8.weight.view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(model.lm_head_fp8.weight_scale_inv, s)
     g = torch.Generator().manual_seed(3)
