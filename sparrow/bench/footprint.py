@@ -75,17 +75,13 @@ def footprint(model: torch.nn.Module, cfg: dict, tied: bool, hidden: int) -> Foo
         nbytes = p.numel() * p.element_size()
         if "embed_tokens" in name:
             group, elt = "embedding", p.element_size()
-        elif name.startswith("lm_head_fp8."):
-            group = "lm_head_fp8"
-        elif name.startswith("lm_head"):
+        elif name.startswith("lm_head"):  # lm_head.* or sparrow's FP8 copy lm_head_fp8.* (never both)
             group = "lm_head"
         elif n_exp and ".experts." in name and p.dim() >= 3 and p.shape[0] == n_exp:
             group = "experts"
         else:
             group = "dense"
         groups[group] = groups.get(group, 0) + nbytes
-    if "lm_head_fp8" in groups:  # the logits read the FP8 copy, not the model-dtype LM weight
-        groups["lm_head"] = groups.pop("lm_head_fp8")
     return Footprint(groups, n_exp, top_k, tied, hidden, _kv_layers(model), elt)
 
 

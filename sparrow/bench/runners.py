@@ -49,7 +49,7 @@ def sparrow_from_hf(hf_model, full_cfg: dict, s: Settings, engine_kw: dict):
     """sparrow's model for ``full_cfg`` on the device, filled from the transformers model's state dict (the
     same weights), wrapped in an Engine. Raises UnsupportedArchitectureError if sparrow lacks the architecture."""
     from sparrow.config import ModelConfig
-    from sparrow.loader.model_loader import build_model, check_quantize_lm_head, finish_loading
+    from sparrow.loader.model_loader import build_model, finish_loading
     from sparrow.loader.weights import load_weights
     from sparrow.models.registry import get_model_class
 
@@ -59,7 +59,6 @@ def sparrow_from_hf(hf_model, full_cfg: dict, s: Settings, engine_kw: dict):
         from sparrow.quant.fp8 import Fp8Config
 
         quant_config = Fp8Config(from_checkpoint=False)
-    check_quantize_lm_head(s.quantize_lm_head, quant_config)
     model = build_model(get_model_class(mcfg.architecture), mcfg, _DTYPES[s.dtype], s.device, quant_config)
     load_weights(model, hf_model.state_dict().items())
     finish_loading(model, quant_config, s.quantize_lm_head)
