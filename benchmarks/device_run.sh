@@ -15,7 +15,8 @@
 # benchmarks/README.md, ninth session). Make the older tree first, here: `mkdir -p .ab/old && git archive REV sparrow | tar -x -C .ab/old`,
 # and carry `.ab` (ignored) beside `.whl`. AB_ENV_NEW / AB_ENV_OLD: environment assignments for one side, and
 # AB_ARGS_OLD: the old side's bench flags (default AB_ARGS); with .ab/old a copy of this tree, an A/B of a switch
-# (e.g. AB_ENV_OLD=SPARROW_PDL=0, or AB_ARGS_OLD without --quantize-lm-head).
+# (e.g. AB_ENV_OLD=SPARROW_PDL=0, or AB_ARGS_OLD without --quantize-lm-head). AB_TAG names the logs
+# (ab${AB_TAG}_new_1.log ...), so one call can run several A/Bs.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -82,7 +83,8 @@ for stage in ${@:-tests gemma4 llama eager}; do
             [ "$side" = old ] && side_env=$AB_ENV_OLD side_args=${AB_ARGS_OLD:-$AB_ARGS}
             PYTHONPATH=$site$root timeout "${T_AB:-150}" env $side_env python3 -P -m sparrow bench --device cuda --no-hf \
               ${side_args:---model-shape gemma4-26b-a4b --quantization fp8 --batch-sizes 1,8 --prompt-len 128 --decode-tokens 32} \
-              > "$OUT/ab_${side}_$round.log" 2>&1; grep -E "^\[sparrow\]|Error" "$OUT/ab_${side}_$round.log" | tail -4
+              > "$OUT/ab${AB_TAG:-}_${side}_$round.log" 2>&1
+            grep -E "^\[sparrow\]|Error" "$OUT/ab${AB_TAG:-}_${side}_$round.log" | tail -4
           done
         done ;;
     eager) bench llama_eager "${T_EAGER:-60}" --model-shape llama3-8b --batch-sizes 1 --no-hf --enforce-eager \
