@@ -213,13 +213,6 @@ class Gemma4Router(nn.Module):
         # ulp), then the folded projection; at decode sizes one Triton launch (sparrow.kernels.router)
         return router_logits(x, self.folded_weight(), rms_eps=self.eps)
 
-    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [R, K] fp32, ids [R, K] int64) from ``self.logits`` [R, E]: softmax, top-k, renormalize,
-        x per_expert_scale[ids] (one Triton launch where use_triton(logits)); forward = select(logits(x))."""
-        from sparrow.kernels.router import fused_router
-
-        return fused_router(logits, self.top_k, "softmax", renormalize=True, per_expert_scale=self.per_expert_scale)
-
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from sparrow.kernels.router import router_topk
 

@@ -11,8 +11,7 @@ Each chain of norms between two matmuls is one kernel (Gemma4DecoderLayer.forwar
 Decode overlap (design §2): while a CUDA graph is being captured, the dense branch d runs on a second CUDA
 stream, concurrent with router + experts on the capturing stream, and joins before the sum; the graph
 keeps the fork/join, so every replay overlaps them. Eager steps (prefill) run the branches in order.
-``DUAL_STREAM = False`` turns the overlap off (set it before the LLM captures its graphs); ``FORK_AFTER``
-(``SPARROW_FORK_AFTER``) moves the fork after the router's logits or after the whole router.
+``DUAL_STREAM = False`` turns the overlap off (set it before the LLM captures its graphs).
 Attention (layers/attention.py): q/k norms, scale-free v_norm, scale 1.0; full layers have their own
 head dim / KV heads, "proportional" RoPE, and with ``attention_k_eq_v`` no v_proj. Norms multiply by w
 (Gemma4RMSNorm), not 1 + w. The embedding is scaled by sqrt(H); final logits are soft-capped.
@@ -21,7 +20,6 @@ Per-layer embeddings (PLE) and KV sharing are refused by the config (ModelConfig
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 from torch import nn
@@ -36,13 +34,6 @@ from sparrow.models.base import CausalLM, make_experts
 DUAL_STREAM = True
 """Overlap the dense MLP with the MoE branch on a side stream inside captured decode graphs."""
 
-FORK_AFTER = os.environ.get("SPARROW_FORK_AFTER", "start")
-"""Where the dense branch forks off in captured decode graphs: "start" (beside the router and the experts),
-"logits" (after the router's logits, on the capturing stream) or "router" (after logits and top-k). A later
-fork keeps the router's small launches off SMs the dense GEMVs hold (they took 26.7 us a layer in the model
-against 10.3 alone at batch 64, eleventh session) and overlaps the dense branch with the experts only."""
-FORK_POINTS = ("start", "logits", "router")
-
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -55,12 +46,6 @@ def side_stream(x: torch.Tensor) -> "torch.cuda.Stream | None":
         stream = _SIDE_STREAMS[x.device] = torch.cuda.Stream(x.device)
         split_k.register_concurrent_stream(stream)  # its own split-K workspace: it overlaps the main stream
     return stream
-
-
-def _fork_after() -> str:
-    if FORK_AFTER not in FORK_POINTS:
-        raise ValueError(f"gemma4.FORK_AFTER (SPARROW_FORK_AFTER) is {FORK_AFTER!r}; expected one of {FORK_POINTS}")
-    return FORK_AFTER
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -105,19 +90,11 @@ class Gemma4DecoderLayer(nn.Module):
         h, pre, pre2 = self.post_attention_layernorm.norm_add(
             attn, x, next_norms=(self.pre_feedforward_layernorm, self.pre_feedforward_layernorm_2))
         stream = side_stream(h)  # fork: the dense branch on the side stream, joined before the sum
-        logits = routed = None
-        if stream is not None and _fork_after() != "start":  # the router reads the raw residual
-            if FORK_AFTER == "router":
-                routed = self.router(h)
-            else:
-                logits = self.router.logits(h)
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(h.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             dense = self.mlp(pre)
-        if routed is None:
-            routed = self.router(h) if logits is None else self.router.select(logits)
-        weights, ids = routed
+        weights, ids = self.router(h)  # the router reads the raw residual
         moe = self.experts(pre2, weights, ids, reduce=False)  # [R K, H]: the reduce is fused below
         if stream is not None:
             torch.cuda.current_stream(h.device).wait_stream(stream)

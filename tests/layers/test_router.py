@@ -99,16 +99,6 @@ def test_gemma4(rows):
     x = 3 * _x(rows)
     _, w_ref, i_ref = ref(x)
     _assert_same_routing(ours(x), (w_ref, i_ref))
-    # the two halves the decode graph may split around its fork (models/gemma4.FORK_AFTER)
-    _assert_same_routing(ours.select(ours.logits(x)), (w_ref, i_ref))
-
-
-def test_gemma4_unknown_fork_point_is_named(monkeypatch):
-    from sparrow.models import gemma4
-
-    monkeypatch.setattr(gemma4, "FORK_AFTER", "experts")
-    with pytest.raises(ValueError, match="SPARROW_FORK_AFTER.*'experts'"):
-        gemma4._fork_after()
 
 
 @pytest.mark.parametrize("rows", ROWS)
