@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from sparrow.kernels._pdl_jit import pdl_enter
-from sparrow.kernels._split_k_jit import split_k_and, split_k_arrive
 
 
 @triton.jit
@@ -84,9 +83,6 @@ def paged_decode_kernel(
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
     UPCAST: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
-    lock_ptr=None,  # MERGE: int32 [S * Hkv] counters, 0 on entry and on exit (split_k.workspace's)
-    MERGE: tl.constexpr = False,  # SPLIT: the last split of each (sequence, KV head) merges them (no reduce launch)
-    SPLITS_PAD: tl.constexpr = 2,  # MERGE: next power of two >= P
 ):
     """One decode row (sequence s), one KV head and its G query heads, one KV split.
 
@@ -95,10 +91,7 @@ def paged_decode_kernel(
     seq_lens here, so a graph captured for the longest context still spreads a short one over P programs).
     SPLIT: write fp32 partials part_acc [S, Hq, P, Dv] (already divided by the split's softmax sum) and
     part_lse [S, Hq, P]; else (one split) write out [R, Hq, Dv] directly. Empty splits
-    write nothing (the merge recomputes how many splits are live). MERGE: every split, empty ones too, then
-    counts itself in on its (sequence, KV head)'s counter (``_split_k_jit.split_k_arrive``: a CTA barrier and
-    one acq_rel atomic at GPU scope), and the last to arrive merges the live splits of its G heads by
-    log-sum-exp as ``paged_decode_reduce_kernel`` does, reading the partials from L2.
+    write nothing (the reduce recomputes how many splits are live).
     """
     pdl_enter(USE_PDL)
     s = tl.program_id(0)
@@ -115,9 +108,8 @@ def paged_decode_kernel(
         part = ctx - kv_start
     lo = kv_start + split * part
     hi = tl.minimum(lo + part, ctx)
-    if not MERGE:
-        if lo >= hi:
-            return
+    if lo >= hi:
+        return
 
     offs_g = tl.arange(0, GROUP_PAD)
     g_mask = offs_g < GROUP
@@ -161,43 +153,12 @@ def paged_decode_kernel(
     acc = acc / l_i[:, None]
     st_mask = g_mask[:, None] & dv_mask[None, :]
     if SPLIT:
-        live_split = lo < hi  # an empty split (MERGE only gets here) stores nothing
         pa = part_acc_ptr + s * stride_pas + heads[:, None] * stride_pah + split * stride_pap + offs_dv[None, :]
-        tl.store(pa, acc, mask=split_k_and(st_mask, live_split))
-        tl.store(part_lse_ptr + s * stride_pls + heads * stride_plh + split, m_i + tl.log(l_i),
-                 mask=split_k_and(g_mask, live_split))
-        if MERGE:
-            if split_k_arrive(lock_ptr, s * tl.num_programs(1) + kvh, tl.num_programs(2)):
-                _merge_splits(part_acc_ptr, part_lse_ptr, out_ptr, s, row, heads, g_mask, offs_dv, dv_mask,
-                              tl.cdiv(ctx - kv_start, part), stride_pas, stride_pah, stride_pap, stride_pls,
-                              stride_plh, stride_or, stride_oh, GROUP_PAD, DV_PAD, SPLITS_PAD)
+        tl.store(pa, acc, mask=st_mask)
+        tl.store(part_lse_ptr + s * stride_pls + heads * stride_plh + split, m_i + tl.log(l_i), mask=g_mask)
     else:
         po = out_ptr + row.to(tl.int64) * stride_or + heads[:, None] * stride_oh + offs_dv[None, :]
         tl.store(po, acc.to(out_ptr.dtype.element_ty), mask=st_mask)
-
-
-@triton.jit
-def _merge_splits(part_acc_ptr, part_lse_ptr, out_ptr, s, row, heads, g_mask, offs_dv, dv_mask, live,
-                  stride_pas, stride_pah, stride_pap, stride_pls, stride_plh, stride_or, stride_oh,
-                  GROUP_PAD: tl.constexpr, DV_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """out[row, heads] = sum_p exp(lse_p - lse) * acc_p over the ``live`` splits of sequence s, for the
-    [GROUP_PAD] heads (masked by g_mask); partials loaded with .cg (written by other programs: L2, not L1)."""
-    offs_p = tl.arange(0, SPLITS_PAD)
-    lse = tl.load(part_lse_ptr + s * stride_pls + heads[:, None] * stride_plh + offs_p[None, :],
-                  mask=g_mask[:, None] & (offs_p < live)[None, :], other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse, 1)
-    m = tl.where(g_mask, m, 0.0)  # padded heads: no -inf - -inf
-    total = tl.sum(tl.exp(lse - m[:, None]), 1)
-    acc = tl.zeros([GROUP_PAD, DV_PAD], dtype=tl.float32)
-    for p in range(0, live):
-        w = tl.exp(tl.load(part_lse_ptr + s * stride_pls + heads * stride_plh + p, mask=g_mask,
-                           other=float("-inf"), cache_modifier=".cg") - m)
-        a = tl.load(part_acc_ptr + s * stride_pas + heads[:, None] * stride_pah + p * stride_pap + offs_dv[None, :],
-                    mask=g_mask[:, None] & dv_mask[None, :], other=0.0, cache_modifier=".cg")
-        acc += w[:, None] * a
-    acc = acc / tl.where(g_mask, total, 1.0)[:, None]
-    po = out_ptr + row.to(tl.int64) * stride_or + heads[:, None] * stride_oh + offs_dv[None, :]
-    tl.store(po, acc.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & dv_mask[None, :])
 
 
 @triton.jit

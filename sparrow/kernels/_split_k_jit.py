@@ -38,10 +38,9 @@ def split_k_store(acc, ws_ptr, slot, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def split_k_arrive(lock_ptr, tile, SPLIT_K):
+def split_k_arrive(lock_ptr, tile, SPLIT_K: tl.constexpr):
     """After this program's ``split_k_store`` calls: count it in; True for the tile's last program (which
-    also resets the counter). SPLIT_K: the tile's programs (a constexpr, or a runtime value such as
-    ``tl.num_programs``)."""
+    also resets the counter)."""
     tl.debug_barrier()  # every thread's partial stores precede the release below
     count = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
     last = count == SPLIT_K - 1

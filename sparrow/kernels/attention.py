@@ -17,7 +17,7 @@ import torch
 import triton
 
 from sparrow.kernels._attention_jit import paged_decode_kernel, paged_decode_reduce_kernel, paged_prefill_kernel
-from sparrow.kernels import pdl_kwargs, split_k, use_triton
+from sparrow.kernels import pdl_kwargs, use_triton
 from sparrow.kernels.paged_attention import paged_attention_ref
 
 # head dim (padded to a power of two) -> tile config. BLOCK_D chunks the q.k product so D = 512 fits.
@@ -37,10 +37,6 @@ PREFILL_CONFIGS: dict[int, dict[str, int]] = {
     512: dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=128, num_warps=8, num_stages=2),
 }
 MAX_SPLITS = 64  # decode partitions per row; bounds the reduce's work and the partial buffers
-MERGE_IN_KERNEL = os.environ.get("SPARROW_DECODE_MERGE", "1") != "0"
-"""Split decode merges its splits inside the decode kernel (the last split of each sequence and KV head, found
-with a counter from ``split_k.workspace``) instead of a second launch; ``SPARROW_DECODE_MERGE=0`` (or False
-here) restores the separate ``paged_decode_reduce_kernel``, also used when the stream has no counters."""
 _DEFAULT_SMS = 132  # H100/H200 SM count, used when the device is not CUDA (interpreter)
 
 
@@ -131,8 +127,7 @@ def paged_decode_attention(
     Arguments as ``paged_attention_ref``, with one row per sequence: sequence s owns row
     ``query_start_loc[s]`` (query_start_loc must be arange(S + 1); not checked, to avoid a device sync).
     Each (sequence, KV head) splits its live keys into P partitions (flash-decoding); the G query heads of
-    a KV head share each K/V tile. The splits are merged by log-sum-exp: by the last split of each (sequence,
-    KV head) inside the decode kernel (``MERGE_IN_KERNEL``), else by a second kernel (skipped when P == 1).
+    a KV head share each K/V tile. A second kernel merges the splits by log-sum-exp (skipped when P == 1).
     Each sequence's partition is its own live keys / P rounded up to a tile, computed in the kernels from
     seq_lens, so a short context is spread over P programs even in a graph captured for the longest.
 
@@ -159,17 +154,11 @@ def paged_decode_attention(
         splits = triton.cdiv(kv, triton.cdiv(triton.cdiv(kv, splits), block_n) * block_n)
     group = hq // hkv
     split = splits > 1
-    locks = None
     if split:
         part_acc = torch.empty(num_seqs, hq, splits, v_cache.shape[3], dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_seqs, hq, splits, dtype=torch.float32, device=q.device)
-        if MERGE_IN_KERNEL:
-            buffers = split_k.workspace(q.device, 0, num_seqs * hkv)
-            locks = buffers[1] if buffers is not None else None
     else:
         part_acc = part_lse = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device)
-    splits_pad = max(2, triton.next_power_of_2(splits))
-    merge = dict(lock_ptr=locks, MERGE=True, SPLITS_PAD=splits_pad) if locks is not None else {}
     paged_decode_kernel[(num_seqs, hkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_lse,
         float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
@@ -179,14 +168,14 @@ def paged_decode_attention(
         block_tables.stride(0), out.stride(0), out.stride(1),
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_lse.stride(0), part_lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, SPLIT=split,
-        **meta, **cfg, **pdl_kwargs(q), **merge,
+        **meta, **cfg, **pdl_kwargs(q),
     )
-    if split and not merge:
+    if split:
         paged_decode_reduce_kernel[(num_seqs, hq)](
             part_acc, part_lse, seq_lens, query_start_loc, out, int(sliding_window or 0), splits,
             part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),
-            DV=meta["DV"], DV_PAD=meta["DV_PAD"], SPLITS_PAD=splits_pad,
+            DV=meta["DV"], DV_PAD=meta["DV_PAD"], SPLITS_PAD=(splits_pad := max(2, triton.next_power_of_2(splits))),
             BLOCK_P=min(splits_pad, max(2, 8192 // meta["DV_PAD"])), USE_WINDOW=meta["USE_WINDOW"], BLOCK_N=block_n,
             num_warps=4,
             **pdl_kwargs(q),

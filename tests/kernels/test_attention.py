@@ -43,22 +43,6 @@ def make_batch(q_lens, ctx_lens, hq, hkv, d, page, dtype, device=DEV, seed=0):
     return [t.to(device) for t in (q, k_cache, v_cache, block_tables, seq_lens, qsl)]
 
 
-@pytest.fixture(params=[True, False], ids=["merge", "reduce"])
-def merge(request, monkeypatch):
-    """Split decode merged by its last split (attention.MERGE_IN_KERNEL; the reduce kernel must then not be
-    launched) or by the separate reduce kernel."""
-    from sparrow.kernels import attention
-
-    class NoReduce:
-        def __getitem__(self, grid):
-            raise AssertionError("the reduce kernel was launched although the decode kernel merges its splits")
-
-    monkeypatch.setattr(attention, "MERGE_IN_KERNEL", request.param)
-    if request.param:
-        monkeypatch.setattr(attention, "paged_decode_reduce_kernel", NoReduce())
-    return request.param
-
-
 def check(fn, batch, scale, window=None, cap=None, **kw):
     ref = paged_attention_ref(*batch, scale, window, cap)
     out = fn(*batch, scale, window, cap, **kw)
@@ -78,7 +62,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("group,d,page,dtype", CASES)
-def test_decode(group, d, page, dtype, merge):
+def test_decode(group, d, page, dtype):
     ctx = [1, 17, 33, 100] if d < 512 else [1, 40]
     batch = make_batch([1] * len(ctx), ctx, hq=group * (2 if group < 8 else 1), hkv=2 if group < 8 else 1,
                        d=d, page=page, dtype=dtype)
@@ -98,7 +82,7 @@ def test_prefill_chunked(group, d, page, dtype):
 
 @pytest.mark.parametrize("cap", [None, 5.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sliding_window_edges(cap, dtype, merge):
+def test_sliding_window_edges(cap, dtype):
     w = 16
     ctx = [w - 1, w, w + 1, w + 2]
     decode = make_batch([1] * 4, ctx, hq=4, hkv=2, d=64, page=16, dtype=dtype, seed=2)
@@ -107,19 +91,14 @@ def test_sliding_window_edges(cap, dtype, merge):
     check(paged_prefill_attention, prefill, 0.125, w, cap)
 
 
-def test_reduce_merges_more_splits_than_one_tile(merge):
-    """Head dim 512: the reduce takes 16 splits per step, so 22 live splits need a full and a ragged step
-    (the in-kernel merge walks them one at a time); the merge's counters are back at 0 afterwards."""
-    from sparrow.kernels import split_k
-
+def test_reduce_merges_more_splits_than_one_tile():
+    """Head dim 512: the reduce takes 16 splits per step, so 22 live splits need a full and a ragged step."""
     batch = make_batch([1, 1], [700, 300], hq=2, hkv=1, d=512, page=16, dtype=torch.bfloat16, seed=6)
     check(paged_decode_attention, batch, 1 / math.sqrt(512), num_splits=22)
-    locks = split_k.workspace(batch[0].device, 0, 2)[1]
-    assert int(locks.count_nonzero()) == 0
 
 
 @pytest.mark.parametrize("window", [None, 24, 150])
-def test_decode_splits_sized_per_sequence_match_the_twin(window, merge):
+def test_decode_splits_sized_per_sequence_match_the_twin(window):
     """Splits chosen for max_seq_len 4,096 (a graph captured for long contexts) or forced: each sequence's
     partition is its own live keys (at most the window) over the splits, whole tiles each, so 300 keys use
     several splits and 5 keys one (a window of 24 fits one tile: one split); same numbers as the twin."""
@@ -129,7 +108,7 @@ def test_decode_splits_sized_per_sequence_match_the_twin(window, merge):
     check(paged_decode_attention, batch, 0.125, window, num_splits=3, config=dict(BLOCK_N=16))
 
 
-def test_window_longer_context_and_softcap_splits(merge):
+def test_window_longer_context_and_softcap_splits():
     # window much shorter than the context: splits start at ctx - W; fp16 q and cache
     batch = make_batch([1, 1], [90, 33], hq=8, hkv=2, d=64, page=16, dtype=torch.float16, seed=4)
     check(paged_decode_attention, batch, 1.0, 40, 30.0, num_splits=3)
@@ -170,7 +149,7 @@ GEMMA4 = [  # (head dim, q heads, kv heads, window)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,hq,hkv,window", GEMMA4)
-def test_gemma4_decode_gpu(d, hq, hkv, window, merge):
+def test_gemma4_decode_gpu(d, hq, hkv, window):
     ctx = [1, 15, 1023, 1024, 1025, 2000, 4097, 8192]
     batch = make_batch([1] * len(ctx), ctx, hq, hkv, d, 16, torch.bfloat16, device="cuda")
     check(paged_decode_attention, batch, 1.0 / 16, window, None)
@@ -197,33 +176,24 @@ def _copy_bandwidth() -> float:
 
 
 def main() -> None:
-    """Decode attention in graph replay at Gemma 4's shapes: us, GB/s and % of copy bandwidth, with the splits
-    merged in the decode kernel and by the separate reduce kernel (attention.MERGE_IN_KERNEL)."""
     import triton.testing
-
-    from sparrow.kernels import attention
 
     peak = _copy_bandwidth()
     print(f"copy bandwidth {peak:.0f} GB/s")
     for d, hq, hkv, window in GEMMA4:
-        for batch_size, ctx in [(1, 160), (1, 1024), (1, 8192), (8, 4096), (32, 4096), (64, 160), (64, 8192)]:
+        for batch_size, ctx in [(1, 1024), (1, 8192), (8, 4096), (32, 4096), (64, 8192)]:
             batch = make_batch([1] * batch_size, [ctx] * batch_size, hq, hkv, d, 16, torch.bfloat16, device="cuda")
-            times = {}
-            for merge in (True, False):
-                attention.MERGE_IN_KERNEL = merge
-                fn = lambda: paged_decode_attention(*batch, 1.0, window, None, max_seq_len=ctx)  # noqa: E731
-                fn()  # compile outside the graph
-                graph = torch.cuda.CUDAGraph()  # the engine replays decode in CUDA graphs: time the kernels only
-                with torch.cuda.graph(graph):
-                    fn()
-                times[merge] = triton.testing.do_bench(graph.replay)
-            ms = times[True]
+            fn = lambda: paged_decode_attention(*batch, 1.0, window, None, max_seq_len=ctx)  # noqa: E731
+            fn()  # compile outside the graph
+            graph = torch.cuda.CUDAGraph()  # the engine replays decode in CUDA graphs: time the kernels only
+            with torch.cuda.graph(graph):
+                fn()
+            ms = triton.testing.do_bench(graph.replay)
             kv = min(ctx, window or ctx)
             nbytes = batch_size * kv * hkv * 2 * d * 2 + 2 * batch_size * hq * d * 2
             gbs = nbytes / ms / 1e6
             print(f"D {d} Hq {hq} Hkv {hkv} W {window} batch {batch_size:3d} ctx {ctx:5d}: {ms * 1e3:8.1f} us "
-                  f"{gbs:7.0f} GB/s ({100 * gbs / peak:4.1f} % of copy); separate reduce {times[False] * 1e3:8.1f} us")
-    attention.MERGE_IN_KERNEL = True
+                  f"{gbs:7.0f} GB/s ({100 * gbs / peak:4.1f} % of copy)")
 
 
 if __name__ == "__main__":
