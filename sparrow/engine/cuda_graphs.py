@@ -4,6 +4,9 @@ A decode step of n sequences runs the graph of the smallest bucket >= n. Inputs 
 sized for the largest bucket; rows n..bucket-1 are padding that write their K/V to a reserved pad block
 (never handed out by the block manager) and attend over one token of it, so no step needs a host sync.
 The graph covers the model forward and the LM head; sampling runs eagerly on the logits.
+A step's inputs reach the graph in two host-to-device copies from pinned staging buffers (``DecodeInputs``):
+the int64 ones (input ids, positions, slot mapping) and the int32 ones (seq_lens, block tables), padding
+rows included, so a step issues two copies and the replay.
 Shapes: Bmax = largest bucket, M = blocks per sequence at max_model_len, V = vocab.
 """
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import logging
 import sys
 
+import numpy as np
 import torch
 
 from sparrow.layers.attention import AttentionMetadata
@@ -18,6 +22,63 @@ from sparrow.layers.attention import AttentionMetadata
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class DecodeInputs:
+    """The decode graphs' static inputs and their host staging buffers (pinned on CUDA).
+
+    Device buffers: ``i64`` [3, Bmax] int64 (rows: input_ids, positions, slot_mapping) and ``i32``
+    [Bmax + Bmax * M] int32 (seq_lens [Bmax], then block_tables [Bmax, M] row-major); the graphs read views
+    of them. ``stage`` writes one step into the host copies, padding rows n..bs-1 included (token 0 at
+    position 0 into ``pad_slot``, seq_len 1, every unused table entry ``pad_block``); ``upload`` copies them
+    over: all of i64 and the first Bmax + bs * M values of i32."""
+
+    def __init__(self, device: torch.device, bmax: int, max_blocks: int, pad_block: int, block_size: int):
+        self.device, self.bmax, self.max_blocks = device, bmax, max_blocks
+        self.pad_block, self.pad_slot = pad_block, pad_block * block_size
+        pin = device.type == "cuda"
+        self.i64_host = torch.zeros(3, bmax, dtype=torch.int64, pin_memory=pin)
+        self.i32_host = torch.zeros(bmax * (1 + max_blocks), dtype=torch.int32, pin_memory=pin)
+        self._h64, self._h32 = self.i64_host.numpy(), self.i32_host.numpy()
+        self.i64 = torch.empty(3, bmax, dtype=torch.int64, device=device)
+        self.i32 = torch.empty(bmax * (1 + max_blocks), dtype=torch.int32, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self.i64[0], self.i64[1], self.i64[2]
+        self.seq_lens = self.i32[:bmax]
+        self.block_tables = self.i32[bmax:].view(bmax, max_blocks)
+        self._copied = None  # CUDA event after the last upload: the host copies are free again once it passed
+        self.stage(0, bmax, [], [], [], [], [])  # every row a padding row until a step fills it
+        self.upload(bmax)
+
+    def stage(self, n: int, bs: int, input_ids: list[int], positions: list[int], slot_mapping: list[int],
+              seq_lens: list[int], block_tables: list[list[int]]) -> None:
+        """Write n rows (Python lists; tables of at most M blocks each) and padding rows n..bs-1 to the host
+        copies. Raises ValueError when a block table is longer than M."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous upload may still be reading the pinned memory
+        h64, m = self._h64, self.max_blocks
+        h64[0, :n], h64[1, :n], h64[2, :n] = input_ids, positions, slot_mapping
+        h64[:2, n:bs] = 0
+        h64[2, n:bs] = self.pad_slot
+        seq = self._h32[:self.bmax]
+        seq[:n] = seq_lens
+        seq[n:bs] = 1
+        tables = self._h32[self.bmax:self.bmax + bs * m].reshape(bs, m)
+        tables.fill(self.pad_block)
+        lens = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=n)
+        if n and lens.max() > m:
+            raise ValueError(f"decode graphs: a block table of {int(lens.max())} blocks exceeds the {m} of "
+                             "max_model_len")
+        if n:
+            tables[:n][np.arange(m)[None, :] < lens[:, None]] = [b for t in block_tables for b in t]
+
+    def upload(self, bs: int) -> None:
+        """Copy the staged rows of a bucket of bs rows to the device buffers (asynchronous from pinned memory)."""
+        self.i64.copy_(self.i64_host, non_blocking=True)
+        end = self.bmax + bs * self.max_blocks
+        self.i32[:end].copy_(self.i32_host[:end], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
 
 class DecodeGraphs:
@@ -29,16 +90,12 @@ class DecodeGraphs:
         if self.buckets[-1] < max_batch:
             self.buckets.append(max_batch)
         bmax = self.buckets[-1]
-        self.pad_slot = pad_block * block_size
-        self.pad_block = pad_block
         self.max_blocks = max_blocks_per_seq
         self.block_size = block_size
-        self.input_ids = torch.empty(bmax, dtype=torch.int64, device=device)
-        self.positions = torch.empty(bmax, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.empty(bmax, dtype=torch.int64, device=device)
-        self.seq_lens = torch.empty(bmax, dtype=torch.int32, device=device)
-        self.block_tables = torch.empty(bmax, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self._reset_inputs()  # every row a padding row until a step fills it
+        self.inputs = DecodeInputs(device, bmax, max_blocks_per_seq, pad_block, block_size)
+        self.input_ids, self.positions = self.inputs.input_ids, self.inputs.positions
+        self.slot_mapping, self.seq_lens = self.inputs.slot_mapping, self.inputs.seq_lens
+        self.block_tables = self.inputs.block_tables
         self.query_start_loc = torch.arange(bmax + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -80,33 +137,18 @@ class DecodeGraphs:
                 torch.cuda.synchronize(self.device)
         print(file=sys.stderr)
 
-    def _reset_inputs(self) -> None:
-        self.input_ids.zero_()
-        self.positions.zero_()
-        self.slot_mapping.fill_(self.pad_slot)
-        self.seq_lens.fill_(1)
-        self.block_tables.fill_(self.pad_block)
-
     def bucket_for(self, n: int) -> int | None:
         for b in self.buckets:
             if b >= n:
                 return b if b in self.graphs else None
         return None
 
-    def run(self, n: int, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-        """Replay the bucket graph for n decode rows (inputs are CPU tensors of n rows); returns logits [n, V]."""
+    def run(self, n: int, input_ids: list[int], positions: list[int], slot_mapping: list[int],
+            seq_lens: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+        """Replay the bucket graph for n decode rows (inputs as Python lists of n rows, block tables of at
+        most M blocks); returns logits [n, V]."""
         bs = self.bucket_for(n)
-        if bs > n:  # padding rows: token 0 at position 0, written to the pad block
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
-            self.slot_mapping[n:bs].fill_(self.pad_slot)
-            self.seq_lens[n:bs].fill_(1)
-        self.block_tables[:bs].fill_(self.pad_block)
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
-        self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
-        self.block_tables[:n, : block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+        self.inputs.stage(n, bs, input_ids, positions, slot_mapping, seq_lens, block_tables)
+        self.inputs.upload(bs)
         self.graphs[bs].replay()
         return self.logits[bs][:n]

@@ -141,11 +141,9 @@ class ModelRunner:
         bs = self.block_size
         seqs = [s.seq for s in scheduled]
         pos = [s.num_computed_tokens for s in seqs]
-        ids = torch.tensor([s.token_at(p) for s, p in zip(seqs, pos)], dtype=torch.int64)
-        slots = torch.tensor([s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)], dtype=torch.int64)
-        logits = self.graphs.run(len(seqs), ids, torch.tensor(pos, dtype=torch.int64), slots,
-                                 torch.tensor([p + 1 for p in pos], dtype=torch.int32),
-                                 self._block_tables([s.block_table for s in seqs]))
+        ids = [s.token_at(p) for s, p in zip(seqs, pos)]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
+        logits = self.graphs.run(len(seqs), ids, pos, slots, [p + 1 for p in pos], [s.block_table for s in seqs])
         return self.sampler(logits, self._states(scheduled))
 
     @torch.inference_mode()

@@ -1,0 +1,52 @@
+"""DecodeInputs (engine/cuda_graphs.py): one step's rows and its padding rows staged for the decode graphs.
+
+The expected buffers are built here row by row from the contract (padding rows: token 0 at position 0 into the
+pad block's first slot, seq_len 1, unused table entries the pad block); the class fills them with numpy in one
+pass. On CPU the "device" buffers are CPU tensors, so upload is a plain copy.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparrow.engine.cuda_graphs import DecodeInputs
+
+BMAX, M, PAD_BLOCK, BLOCK = 8, 5, 7, 16
+
+
+def expected(n, bs, ids, pos, slots, lens, tables):
+    i64 = torch.zeros(3, bs, dtype=torch.int64)
+    seq = torch.ones(bs, dtype=torch.int32)
+    bt = torch.full((bs, M), PAD_BLOCK, dtype=torch.int32)
+    i64[2, :] = PAD_BLOCK * BLOCK
+    for r in range(n):
+        i64[0, r], i64[1, r], i64[2, r], seq[r] = ids[r], pos[r], slots[r], lens[r]
+        bt[r, :len(tables[r])] = torch.tensor(tables[r], dtype=torch.int32)
+    return i64, seq, bt
+
+
+def test_rows_and_padding_rows_reach_the_graph_buffers():
+    inp = DecodeInputs(torch.device("cpu"), BMAX, M, PAD_BLOCK, BLOCK)
+    # fresh: every row a padding row
+    i64, seq, bt = expected(0, BMAX, [], [], [], [], [])
+    assert torch.equal(inp.i64, i64) and torch.equal(inp.seq_lens, seq) and torch.equal(inp.block_tables, bt)
+
+    # a full step of ragged tables, then a smaller step in a larger bucket: the stale rows become padding
+    steps = [
+        (4, 4, [11, 12, 13, 14], [20, 3, 0, 47], [97, 3, 16, 50], [21, 4, 1, 48], [[6, 1], [2], [1], [0, 3, 4, 5]]),
+        (3, 8, [5, 6, 7], [15, 16, 63], [15, 32, 79], [16, 17, 64], [[2], [0, 3], [1, 4, 0, 3, 2]]),
+    ]
+    for n, bs, ids, pos, slots, lens, tables in steps:
+        inp.stage(n, bs, ids, pos, slots, lens, tables)
+        inp.upload(bs)
+        i64, seq, bt = expected(n, bs, ids, pos, slots, lens, tables)
+        assert torch.equal(inp.input_ids[:bs], i64[0]) and torch.equal(inp.positions[:bs], i64[1])
+        assert torch.equal(inp.slot_mapping[:bs], i64[2])
+        assert torch.equal(inp.seq_lens[:bs], seq)
+        assert torch.equal(inp.block_tables[:bs], bt)
+
+
+def test_block_table_longer_than_max_model_len_is_named():
+    inp = DecodeInputs(torch.device("cpu"), BMAX, M, PAD_BLOCK, BLOCK)
+    with pytest.raises(ValueError, match="6 blocks exceeds the 5"):
+        inp.stage(1, 1, [1], [0], [0], [1], [[0, 1, 2, 3, 4, 5]])
