@@ -144,11 +144,14 @@ class DecodeGraphs:
         return None
 
     def run(self, n: int, input_ids: list[int], positions: list[int], slot_mapping: list[int],
-            seq_lens: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+            seq_lens: list[int], block_tables: list[list[int]], feed: torch.Tensor | None = None) -> torch.Tensor:
         """Replay the bucket graph for n decode rows (inputs as Python lists of n rows, block tables of at
-        most M blocks); returns logits [n, V]."""
+        most M blocks); returns logits [n, V]. ``feed`` [n] int64 on the device replaces ``input_ids`` (a
+        device-to-device copy after the upload: tokens the host has not read yet)."""
         bs = self.bucket_for(n)
         self.inputs.stage(n, bs, input_ids, positions, slot_mapping, seq_lens, block_tables)
         self.inputs.upload(bs)
+        if feed is not None:
+            self.input_ids[:n].copy_(feed)
         self.graphs[bs].replay()
         return self.logits[bs][:n]

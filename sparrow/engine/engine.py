@@ -3,12 +3,23 @@
 Each step: the scheduler picks rows, the model runner runs them and samples, and the engine appends the
 sampled tokens, detokenizes incrementally, and finishes sequences on EOS, stop token, stop string,
 max_tokens or the context limit.
+
+Overlapped greedy decode (``OVERLAP``): when a step is a plain greedy decode of every running sequence
+(one row each; no penalties, min_tokens, logprobs or prompt logprobs; nothing waiting to be admitted), the
+engine queues the next decode step of the same sequences before it reads this step's tokens, feeding
+them to the next step on the device. The GPU then runs step k + 1 while the host appends step k's
+tokens, detokenizes and checks stop conditions, so the host work no longer leaves the GPU idle (0.27 ms of
+a 2.84 ms batch-1 step on the H200 before). A sequence that stops at step k (EOS, stop token or string)
+has its row of step k + 1 computed and dropped; one that reaches max_tokens or the context limit is left
+out of step k + 1. ``step()`` still returns each step's outputs once, in order.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import operator
+import os
 
 import torch
 
@@ -26,6 +37,20 @@ from sparrow.tokenizer import encode_prompt
 
 log = logging.getLogger(__name__)
 
+OVERLAP = os.environ.get("SPARROW_OVERLAP", "1") != "0"
+"""Queue the next greedy decode step before reading this one's tokens (module doc); ``SPARROW_OVERLAP=0`` or
+False here turns it off."""
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A greedy decode step queued on the device: its sequences, their input positions and the picked ids
+    [n] int64 on the device (not read yet)."""
+
+    seqs: list[Sequence]
+    positions: list[int]
+    tokens: torch.Tensor
+
 
 class Engine:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer):
@@ -41,6 +66,7 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = eos
+        self._ahead: _Launched | None = None  # the next decode step, queued before the last one was read
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int], torch.Tensor | None, list[int]]:
         if isinstance(prompt, dict):
@@ -131,9 +157,18 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the RequestOutput of every request that progressed (cumulative
         text and tokens; ``finished`` set on the last)."""
+        if self._ahead is not None:  # queued during the previous call: read it (queueing the one after first)
+            ahead, self._ahead = self._ahead, None
+            return self._complete(ahead)
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        if OVERLAP and self._overlappable([item.seq for item in scheduled]) and all(
+                item.num_new_tokens == 1 and item.samples and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
+                for item in scheduled):  # decode rows only (a one-token last prefill chunk may carry soft embeds)
+            seqs = [item.seq for item in scheduled]
+            positions = [seq.num_computed_tokens for seq in seqs]
+            return self._complete(_Launched(seqs, positions, self.runner.launch_greedy(seqs, positions)))
         sampled, prompt_lp = self.runner.execute(scheduled)
         touched: dict[str, None] = {}
         k = 0
@@ -147,22 +182,81 @@ class Engine:
             self.block_manager.commit_computed(seq)
             if not samples:
                 continue
-            tid = sampled.token_ids[k]
-            lps = sampled.logprobs[k]
+            self._accept(seq, sampled.token_ids[k], sampled.logprobs[k], touched)
             k += 1
-            seq.output_token_ids.append(tid)
-            if lps is not None:
-                seq.logprobs.append({t: Logprob(lp, rank, self._decode_token(t)) for t, (lp, rank) in lps.items()})
-            new_text = ""
-            if seq.detokenizer is not None:
-                new_text = seq.detokenizer.add(tid)
-                seq.text += new_text
-            self._finish_check(seq, tid, new_text)
-            if seq.finish_reason is not None and seq.detokenizer is not None and not isinstance(seq.stop_reason, str):
-                seq.text += seq.detokenizer.flush()  # text held back for an incomplete character
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
-            touched[seq.request_id] = None
+        return [self._update(rid) for rid in touched if rid in self.requests]
+
+    def _accept(self, seq: Sequence, tid: int, lps, touched: dict[str, None]) -> None:
+        """Append a sampled token to ``seq`` (its K/V row already counted): logprobs, text, stop checks."""
+        seq.output_token_ids.append(tid)
+        if lps is not None:
+            seq.logprobs.append({t: Logprob(lp, rank, self._decode_token(t)) for t, (lp, rank) in lps.items()})
+        new_text = ""
+        if seq.detokenizer is not None:
+            new_text = seq.detokenizer.add(tid)
+            seq.text += new_text
+        self._finish_check(seq, tid, new_text)
+        if seq.finish_reason is not None and seq.detokenizer is not None and not isinstance(seq.stop_reason, str):
+            seq.text += seq.detokenizer.flush()  # text held back for an incomplete character
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+        touched[seq.request_id] = None
+
+    def _overlappable(self, seqs: list[Sequence]) -> bool:
+        """Whether the sampler would only take the argmax of these sequences' rows with the output tokens
+        the host has now, and still with one more: greedy, no penalties, min_tokens already reached, no
+        logprobs or prompt logprobs."""
+        for seq in seqs:
+            p = seq.params
+            if (p.temperature != 0.0 or p.logprobs is not None or p.prompt_logprobs is not None
+                    or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+                    or len(seq.output_token_ids) < p.min_tokens):
+                return False
+        return True
+
+    def _queue_next(self, launched: _Launched) -> _Launched | None:
+        """Queue the decode step after ``launched`` (not read yet) for its sequences that can continue: every
+        running sequence is in it, nothing waits for admission, none would stop on max_tokens or the context
+        limit with the coming token, all stay overlappable and their next K/V slot can be allocated without
+        preemption. None when it cannot be queued."""
+        sched = self.scheduler
+        if sched.waiting or len(launched.seqs) != len(sched.running):
+            return None
+        seqs, positions, rows = [], [], []
+        for i, (seq, pos) in enumerate(zip(launched.seqs, launched.positions)):
+            if seq.is_finished:
+                return None
+            p, n_out = seq.params, len(seq.output_token_ids) + 1  # with the coming token
+            if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens + 1 >= self.config.max_model_len:
+                continue
+            seqs.append(seq)
+            positions.append(pos + 1)
+            rows.append(i)
+        if not seqs or not self._overlappable(seqs):
+            return None
+        bm = self.block_manager
+        if sum(bm.blocks_needed(seq, pos + 1) for seq, pos in zip(seqs, positions)) > bm.num_free_blocks:
+            return None
+        for seq, pos in zip(seqs, positions):
+            bm.allocate(seq, pos + 1)
+        feed = launched.tokens
+        if len(rows) != len(launched.seqs):
+            feed = feed[torch.tensor(rows, device=feed.device)]
+        return _Launched(seqs, positions, self.runner.launch_greedy(seqs, positions, feed=feed))
+
+    def _complete(self, launched: _Launched) -> list[RequestOutput]:
+        """Queue the next step (``_queue_next``), then read ``launched``'s tokens and append them to the
+        sequences still running (a sequence that stopped or was aborted since the launch drops its row)."""
+        self._ahead = self._queue_next(launched) if OVERLAP else None
+        touched: dict[str, None] = {}
+        for seq, tid in zip(launched.seqs, launched.tokens.tolist()):
+            if seq.is_finished:
+                continue
+            seq.num_computed_tokens += 1
+            self.block_manager.commit_computed(seq)
+            self._accept(seq, tid, None, touched)
+        if self._ahead is not None and all(seq.is_finished for seq in self._ahead.seqs):
+            self._ahead = None  # every sequence stopped: nothing to read
         return [self._update(rid) for rid in touched if rid in self.requests]
 
     def _update(self, rid: str) -> RequestOutput:

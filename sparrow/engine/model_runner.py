@@ -147,6 +147,37 @@ class ModelRunner:
         return self.sampler(logits, self._states(scheduled))
 
     @torch.inference_mode()
+    def launch_greedy(self, seqs: list, positions: list[int], feed: torch.Tensor | None = None) -> torch.Tensor:
+        """Queue one decode step of ``seqs`` (one row each, its token at ``positions[i]``, K/V blocks already
+        allocated) and the greedy pick of each row, without waiting for the GPU: returns the picked ids [n]
+        int64 on the device (reading them synchronizes). ``feed`` [n] int64 on the device: the rows' input
+        tokens when the host does not have them yet (the previous step's picks); else each row's token at its
+        position. The caller checked that the sampler would only take each row's argmax (greedy, no
+        penalties, no logprobs): the same ids ``execute`` returns for these rows. Decode graph of the batch's
+        bucket when captured, else the eager forward."""
+        n, bs = len(seqs), self.block_size
+        ids = [0] * n if feed is not None else [s.token_at(p) for s, p in zip(seqs, positions)]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
+        seq_lens = [p + 1 for p in positions]
+        tables = [s.block_table for s in seqs]
+        if self.graphs is not None and self.graphs.bucket_for(n) is not None:
+            logits = self.graphs.run(n, ids, positions, slots, seq_lens, tables, feed=feed)
+        else:
+            dev = self.device
+            meta = AttentionMetadata(
+                positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
+                slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+                query_start_loc=torch.arange(n + 1, dtype=torch.int32).to(dev, non_blocking=True),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+                block_tables=self._block_tables(tables).to(dev, non_blocking=True),
+                max_query_len=1, max_seq_len=max(seq_lens),
+                logits_indices=torch.arange(n, dtype=torch.int64).to(dev, non_blocking=True),
+            )
+            input_ids = feed if feed is not None else torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
+            logits = self.model.compute_logits(self.model(input_ids, meta))
+        return logits.float().argmax(dim=-1)
+
+    @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]):
         """Run one step. Returns (sampler output for the sequences that sample, in scheduled order,
         {scheduled idx: [[(token, logprob, rank, topk dict)], ...]} prompt logprobs)."""
