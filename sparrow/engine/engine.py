@@ -4,14 +4,15 @@ Each step: the scheduler picks rows, the model runner runs them and samples, and
 sampled tokens, detokenizes incrementally, and finishes sequences on EOS, stop token, stop string,
 max_tokens or the context limit.
 
-Overlapped greedy decode (``OVERLAP``): when a step is a plain greedy decode of every running sequence
-(one row each; no penalties, min_tokens, logprobs or prompt logprobs; nothing waiting to be admitted), the
-engine queues the next decode step of the same sequences before it reads this step's tokens, feeding
-them to the next step on the device. The GPU then runs step k + 1 while the host appends step k's
-tokens, detokenizes and checks stop conditions, so the host work no longer leaves the GPU idle (0.27 ms of
-a 2.84 ms batch-1 step on the H200 before). A sequence that stops at step k (EOS, stop token or string)
-has its row of step k + 1 computed and dropped; one that reaches max_tokens or the context limit is left
-out of step k + 1. ``step()`` still returns each step's outputs once, in order.
+Overlapped greedy decode (``OVERLAP``, off by default: not yet measured faster): when a step is a plain
+greedy decode of every running sequence (one row each; no penalties, min_tokens, logprobs or prompt
+logprobs; nothing waiting to be admitted), the engine queues the next decode step of the same sequences
+before it reads this step's tokens, feeding them to the next step on the device, and reads them through a
+pinned copy behind an event (``GreedyPicks``). The aim: the GPU runs step k + 1 while the host appends step
+k's tokens, detokenizes and checks stop conditions (that host work left the H200 idle 0.27 ms of a 2.84 ms
+batch-1 step, 0.55 of 10.19 ms at batch 64). A sequence that stops at step k (EOS, stop token or string) has
+its row of step k + 1 computed and dropped; one that reaches max_tokens or the context limit is left out of
+step k + 1. ``step()`` still returns each step's outputs once, in order.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import torch
 from sparrow.config import EngineConfig
 from sparrow.engine.block_manager import BlockManager
 from sparrow.engine.detokenizer import IncrementalDetokenizer, find_stop
-from sparrow.engine.model_runner import ModelRunner
+from sparrow.engine.model_runner import GreedyPicks, ModelRunner
 from sparrow.engine.sampler import make_generator
 from sparrow.engine.scheduler import Scheduler
 from sparrow.engine.sequence import Sequence
@@ -37,19 +38,22 @@ from sparrow.tokenizer import encode_prompt
 
 log = logging.getLogger(__name__)
 
-OVERLAP = os.environ.get("SPARROW_OVERLAP", "1") != "0"
-"""Queue the next greedy decode step before reading this one's tokens (module doc); ``SPARROW_OVERLAP=0`` or
-False here turns it off."""
+OVERLAP = os.environ.get("SPARROW_OVERLAP", "0") == "1"
+"""Queue the next greedy decode step before reading this one's tokens (module doc); ``SPARROW_OVERLAP=1`` in
+the environment or True here turns it on. Off by default: its first form read the tokens with a plain
+``.tolist()``, which waits for the queued step too, and measured slower on the H200 (gemma4-26b-a4b FP8,
+batch 1 338.3 against 367.4 tok/s, batch 64 5,924 against 6,101); the pinned-copy read that fixes that
+wait is tested for correctness but its speed is not measured yet (benchmarks/README.md, thirteenth session)."""
 
 
 @dataclasses.dataclass
 class _Launched:
     """A greedy decode step queued on the device: its sequences, their input positions and the picked ids
-    [n] int64 on the device (not read yet)."""
+    (not read yet)."""
 
     seqs: list[Sequence]
     positions: list[int]
-    tokens: torch.Tensor
+    picks: GreedyPicks
 
 
 class Engine:
@@ -239,7 +243,7 @@ class Engine:
             return None
         for seq, pos in zip(seqs, positions):
             bm.allocate(seq, pos + 1)
-        feed = launched.tokens
+        feed = launched.picks.tokens
         if len(rows) != len(launched.seqs):
             feed = feed[torch.tensor(rows, device=feed.device)]
         return _Launched(seqs, positions, self.runner.launch_greedy(seqs, positions, feed=feed))
@@ -249,7 +253,7 @@ class Engine:
         sequences still running (a sequence that stopped or was aborted since the launch drops its row)."""
         self._ahead = self._queue_next(launched) if OVERLAP else None
         touched: dict[str, None] = {}
-        for seq, tid in zip(launched.seqs, launched.tokens.tolist()):
+        for seq, tid in zip(launched.seqs, launched.picks.tolist()):
             if seq.is_finished:
                 continue
             seq.num_computed_tokens += 1

@@ -25,6 +25,26 @@ def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
     return sum(a.num_kv_heads * (a.head_dim + a.v_head_dim) * size for a in model.attention_layers())
 
 
+class GreedyPicks:
+    """The picked ids of a queued greedy step: ``tokens`` [n] int64 on the device (what the next step is fed)
+    and, on CUDA, a copy on its way to pinned host memory behind an event, so reading them waits for this
+    step only, not for a step queued after it on the same stream."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.tokens = tokens
+        self._host, self._ready = tokens, None
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def tolist(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module):
         self.config = config
@@ -147,10 +167,10 @@ class ModelRunner:
         return self.sampler(logits, self._states(scheduled))
 
     @torch.inference_mode()
-    def launch_greedy(self, seqs: list, positions: list[int], feed: torch.Tensor | None = None) -> torch.Tensor:
+    def launch_greedy(self, seqs: list, positions: list[int], feed: torch.Tensor | None = None) -> GreedyPicks:
         """Queue one decode step of ``seqs`` (one row each, its token at ``positions[i]``, K/V blocks already
         allocated) and the greedy pick of each row, without waiting for the GPU: returns the picked ids [n]
-        int64 on the device (reading them synchronizes). ``feed`` [n] int64 on the device: the rows' input
+        int64 (``GreedyPicks``: on the device, and their host copy). ``feed`` [n] int64 on the device: the rows' input
         tokens when the host does not have them yet (the previous step's picks); else each row's token at its
         position. The caller checked that the sampler would only take each row's argmax (greedy, no
         penalties, no logprobs): the same ids ``execute`` returns for these rows. Decode graph of the batch's
@@ -175,7 +195,7 @@ class ModelRunner:
             )
             input_ids = feed if feed is not None else torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
             logits = self.model.compute_logits(self.model(input_ids, meta))
-        return logits.float().argmax(dim=-1)
+        return GreedyPicks(logits.float().argmax(dim=-1))
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]):

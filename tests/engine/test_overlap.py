@@ -116,3 +116,20 @@ def test_steps_that_need_the_host_are_not_queued(tiny_model_dir, monkeypatch, pa
     counts = _count_launches(monkeypatch, llm.engine)
     assert llm.generate(ids_prompt(prompt), sp)[0].outputs[0].token_ids == want
     assert counts == {"host": 0, "fed": 0, "partial": 0}
+
+
+@pytest.mark.gpu
+def test_overlapped_decode_on_cuda_graphs_equals_plain_steps(tiny_model_dir, monkeypatch):
+    """On the GPU the queued steps replay the decode graphs with device-fed input ids and are read through
+    a pinned copy behind an event (GreedyPicks); same workload and oracle as the CPU test."""
+    prompts = random_prompts([5, 18, 9, 30], seed=24)
+    requests = [(p, SamplingParams(max_tokens=m, **GREEDY)) for p, m in zip(prompts, (3, 20, 7, 16))]
+    late = (random_prompts([12], seed=25)[0], SamplingParams(max_tokens=6, **GREEDY))
+    monkeypatch.setattr(engine_mod, "OVERLAP", False)
+    want = _run(make_llm(tiny_model_dir, device="cuda").engine, requests, 6, late)
+    monkeypatch.setattr(engine_mod, "OVERLAP", True)
+    engine = make_llm(tiny_model_dir, device="cuda").engine
+    assert engine.runner.graphs is not None
+    counts = _count_launches(monkeypatch, engine)
+    assert _run(engine, requests, 6, late) == want
+    assert counts["fed"] >= 10, counts
