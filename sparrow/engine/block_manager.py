@@ -79,6 +79,8 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.soft_embeds is not None:
             return
         hashes = self._prefix_hashes(seq)
+        if seq.num_committed_blocks == len(hashes):
+            return  # every decode step once the prompt's blocks are in
         done = min(len(hashes), seq.num_computed_tokens // self.block_size)
         for i in range(seq.num_committed_blocks, done):
             h, block = hashes[i], seq.block_table[i]

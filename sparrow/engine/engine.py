@@ -182,6 +182,8 @@ class Engine:
             if i in prompt_lp:
                 # by position: a sequence preempted and prefilled again recomputes rows it already has
                 seq.prompt_logprobs[seq.num_computed_tokens:seq.num_computed_tokens + len(prompt_lp[i])] = prompt_lp[i]
+                if seq.request_id in self.requests:
+                    self.requests[seq.request_id][0].prompt_logprobs = None  # _update rebuilds it
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.commit_computed(seq)
             if not samples:
@@ -267,11 +269,16 @@ class Engine:
         out, seqs = self.requests[rid]
         for seq, comp in zip(seqs, out.outputs):
             comp.text = seq.text
-            comp.token_ids = list(seq.output_token_ids)
-            comp.logprobs = list(seq.logprobs) if seq.params.logprobs is not None else None
+            # the new tokens only (a sequence's outputs only grow): a step costs O(new), not O(generated)
+            comp.token_ids.extend(seq.output_token_ids[len(comp.token_ids):])
+            if seq.params.logprobs is not None:
+                if comp.logprobs is None:
+                    comp.logprobs = []
+                comp.logprobs.extend(seq.logprobs[len(comp.logprobs):])
             comp.finish_reason, comp.stop_reason = seq.finish_reason, seq.stop_reason
-        if seqs[0].params.prompt_logprobs is not None:
-            first = seqs[0]
+        first = seqs[0]
+        if first.params.prompt_logprobs is not None and out.prompt_logprobs is None:
+            # rebuilt only after a step wrote prompt rows (step() clears it then), not on every decode step
             out.prompt_logprobs = [None] + [
                 {t: Logprob(lp, rank, self._decode_token(t)) for t, (lp, rank) in d.items()}
                 for d in first.prompt_logprobs
