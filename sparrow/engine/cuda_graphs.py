@@ -5,8 +5,8 @@ sized for the largest bucket; rows n..bucket-1 are padding that write their K/V 
 (never handed out by the block manager) and attend over one token of it, so no step needs a host sync.
 The graph covers the model forward and the LM head; sampling runs eagerly on the logits.
 A step's inputs reach the graph in two host-to-device copies from pinned staging buffers (``DecodeInputs``):
-the int64 ones (input ids, positions, slot mapping) and the int32 ones (seq_lens, block tables), padding
-rows included, so a step issues two copies and the replay.
+the int64 ones (input ids, positions, slot mapping) and the int32 ones (seq_lens, the block tables' used
+columns), padding rows included, then one device copy spreads the tables; then the replay.
 Shapes: Bmax = largest bucket, M = blocks per sequence at max_model_len, V = vocab.
 """
 from __future__ import annotations
@@ -27,11 +27,14 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 class DecodeInputs:
     """The decode graphs' static inputs and their host staging buffers (pinned on CUDA).
 
-    Device buffers: ``i64`` [3, Bmax] int64 (rows: input_ids, positions, slot_mapping) and ``i32``
-    [Bmax + Bmax * M] int32 (seq_lens [Bmax], then block_tables [Bmax, M] row-major); the graphs read views
-    of them. ``stage`` writes one step into the host copies, padding rows n..bs-1 included (token 0 at
-    position 0 into ``pad_slot``, seq_len 1, every unused table entry ``pad_block``); ``upload`` copies them
-    over: all of i64 and the first Bmax + bs * M values of i32."""
+    Device buffers the graphs read: ``i64`` [3, Bmax] int64 (rows: input_ids, positions, slot_mapping),
+    ``seq_lens`` [Bmax] int32 (the head of ``i32``) and ``block_tables`` [Bmax, M] int32. ``stage`` writes one
+    step into the host copies: rows 0..n-1 and padding rows n..bs-1 (token 0 at position 0 into ``pad_slot``,
+    seq_len 1, table entry 0 ``pad_block``), the tables as a compact [bs, W] block, W = the step's longest
+    table (entries past a row's table are ``pad_block``). ``upload`` copies them over: all of i64, seq_lens and
+    the [bs, W] block (one copy into ``i32`` behind seq_lens), then spreads that block into block_tables[:bs,
+    :W] on the device. Entries past column W keep older values: nothing reads them (a row's kernels read its
+    first ceil(seq_len / B) entries), so a step moves bs x W table entries, not bs x M."""
 
     def __init__(self, device: torch.device, bmax: int, max_blocks: int, pad_block: int, block_size: int):
         self.device, self.bmax, self.max_blocks = device, bmax, max_blocks
@@ -44,7 +47,8 @@ class DecodeInputs:
         self.i32 = torch.empty(bmax * (1 + max_blocks), dtype=torch.int32, device=device)
         self.input_ids, self.positions, self.slot_mapping = self.i64[0], self.i64[1], self.i64[2]
         self.seq_lens = self.i32[:bmax]
-        self.block_tables = self.i32[bmax:].view(bmax, max_blocks)
+        self.block_tables = torch.full((bmax, max_blocks), pad_block, dtype=torch.int32, device=device)
+        self._width = 1  # W of the staged tables
         self._copied = None  # CUDA event after the last upload: the host copies are free again once it passed
         self.stage(0, bmax, [], [], [], [], [])  # every row a padding row until a step fills it
         self.upload(bmax)
@@ -62,20 +66,23 @@ class DecodeInputs:
         seq = self._h32[:self.bmax]
         seq[:n] = seq_lens
         seq[n:bs] = 1
-        tables = self._h32[self.bmax:self.bmax + bs * m].reshape(bs, m)
-        tables.fill(self.pad_block)
         lens = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=n)
-        if n and lens.max() > m:
-            raise ValueError(f"decode graphs: a block table of {int(lens.max())} blocks exceeds the {m} of "
-                             "max_model_len")
+        width = int(lens.max()) if n else 1
+        if width > m:
+            raise ValueError(f"decode graphs: a block table of {width} blocks exceeds the {m} of max_model_len")
+        width = max(width, 1)
+        tables = self._h32[self.bmax:self.bmax + bs * width].reshape(bs, width)
+        tables.fill(self.pad_block)
         if n:
-            tables[:n][np.arange(m)[None, :] < lens[:, None]] = [b for t in block_tables for b in t]
+            tables[:n][np.arange(width)[None, :] < lens[:, None]] = [b for t in block_tables for b in t]
+        self._width = width
 
     def upload(self, bs: int) -> None:
-        """Copy the staged rows of a bucket of bs rows to the device buffers (asynchronous from pinned memory)."""
+        """Copy the staged step (bucket of bs rows) to the device buffers (asynchronous from pinned memory)."""
         self.i64.copy_(self.i64_host, non_blocking=True)
-        end = self.bmax + bs * self.max_blocks
+        end = self.bmax + bs * self._width
         self.i32[:end].copy_(self.i32_host[:end], non_blocking=True)
+        self.block_tables[:bs, :self._width].copy_(self.i32[self.bmax:end].view(bs, self._width))
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()

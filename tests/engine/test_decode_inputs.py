@@ -1,8 +1,9 @@
 """DecodeInputs (engine/cuda_graphs.py): one step's rows and its padding rows staged for the decode graphs.
 
 The expected buffers are built here row by row from the contract (padding rows: token 0 at position 0 into the
-pad block's first slot, seq_len 1, unused table entries the pad block); the class fills them with numpy in one
-pass. On CPU the "device" buffers are CPU tensors, so upload is a plain copy.
+pad block's first slot, seq_len 1, table entry 0 the pad block; entries past a row's table up to the step's
+widest table the pad block; columns past that are not read by any kernel and not compared); the class fills
+them with numpy in one pass. On CPU the "device" buffers are CPU tensors, so upload is a plain copy.
 """
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ BMAX, M, PAD_BLOCK, BLOCK = 8, 5, 7, 16
 
 
 def expected(n, bs, ids, pos, slots, lens, tables):
+    """(i64 [3, bs], seq_lens [bs], tables [bs, W]) with W the step's widest table (1 at least)."""
+    width = max([len(t) for t in tables] + [1])
     i64 = torch.zeros(3, bs, dtype=torch.int64)
     seq = torch.ones(bs, dtype=torch.int32)
-    bt = torch.full((bs, M), PAD_BLOCK, dtype=torch.int32)
+    bt = torch.full((bs, width), PAD_BLOCK, dtype=torch.int32)
     i64[2, :] = PAD_BLOCK * BLOCK
     for r in range(n):
         i64[0, r], i64[1, r], i64[2, r], seq[r] = ids[r], pos[r], slots[r], lens[r]
@@ -27,14 +30,17 @@ def expected(n, bs, ids, pos, slots, lens, tables):
 
 def test_rows_and_padding_rows_reach_the_graph_buffers():
     inp = DecodeInputs(torch.device("cpu"), BMAX, M, PAD_BLOCK, BLOCK)
-    # fresh: every row a padding row
-    i64, seq, bt = expected(0, BMAX, [], [], [], [], [])
-    assert torch.equal(inp.i64, i64) and torch.equal(inp.seq_lens, seq) and torch.equal(inp.block_tables, bt)
+    # fresh: every row a padding row, the whole table the pad block
+    i64, seq, _ = expected(0, BMAX, [], [], [], [], [])
+    assert torch.equal(inp.i64, i64) and torch.equal(inp.seq_lens, seq)
+    assert torch.equal(inp.block_tables, torch.full((BMAX, M), PAD_BLOCK, dtype=torch.int32))
 
-    # a full step of ragged tables, then a smaller step in a larger bucket: the stale rows become padding
+    # full-width ragged tables, then a smaller step in a larger bucket with narrower tables (stale rows become
+    # padding rows), then one row of one block
     steps = [
-        (4, 4, [11, 12, 13, 14], [20, 3, 0, 47], [97, 3, 16, 50], [21, 4, 1, 48], [[6, 1], [2], [1], [0, 3, 4, 5]]),
-        (3, 8, [5, 6, 7], [15, 16, 63], [15, 32, 79], [16, 17, 64], [[2], [0, 3], [1, 4, 0, 3, 2]]),
+        (4, 4, [11, 12, 13, 14], [20, 3, 0, 47], [97, 3, 16, 50], [21, 4, 1, 48], [[6, 1], [2], [1], [0, 3, 4, 5, 2]]),
+        (3, 8, [5, 6, 7], [15, 16, 63], [15, 32, 79], [16, 17, 64], [[2], [0, 3], [1, 4, 0, 3]]),
+        (1, 1, [9], [4], [68], [5], [[4]]),
     ]
     for n, bs, ids, pos, slots, lens, tables in steps:
         inp.stage(n, bs, ids, pos, slots, lens, tables)
@@ -43,7 +49,7 @@ def test_rows_and_padding_rows_reach_the_graph_buffers():
         assert torch.equal(inp.input_ids[:bs], i64[0]) and torch.equal(inp.positions[:bs], i64[1])
         assert torch.equal(inp.slot_mapping[:bs], i64[2])
         assert torch.equal(inp.seq_lens[:bs], seq)
-        assert torch.equal(inp.block_tables[:bs], bt)
+        assert torch.equal(inp.block_tables[:bs, :bt.shape[1]], bt)
 
 
 def test_block_table_longer_than_max_model_len_is_named():
