@@ -152,11 +152,14 @@ class Engine:
             if hit is not None:
                 seq.text = seq.text[: hit[0]]
                 seq.finish_reason, seq.stop_reason = "stop", hit[1]
-        if seq.finish_reason is None:
-            if p.max_tokens is not None and n_out >= p.max_tokens:
-                seq.finish_reason = "length"
-            elif seq.num_tokens >= self.config.max_model_len:
-                seq.finish_reason = "length"
+        if seq.finish_reason is None and self._at_length_limit(seq):
+            seq.finish_reason = "length"
+
+    def _at_length_limit(self, seq: Sequence, coming: int = 0) -> bool:
+        """Whether ``seq`` ends on length (max_tokens or max_model_len) with ``coming`` more tokens appended."""
+        p = seq.params
+        return ((p.max_tokens is not None and len(seq.output_token_ids) + coming >= p.max_tokens)
+                or seq.num_tokens + coming >= self.config.max_model_len)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the RequestOutput of every request that progressed (cumulative
@@ -232,8 +235,7 @@ class Engine:
         for i, (seq, pos) in enumerate(zip(launched.seqs, launched.positions)):
             if seq.is_finished:
                 return None
-            p, n_out = seq.params, len(seq.output_token_ids) + 1  # with the coming token
-            if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens + 1 >= self.config.max_model_len:
+            if self._at_length_limit(seq, coming=1):  # ends with the launched step's token
                 continue
             seqs.append(seq)
             positions.append(pos + 1)

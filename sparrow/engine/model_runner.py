@@ -129,20 +129,33 @@ class ModelRunner:
             if item.samples:
                 sample_rows.append(len(input_ids) - 1)
         dev = self.device
-        meta = AttentionMetadata(
+        meta = self._meta(positions, slots, qsl, seq_lens, tables, max(s.num_new_tokens for s in scheduled),
+                          sample_rows)
+        ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        soft = torch.stack(soft_vecs).to(dev) if soft_vecs else None
+        mask = torch.tensor(soft_mask, dtype=torch.bool, device=dev) if soft_vecs else None
+        return ids, meta, soft, mask, sample_rows, prompt_rows
+
+    def _meta(self, positions: list[int], slots: list[int], qsl: list[int], seq_lens: list[int],
+              tables: list[list[int]], max_query_len: int, logits_rows: list[int]) -> AttentionMetadata:
+        """AttentionMetadata on the device from the step's host lists (see its fields)."""
+        dev = self.device
+        return AttentionMetadata(
             positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
             slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
             block_tables=self._block_tables(tables).to(dev, non_blocking=True),
-            max_query_len=max(s.num_new_tokens for s in scheduled),
+            max_query_len=max_query_len,
             max_seq_len=max(seq_lens),
-            logits_indices=torch.tensor(sample_rows, dtype=torch.int64).to(dev, non_blocking=True),
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(dev, non_blocking=True),
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
-        soft = torch.stack(soft_vecs).to(dev) if soft_vecs else None
-        mask = torch.tensor(soft_mask, dtype=torch.bool, device=dev) if soft_vecs else None
-        return ids, meta, soft, mask, sample_rows, prompt_rows
+
+    def _decode_rows(self, seqs: list, positions: list[int]) -> tuple[list[int], list[int], list[list[int]]]:
+        """(slot_mapping, seq_lens, block tables) of decode rows: one row per sequence, its token at positions[i]."""
+        bs = self.block_size
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
+        return slots, [p + 1 for p in positions], [s.block_table for s in seqs]
 
     def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
         """[S, M] int32 CPU tensor of the sequences' blocks, padded with the pad block."""
@@ -158,12 +171,10 @@ class ModelRunner:
 
     def _execute_graph(self, scheduled: list[ScheduledSeq]):
         """A pure decode step through the captured graph of its batch bucket."""
-        bs = self.block_size
         seqs = [s.seq for s in scheduled]
         pos = [s.num_computed_tokens for s in seqs]
         ids = [s.token_at(p) for s, p in zip(seqs, pos)]
-        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
-        logits = self.graphs.run(len(seqs), ids, pos, slots, [p + 1 for p in pos], [s.block_table for s in seqs])
+        logits = self.graphs.run(len(seqs), ids, pos, *self._decode_rows(seqs, pos))
         return self.sampler(logits, self._states(scheduled))
 
     @torch.inference_mode()
@@ -175,25 +186,15 @@ class ModelRunner:
         position. The caller checked that the sampler would only take each row's argmax (greedy, no
         penalties, no logprobs): the same ids ``execute`` returns for these rows. Decode graph of the batch's
         bucket when captured, else the eager forward."""
-        n, bs = len(seqs), self.block_size
+        n = len(seqs)
         ids = [0] * n if feed is not None else [s.token_at(p) for s, p in zip(seqs, positions)]
-        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
-        seq_lens = [p + 1 for p in positions]
-        tables = [s.block_table for s in seqs]
+        slots, seq_lens, tables = self._decode_rows(seqs, positions)
         if self.graphs is not None and self.graphs.bucket_for(n) is not None:
             logits = self.graphs.run(n, ids, positions, slots, seq_lens, tables, feed=feed)
         else:
-            dev = self.device
-            meta = AttentionMetadata(
-                positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
-                slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
-                query_start_loc=torch.arange(n + 1, dtype=torch.int32).to(dev, non_blocking=True),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-                block_tables=self._block_tables(tables).to(dev, non_blocking=True),
-                max_query_len=1, max_seq_len=max(seq_lens),
-                logits_indices=torch.arange(n, dtype=torch.int64).to(dev, non_blocking=True),
-            )
-            input_ids = feed if feed is not None else torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
+            meta = self._meta(positions, slots, list(range(n + 1)), seq_lens, tables, 1, list(range(n)))
+            input_ids = feed if feed is not None else torch.tensor(ids, dtype=torch.int64).to(self.device,
+                                                                                              non_blocking=True)
             logits = self.model.compute_logits(self.model(input_ids, meta))
         return GreedyPicks(logits.float().argmax(dim=-1))
 
