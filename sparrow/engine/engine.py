@@ -4,9 +4,9 @@ Each step: the scheduler picks rows, the model runner runs them and samples, and
 sampled tokens, detokenizes incrementally, and finishes sequences on EOS, stop token, stop string,
 max_tokens or the context limit.
 
-Overlapped greedy decode (``OVERLAP``, off by default: not yet measured faster): when a step is a plain
-greedy decode of every running sequence (one row each; no penalties, min_tokens, logprobs or prompt
-logprobs; nothing waiting to be admitted), the engine queues the next decode step of the same sequences
+Overlapped greedy decode (``OVERLAP``, on by default; ``SPARROW_OVERLAP=0`` turns it off): when a step
+is a plain greedy decode of every running sequence (one row each; no penalties, min_tokens, logprobs or
+prompt logprobs; nothing waiting to be admitted), the engine queues the next decode step of the same sequences
 before it reads this step's tokens, feeding them to the next step on the device, and reads them through a
 pinned copy behind an event (``GreedyPicks``). The aim: the GPU runs step k + 1 while the host appends step
 k's tokens, detokenizes and checks stop conditions (that host work left the H200 idle 0.27 ms of a 2.84 ms
@@ -38,12 +38,11 @@ from sparrow.tokenizer import encode_prompt
 
 log = logging.getLogger(__name__)
 
-OVERLAP = os.environ.get("SPARROW_OVERLAP", "0") == "1"
-"""Queue the next greedy decode step before reading this one's tokens (module doc); ``SPARROW_OVERLAP=1`` in
-the environment or True here turns it on. Off by default: its first form read the tokens with a plain
-``.tolist()``, which waits for the queued step too, and measured slower on the H200 (gemma4-26b-a4b FP8,
-batch 1 338.3 against 367.4 tok/s, batch 64 5,924 against 6,101); the pinned-copy read that fixes that
-wait is tested for correctness but its speed is not measured yet (benchmarks/README.md, thirteenth session)."""
+OVERLAP = os.environ.get("SPARROW_OVERLAP", "1") != "0"
+"""Queue the next greedy decode step before reading this one's tokens (module doc); ``SPARROW_OVERLAP=0`` in
+the environment or False here turns it off. H200, gemma4-26b-a4b FP8 with the FP8 LM head, two alternating
+rounds against the same tree with it off: batch 1 382.5 / 383.2 against 337.2 / 367.6 tok/s, batch 64
+6,409.9 / 6,421.5 against 5,839.1 / 6,157.0 (benchmarks/README.md, fourteenth session)."""
 
 
 @dataclasses.dataclass
