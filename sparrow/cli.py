@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from sparrow.errors import SparrowError
@@ -75,10 +76,12 @@ def cmd_generate(args) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    sys.stdout.flush()  # here, not at exit, so a closed pipe is reported by main
     return 0
 
 
 def cmd_chat(args) -> int:
+    from sparrow.errors import InvalidRequestError
     from sparrow.tokenizer import apply_chat_template
 
     params = _sampling(args)
@@ -103,10 +106,15 @@ def cmd_chat(args) -> int:
             continue
         messages.append({"role": "user", "content": line})
         reply = []
-        for piece in llm.stream(apply_chat_template(llm.tokenizer, messages), params):
-            reply.append(piece)
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+        try:
+            for piece in llm.stream(apply_chat_template(llm.tokenizer, messages), params):
+                reply.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except InvalidRequestError as e:  # e.g. the conversation outgrew max_model_len: this turn only
+            messages.pop()
+            print(f"sparrow: error: {' '.join(str(e).split())} (/reset starts a new conversation)", file=sys.stderr)
+            continue
         sys.stdout.write("\n")
         messages.append({"role": "assistant", "content": "".join(reply)})
 
@@ -176,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader closed stdout (e.g. `| head`): stop without a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail again
+        return 1
 
 
 if __name__ == "__main__":

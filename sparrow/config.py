@@ -116,6 +116,9 @@ def _moe_fields(cfg: dict, model_type: str) -> dict:
                    router_correction_bias=cfg.get("topk_method") == "noaux_tc" or model_type == "deepseek_v3")
     if out["num_experts_per_tok"] < 1:
         raise ModelLoadError(f"MoE config has num_experts_per_tok={out['num_experts_per_tok']}")
+    if out["num_experts_per_tok"] > out["num_experts"]:
+        raise ModelLoadError(f"MoE config has num_experts_per_tok={out['num_experts_per_tok']} but only "
+                             f"num_experts={out['num_experts']} experts")
     return out
 
 
@@ -298,6 +301,13 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         scalar = cfg.get("query_pre_attn_scalar")
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        from sparrow.layers.activation import ACTIVATIONS
+
+        if not isinstance(act, str) or act not in ACTIVATIONS:
+            raise ModelLoadError(f"config.json has hidden_act={act!r}; sparrow supports {sorted(ACTIVATIONS)}")
+        positions = cfg.get("max_position_embeddings")
+        if positions is not None and (isinstance(positions, bool) or not isinstance(positions, int) or positions < 2):
+            raise ModelLoadError(f"config.json has max_position_embeddings={positions!r}; it must be an integer >= 2")
         is_gemma = model_type.startswith("gemma")
         moe = _moe_fields(cfg, model_type)
         if model_type.startswith("gemma4"):
@@ -313,7 +323,7 @@ class ModelConfig:
             num_key_value_heads=n_kv,
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+            max_position_embeddings=positions or 4096,
             hidden_act=act,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", is_gemma)),
             layers=layers,

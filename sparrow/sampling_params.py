@@ -98,12 +98,17 @@ class SamplingParams:
             raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer or None")
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            raise bad("stop", "must be a string, a list of strings or None")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or s == "" for s in stop):
             raise bad("stop", "stop strings must be non-empty strings")
         self._stop_list = stop
-        if self.stop_token_ids is not None and any(not isinstance(t, int) for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be a list of integers")
+        if self.stop_token_ids is not None and (
+            not isinstance(self.stop_token_ids, (list, tuple))
+            or any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids)
+        ):
+            raise bad("stop_token_ids", "must be a list of integers or None")
 
     @property
     def greedy(self) -> bool:

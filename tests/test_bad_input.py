@@ -18,6 +18,7 @@ from sparrow.loader.model_loader import load_model
 from sparrow.models.registry import supported_architectures
 from tests.helpers import (  # noqa: F401  (fixtures)
     assert_one_line,
+    copy_checkpoint,
     edited_checkpoint,
     gguf_bert,
     gguf_truncated_data,
@@ -74,6 +75,29 @@ def test_hf_folder_of_unknown_architecture(unknown_arch_dir):
         assert arch in msg
 
 
+@pytest.mark.parametrize("change, needles", [
+    (dict(hidden_act="bogus"), ["hidden_act='bogus'", "silu"]),
+    (dict(max_position_embeddings=0), ["max_position_embeddings=0"]),
+])
+def test_hf_config_with_bad_values(tiny_model_dir, tmp_path, change, needles):
+    """Refused at load with the field named (before: an activation error at the first forward pass, and 0
+    positions read as 4096)."""
+    path = copy_checkpoint(tiny_model_dir, tmp_path / "bad-config", **change)
+    raises(ModelLoadError, lambda: make_llm(path), *needles)
+
+
+def test_moe_config_with_more_experts_per_token_than_experts():
+    from transformers import Qwen3MoeConfig
+
+    from sparrow.config import ModelConfig
+
+    cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                         num_experts_per_tok=8, vocab_size=256).to_dict()
+    cfg["architectures"] = ["Qwen3MoeForCausalLM"]
+    raises(ModelLoadError, lambda: ModelConfig.from_hf(cfg), "num_experts_per_tok=8", "num_experts=4")
+
+
 def test_missing_tensor(missing_tensor_dir):
     raises(ModelLoadError, lambda: make_llm(missing_tensor_dir),
            "'model.layers.1.mlp.down_proj.weight'", "(64, 128)")
@@ -119,6 +143,9 @@ def test_tokenizer_missing_message_is_one_line(tiny_model_dir):
     (dict(quantization="int3"), "quantization='int3'"),
     (dict(max_model_len="abc"), "max_model_len='abc'"),
     (dict(dtype="float16"), "float16"),
+    (dict(max_num_seqs=0), "max_num_seqs=0"),  # accepted before: generate then never admitted a request
+    (dict(max_num_batched_tokens=-4), "max_num_batched_tokens=-4"),
+    (dict(num_kv_blocks=0), "num_kv_blocks=0"),
 ])
 def test_bad_llm_arguments(tiny_model_dir, kw, needle):
     raises(InvalidRequestError, lambda: make_llm(tiny_model_dir, **kw), needle)
@@ -146,6 +173,7 @@ GOOD = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     ("frequency_penalty", -2.5), ("logprobs", -1), ("prompt_logprobs", -1), ("stop", [""]),
     ("stop_token_ids", ["a"]), ("seed", 1.5), ("temperature", float("nan")), ("temperature", float("inf")),
     ("repetition_penalty", float("nan")), ("temperature", "0.5"), ("logprobs", 21), ("prompt_logprobs", 10**6),
+    ("stop", 5), ("stop_token_ids", 5), ("stop_token_ids", [True]),
 ])
 def test_invalid_sampling_values(field, value):
     raises(InvalidRequestError, lambda: SamplingParams(**{field: value}), f"SamplingParams.{field}=")
@@ -177,6 +205,33 @@ def test_bad_prompts_then_a_good_one(llm, prompt, needles):
 def test_sampling_params_of_the_wrong_type(llm):
     raises(InvalidRequestError, lambda: llm.generate({"prompt_token_ids": [1, 2]}, {"temperature": 0}),
            "SamplingParams")
+
+
+@pytest.mark.parametrize("prompts", [5, None, b"hello"])
+def test_prompts_of_the_wrong_type(llm, prompts):
+    raises(InvalidRequestError, lambda: llm.generate(prompts, GOOD), "prompts must be", type(prompts).__name__)
+
+
+def test_model_that_is_not_a_path():
+    from sparrow import LLM
+
+    raises(InvalidRequestError, lambda: LLM(123, device="cpu"), "model=123")
+
+
+def test_sampling_params_changed_after_construction(llm):
+    """A SamplingParams edited into an invalid value is refused when the request is added; the request keeps
+    a copy, so editing the caller's object afterwards does not reach it."""
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    sp.temperature = -1.0
+    raises(InvalidRequestError, lambda: llm.generate({"prompt_token_ids": [1, 2]}, sp), "temperature=-1.0")
+    assert not llm.engine.requests
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    rid = llm.engine.add_request({"prompt_token_ids": [1, 2]}, sp)
+    sp.max_tokens = 1
+    try:
+        assert llm.engine.requests[rid][1][0].params.max_tokens == 4
+    finally:
+        llm.engine.abort(rid)
 
 
 def test_prompt_that_is_not_utf8_text():

@@ -91,6 +91,19 @@ def test_no_hf_and_bad_flags(tmp_path, capsys):
     assert "no-such-shape" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (["--decode-tokens", "0"], "--decode-tokens"),  # 0, 0 repeats and an empty list were replaced by defaults
+    (["--repeats", "0"], "--repeats"),
+    (["--batch-sizes", ""], "--batch-sizes"),
+    (["--prompt-len", "100000"], "positions"),  # was an IndexError in RoPE after the model was built
+    (["--out", "/nonexistent-folder/x.json"], "/nonexistent-folder"),  # was FileNotFoundError after measuring
+])
+def test_bad_bench_flags_are_named(flags, needle, capsys):
+    assert main(["bench", "--model-shape", "tiny-moe", "--device", "cpu", "--no-hf", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("sparrow: error:") and "\n" not in err and needle in err, err
+
+
 def test_random_init_is_finite_in_bf16():
     from sparrow.model_shapes import build_random_hf_model
 

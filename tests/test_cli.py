@@ -152,6 +152,38 @@ def test_generate_and_chat_on_the_tiny_model(tiny_text_model_dir):
     assert proc.stdout.count("> ") == 4  # a prompt per line read, and one that meets EOF
 
 
+def test_chat_turn_longer_than_the_context_is_refused_and_chat_goes_on(tiny_text_model_dir):
+    """A turn that makes the conversation longer than max_model_len is reported on one line and dropped; the
+    session reads on (before, it ended with exit status 2 and the lines after it were never read)."""
+    proc = cli("chat", "--model", tiny_text_model_dir, "--max-tokens", "3", "--max-model-len", "40",
+               input="x" * 40 + "\n/reset\nhi\n/exit\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("sparrow: error:")]
+    assert len(errors) == 1 and "max_model_len=40" in errors[0] and "/reset" in errors[0], proc.stderr
+    assert proc.stdout.count("> ") == 4  # every line was read
+
+
+def test_generate_into_a_closed_pipe(tiny_text_model_dir):
+    """`sparrow generate ... | head -c 1`: the reader is gone; exit status 1 without a traceback."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO_ROOT
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "sparrow", "generate", "hello", "--model", str(tiny_text_model_dir),
+                               "--device", "cpu", "--max-tokens", "4"], stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, env=env, cwd=str(REPO_ROOT), timeout=300)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+
+
 @pytest.mark.slow
 def test_generate_smollm2_matches_llm(smollm2_oracle, tokenizer_cache):
     text, _, _ = smollm2_oracle

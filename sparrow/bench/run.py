@@ -57,6 +57,8 @@ def run_bench(args) -> int:
     if args.model and args.model_shape:
         raise InvalidRequestError("give --model or --model-shape, not both")
     out_path = getattr(args, "out", None)
+    if out_path and not Path(out_path).parent.is_dir():
+        raise InvalidRequestError(f"--out {out_path}: the folder {Path(out_path).parent} does not exist")
     report = {"meta": _meta(args, s), "results": [], "profiles": {}}
     bw = copy_bandwidth(s.device)
     report["meta"]["copy_bandwidth_GBps"] = bw / 1e9

@@ -49,10 +49,10 @@ def resolve_settings(args) -> Settings:
     gpu = device.startswith("cuda")
     s = Settings(
         device=device, dtype=resolve_dtype(args.dtype, device),
-        batch_sizes=_int_list(args.batch_sizes or ("1,8,64" if gpu else "1,8"), "--batch-sizes"),
-        prompt_lens=_int_list(args.prompt_len or ("128,2048" if gpu else "128"), "--prompt-len"),
-        decode_tokens=args.decode_tokens or (64 if gpu else 32),
-        repeats=getattr(args, "repeats", 1) or 1, seed=getattr(args, "seed", 0) or 0,
+        batch_sizes=_int_list(_given(args.batch_sizes, "1,8,64" if gpu else "1,8"), "--batch-sizes"),
+        prompt_lens=_int_list(_given(args.prompt_len, "128,2048" if gpu else "128"), "--prompt-len"),
+        decode_tokens=_given(args.decode_tokens, 64 if gpu else 32),
+        repeats=_given(getattr(args, "repeats", None), 1), seed=_given(getattr(args, "seed", None), 0),
         enforce_eager=bool(getattr(args, "enforce_eager", False)), quantization=getattr(args, "quantization", None),
         quantize_lm_head=bool(getattr(args, "quantize_lm_head", False)),
         hf_dtype=resolve_dtype(args.hf_dtype, device) if getattr(args, "hf_dtype", None) else None,
@@ -61,4 +61,11 @@ def resolve_settings(args) -> Settings:
         raise InvalidRequestError("--hf-dtype works with --model only (a random-weight shape is shared in one dtype)")
     if s.decode_tokens < 2:
         raise InvalidRequestError("--decode-tokens must be at least 2 (decode speed needs a second token)")
+    if s.repeats < 1:
+        raise InvalidRequestError(f"--repeats must be at least 1, got {s.repeats}")
     return s
+
+
+def _given(value, default):
+    """A flag's value when given (0 and "" included, so they are checked, not replaced), else the default."""
+    return default if value is None else value

@@ -94,8 +94,12 @@ class Engine:
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue a prompt (text or {'prompt_token_ids': [...], optional 'soft_embeds', 'soft_positions'}).
-        Raises InvalidRequestError for an empty prompt, one longer than max_model_len, or bad token ids."""
-        params = params or SamplingParams()
+        Raises InvalidRequestError for an empty prompt, one longer than max_model_len, bad token ids, or
+        SamplingParams changed after construction into invalid values. The request keeps a copy of ``params``
+        (validated again here), so changing the caller's object later does not touch it."""
+        if params is not None and not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params = dataclasses.replace(params) if params is not None else SamplingParams()
         text, ids, soft, soft_pos = self._prompt_ids(prompt)
         if not ids:
             raise InvalidRequestError("empty prompt: give at least one token")
@@ -108,7 +112,8 @@ class Engine:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens, longer than max_model_len={limit} allows (at most {limit - 1})")
         if params.stop_strings and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; this engine runs on token ids (use stop_token_ids)")
+            raise InvalidRequestError(
+                "stop strings need a tokenizer; this engine runs on token ids (use stop_token_ids)")
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use")

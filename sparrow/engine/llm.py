@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Iterator, Sequence as Seq
 
 import torch
@@ -77,13 +78,17 @@ class LLM:
         if quantization is not None and quantization not in SUPPORTED_QUANTIZATION:
             raise InvalidRequestError(f"quantization={quantization!r} is not supported "
                                       f"(supported: None, {', '.join(map(repr, SUPPORTED_QUANTIZATION))})")
+        if model is not None and not isinstance(model, (str, os.PathLike)):
+            raise InvalidRequestError(f"model={model!r} must be a path (str) or None for the packaged default")
         for name, val in (("max_model_len", max_model_len), ("block_size", block_size), ("max_num_seqs", max_num_seqs),
                           ("max_num_batched_tokens", max_num_batched_tokens), ("num_kv_blocks", num_kv_blocks)):
             if val is not None and (isinstance(val, bool) or not isinstance(val, int)):
                 raise InvalidRequestError(f"{name}={val!r} must be an integer")
+            if val is not None and val < 1:
+                raise InvalidRequestError(f"{name}={val} must be at least 1")
         if block_size < 1 or block_size & (block_size - 1):
             raise InvalidRequestError(f"block_size={block_size} must be a power of two")
-        path = model if model is not None else default_model_path()
+        path = os.fspath(model) if model is not None else default_model_path()
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
         if dtype == "float16" and device == "cpu":
@@ -107,13 +112,16 @@ class LLM:
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max(max_num_batched_tokens, 1)),
+                                      max_num_batched_tokens=max_num_batched_tokens),
             enforce_eager=enforce_eager,
         )
         # skip_tokenizer_init (vLLM's name): no tokenizer; prompts must be {'prompt_token_ids': [...]}, no text out
         self.tokenizer = tokenizer if tokenizer is not None or skip_tokenizer_init else load_tokenizer(path)
         self.engine = Engine(config, loaded.model, self.tokenizer)
         self.model_path = path
+        self._watched: dict[str, RequestOutput | None] = {}
+        """Latest output of each request a ``generate`` or ``stream`` call is waiting on (None before its first):
+        whichever call steps the engine records them, so interleaved calls lose nothing."""
 
     @property
     def config(self) -> EngineConfig:
@@ -125,6 +133,9 @@ class LLM:
     def _normalize(self, prompts, sampling_params):
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidRequestError(f"prompts must be a string, a dict with 'prompt_token_ids', or a list of "
+                                      f"them; got {type(prompts).__name__}")
         prompts = list(prompts)
         if not prompts:
             raise InvalidRequestError("no prompts given")
@@ -140,54 +151,81 @@ class LLM:
                 f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts (give one, or one per prompt)")
         return prompts, sampling_params
 
+    def _step(self) -> None:
+        """One engine step, recording the outputs of the requests in ``_watched``."""
+        for out in self.engine.step():
+            if out.request_id in self._watched:
+                self._watched[out.request_id] = out
+
+    def _release(self, rid: str) -> None:
+        """Stop waiting on ``rid``; abort it when it has not finished (an exception or an abandoned stream)."""
+        out = self._watched.pop(rid, None)
+        if (out is None or not out.finished) and rid in self.engine.requests:
+            self.engine.abort(rid)
+
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for one prompt or a list (text, or {'prompt_token_ids': [...]}); results in prompt order.
-        All prompts are validated before any runs, so a bad one raises without side effects."""
+        All prompts are validated before any runs, so a bad one raises without side effects. Requests of an
+        unfinished ``stream`` keep running and keep their outputs; if this call raises (or is interrupted), its
+        own requests are aborted."""
         prompts, params = self._normalize(prompts, sampling_params)
-        ids = []
+        ids: list[str] = []
         try:
             for p, sp in zip(prompts, params):
                 ids.append(self.engine.add_request(p, sp))
-        except Exception:
-            for rid in ids:
-                self.engine.abort(rid)
-            raise
-        done: dict[str, RequestOutput] = {}
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
+                self._watched[ids[-1]] = None
+            bar = None
+            if use_tqdm:
+                from tqdm import tqdm
 
-            bar = tqdm(total=len(ids), desc="generating")
-        while len(done) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    if bar:
-                        bar.update(1)
-        if bar:
-            bar.close()
-        return [done[r] for r in ids]
+                bar = tqdm(total=len(ids), desc="generating")
+            finished = 0
+            while True:
+                now = sum(1 for r in ids if self._watched[r] is not None and self._watched[r].finished)
+                if bar:
+                    bar.update(now - finished)
+                finished = now
+                if finished == len(ids):
+                    break
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError("the engine has no work left but some requests did not finish")
+                self._step()
+            if bar:
+                bar.close()
+            return [self._watched[r] for r in ids]
+        finally:
+            for rid in ids:
+                self._release(rid)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield the text of one prompt's first completion as it is generated (new text per step)."""
-        rid = self.engine.add_request(prompt, sampling_params or SamplingParams())
+        """Yield the text of one prompt's first completion as it is generated (new text per step). With stop
+        strings (and not ``include_stop_str_in_output``) the last len(longest stop string) - 1 characters are
+        held back until the request finishes, so the pieces always join to the final text. Closing the
+        iterator early aborts the request."""
+        sp = sampling_params or SamplingParams()
+        rid = self.engine.add_request(prompt, sp)
+        self._watched[rid] = None
+        stops = [] if sp.include_stop_str_in_output else sp.stop_strings
+        hold = max((len(s) for s in stops), default=1) - 1
         sent = 0
         try:
             while True:
-                outs = [o for o in self.engine.step() if o.request_id == rid]
-                for out in outs:
+                out = self._watched[rid]
+                if out is not None:
                     text = out.outputs[0].text
-                    if len(text) > sent:
-                        yield text[sent:]
-                        sent = len(text)
+                    end = len(text) if out.finished else max(sent, len(text) - hold)
+                    if end > sent:
+                        piece, sent = text[sent:end], end
+                        yield piece
+                        continue  # read again: a generate() between two pieces may have stepped the engine
                     if out.finished:
                         return
                 if not self.engine.has_unfinished_requests():
                     return
+                self._step()
         finally:
-            if rid in self.engine.requests:
-                self.engine.abort(rid)
+            self._release(rid)
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
         """Generate the assistant's reply to a conversation, rendered with the model's chat template."""

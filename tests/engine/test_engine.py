@@ -23,6 +23,7 @@ from tests.helpers import (
     make_llm,
     random_prompts,
     tiny_model_dir,  # noqa: F401  (fixture)
+    tiny_text_model_dir,  # noqa: F401  (fixture)
     trusted_prefix,
 )
 
@@ -343,6 +344,66 @@ def test_generate_returns_prompt_order_and_streams(tiny_model_dir):
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 12, 7]
     assert [o.prompt_token_ids for o in outs] == prompts
     assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
+
+
+def test_generate_while_a_stream_is_open(tiny_text_model_dir):
+    """generate() under an open stream() returns only its own outputs, and the stream still yields all of its
+    text afterwards (before, generate raised KeyError on the stream's finished output and the stream lost it)."""
+    llm = make_llm(tiny_text_model_dir, skip_tokenizer_init=False)
+    sp = SamplingParams(max_tokens=12, **GREEDY)
+    alone = [llm.generate(p, sp)[0].outputs[0].text for p in ("abc", "hello world")]
+    stream = llm.stream("abc", sp)
+    first = next(stream)
+    out = llm.generate("hello world", sp)
+    assert len(out) == 1 and out[0].outputs[0].text == alone[1]
+    assert first + "".join(stream) == alone[0]
+    assert not llm.engine.requests and not llm._watched
+
+
+def test_interrupted_generate_leaves_no_requests(tiny_model_dir, monkeypatch):
+    """An exception (here Ctrl-C) inside generate's step loop aborts its requests and frees their blocks; the next
+    generate runs normally (before, the leftovers made it raise KeyError)."""
+    llm = make_llm(tiny_model_dir)
+    prompts = [ids_prompt(p) for p in random_prompts([5, 7], seed=30)]
+    sp = SamplingParams(max_tokens=20, **GREEDY)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    free0 = llm.engine.block_manager.num_free_blocks
+    real, calls = llm.engine.step, []
+
+    def step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real()
+
+    monkeypatch.setattr(llm.engine, "step", step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, sp)
+    monkeypatch.undo()
+    assert not llm.engine.requests and not llm.engine.has_unfinished_requests() and not llm._watched
+    assert llm.engine.block_manager.num_free_blocks == free0
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == expected
+
+
+def test_stream_pieces_join_to_the_final_text_with_stop_strings(tiny_text_model_dir):
+    """stream() holds back len(longest stop string) - 1 characters until the request finishes, so text that a
+    stop string later removes is never sent (vLLM's output processor does the same)."""
+    llm = make_llm(tiny_text_model_dir, skip_tokenizer_init=False)
+    full = llm.generate("abc", SamplingParams(max_tokens=24, **GREEDY))[0].outputs[0].text
+    checked, incremental = 0, False
+    for i in range(2, len(full) - 3):
+        stop = full[i:i + 3]
+        if full.find(stop) != i:
+            continue
+        sp = SamplingParams(max_tokens=24, stop=[stop, "\x00\x01never"], **GREEDY)
+        final = llm.generate("abc", sp)[0].outputs[0].text
+        assert final == full[:i]
+        pieces = list(llm.stream("abc", sp))
+        assert "".join(pieces) == final, (stop, pieces)
+        checked += 1
+        incremental |= len(pieces) > 1
+    assert checked >= 3 and incremental, (full, checked)
+    assert not llm.engine.requests and not llm._watched
 
 
 def test_abort_frees_blocks(tiny_model_dir):
