@@ -88,7 +88,18 @@ def _gemma4_layer_shape(cfg: dict, i: int, layer_type: str, n_kv: int, head_dim:
 
 
 def _moe_fields(cfg: dict, model_type: str) -> dict:
-    """The MoE fields of ModelConfig from an HF config (empty for a dense model)."""
+    """The MoE fields of ModelConfig from an HF config (empty for a dense model). Raises ModelLoadError for a
+    top-k outside [1, num_experts]."""
+    out = _moe_values(cfg, model_type)
+    if out:
+        k, n = out["num_experts_per_tok"], out["num_experts"]
+        if not 1 <= k <= n:
+            raise ModelLoadError(f"MoE config has num_experts_per_tok={k} (top-k) for num_experts={n}; "
+                                 f"it must be in [1, {n}]")
+    return out
+
+
+def _moe_values(cfg: dict, model_type: str) -> dict:
     if model_type.startswith("gemma4"):
         if not cfg.get("enable_moe_block"):
             return {}
@@ -114,11 +125,6 @@ def _moe_fields(cfg: dict, model_type: str) -> dict:
     elif cfg.get("scoring_func"):
         out.update(router_scoring=str(cfg["scoring_func"]),
                    router_correction_bias=cfg.get("topk_method") == "noaux_tc" or model_type == "deepseek_v3")
-    if out["num_experts_per_tok"] < 1:
-        raise ModelLoadError(f"MoE config has num_experts_per_tok={out['num_experts_per_tok']}")
-    if out["num_experts_per_tok"] > out["num_experts"]:
-        raise ModelLoadError(f"MoE config has num_experts_per_tok={out['num_experts_per_tok']} but only "
-                             f"num_experts={out['num_experts']} experts")
     return out
 
 

@@ -80,22 +80,39 @@ def test_hf_folder_of_unknown_architecture(unknown_arch_dir):
     (dict(max_position_embeddings=0), ["max_position_embeddings=0"]),
 ])
 def test_hf_config_with_bad_values(tiny_model_dir, tmp_path, change, needles):
-    """Refused at load with the field named (before: an activation error at the first forward pass, and 0
-    positions read as 4096)."""
+    """Refused at load with the field named (0 positions were read as 4096 before)."""
     path = copy_checkpoint(tiny_model_dir, tmp_path / "bad-config", **change)
     raises(ModelLoadError, lambda: make_llm(path), *needles)
 
 
-def test_moe_config_with_more_experts_per_token_than_experts():
+@pytest.mark.parametrize("change, needles", [
+    (dict(num_experts_per_tok=8), ["num_experts_per_tok=8", "num_experts=4"]),
+    (dict(hidden_act="bogus"), ["hidden_act='bogus'"]),  # a MoE model failed only at its first forward pass
+])
+def test_moe_config_with_bad_values(change, needles):
     from transformers import Qwen3MoeConfig
 
     from sparrow.config import ModelConfig
 
-    cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
-                         num_experts_per_tok=8, vocab_size=256).to_dict()
+    kw = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=1,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+              vocab_size=256)
+    cfg = Qwen3MoeConfig(**{**kw, **change}).to_dict()
     cfg["architectures"] = ["Qwen3MoeForCausalLM"]
-    raises(ModelLoadError, lambda: ModelConfig.from_hf(cfg), "num_experts_per_tok=8", "num_experts=4")
+    raises(ModelLoadError, lambda: ModelConfig.from_hf(cfg), *needles)
+
+
+@pytest.mark.parametrize("top_k", [0, 17])
+def test_gemma4_config_with_top_k_outside_the_experts(top_k):
+    from transformers import Gemma4TextConfig
+
+    from sparrow.config import ModelConfig
+
+    from tests.models._hf_tiny import _gemma4_text
+
+    cfg = Gemma4TextConfig(**{**_gemma4_text(), "top_k_experts": top_k}).to_dict()  # 16 experts
+    cfg["architectures"] = ["Gemma4ForCausalLM"]
+    raises(ModelLoadError, lambda: ModelConfig.from_hf(cfg), f"num_experts_per_tok={top_k}", "num_experts=16")
 
 
 def test_missing_tensor(missing_tensor_dir):
@@ -225,11 +242,13 @@ def test_sampling_params_changed_after_construction(llm):
     sp.temperature = -1.0
     raises(InvalidRequestError, lambda: llm.generate({"prompt_token_ids": [1, 2]}, sp), "temperature=-1.0")
     assert not llm.engine.requests
-    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, stop_token_ids=[5])
     rid = llm.engine.add_request({"prompt_token_ids": [1, 2]}, sp)
     sp.max_tokens = 1
+    sp.stop_token_ids.append(6)
     try:
-        assert llm.engine.requests[rid][1][0].params.max_tokens == 4
+        own = llm.engine.requests[rid][1][0].params
+        assert own.max_tokens == 4 and own.stop_token_ids == [5]
     finally:
         llm.engine.abort(rid)
 

@@ -104,6 +104,12 @@ def test_bad_bench_flags_are_named(flags, needle, capsys):
     assert err.startswith("sparrow: error:") and "\n" not in err and needle in err, err
 
 
+def test_max_model_len_above_the_shape_positions_is_allowed(tmp_path):
+    """Only prompt + decode tokens must fit the shape's positions; a larger --max-model-len just sizes the pools."""
+    report = _bench(tmp_path, "--model-shape", "tiny-moe", "--no-hf", "--max-model-len", "8192")
+    assert report["results"] and all("error" not in r for r in report["results"])
+
+
 def test_random_init_is_finite_in_bf16():
     from sparrow.model_shapes import build_random_hf_model
 

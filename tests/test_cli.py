@@ -184,6 +184,21 @@ def test_generate_into_a_closed_pipe(tiny_text_model_dir):
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
 
 
+def test_generate_into_a_closed_stream_in_process(tiny_text_model_dir, monkeypatch):
+    """The same in one process, with sys.stdout replaced by an object without a file descriptor."""
+    import io
+    import sys
+
+    from sparrow.cli import main
+
+    class Closed(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", Closed())
+    assert main(["generate", "hello", "--model", str(tiny_text_model_dir), "--device", "cpu", "--max-tokens", "2"]) == 1
+
+
 @pytest.mark.slow
 def test_generate_smollm2_matches_llm(smollm2_oracle, tokenizer_cache):
     text, _, _ = smollm2_oracle

@@ -99,8 +99,8 @@ def shape_runners(name: str, s: Settings, engine_kw: dict, with_hf: bool, meta: 
     full = full_config_dict(cfg)
     tied, hidden, vocab = bool(full.get("tie_word_embeddings")), int(full["hidden_size"]), int(full["vocab_size"])
     limit = full.get("max_position_embeddings")
-    if limit and engine_kw["max_model_len"] > limit:
-        raise InvalidRequestError(f"prompt + decode tokens ({engine_kw['max_model_len']}) exceed the {name} "
+    if limit and s.max_model_len > limit:
+        raise InvalidRequestError(f"prompt + decode tokens ({s.max_model_len}) exceed the {name} "
                                   f"shape's {limit} positions")
     quant = f", {s.quantization} for sparrow" if s.quantization else ""
     quant += " (LM head too)" if s.quantize_lm_head else ""

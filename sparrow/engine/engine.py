@@ -55,6 +55,15 @@ class _Launched:
     picks: GreedyPicks
 
 
+def _own_copy(params: SamplingParams) -> SamplingParams:
+    """A validated copy of ``params`` that shares no list with the caller's object (``dataclasses.replace``
+    runs ``__post_init__`` again)."""
+    def own(v):
+        return list(v) if isinstance(v, (list, tuple)) else v
+
+    return dataclasses.replace(params, stop=own(params.stop), stop_token_ids=own(params.stop_token_ids))
+
+
 class Engine:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer):
         self.config = config
@@ -99,7 +108,7 @@ class Engine:
         (validated again here), so changing the caller's object later does not touch it."""
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        params = dataclasses.replace(params) if params is not None else SamplingParams()
+        params = _own_copy(params) if params is not None else SamplingParams()
         text, ids, soft, soft_pos = self._prompt_ids(prompt)
         if not ids:
             raise InvalidRequestError("empty prompt: give at least one token")
@@ -167,7 +176,22 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the RequestOutput of every request that progressed (cumulative
-        text and tokens; ``finished`` set on the last)."""
+        text and tokens; ``finished`` set on the last). If the step raises (an error, or Ctrl-C while the host
+        waits for the GPU), its sequences may be half updated (a token sampled but not appended, a step queued
+        ahead of it): every running request is aborted before the exception propagates, so the requests left
+        (waiting ones) and later requests run normally."""
+        try:
+            return self._step()
+        except BaseException:
+            in_flight = {seq.request_id for seq in self.scheduler.running}
+            if self._ahead is not None:
+                in_flight.update(seq.request_id for seq in self._ahead.seqs)
+            self._ahead = None
+            for rid in in_flight:
+                self.abort(rid)
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         if self._ahead is not None:  # queued during the previous call: read it (queueing the one after first)
             ahead, self._ahead = self._ahead, None
             return self._complete(ahead)

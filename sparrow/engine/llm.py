@@ -203,9 +203,9 @@ class LLM:
         strings (and not ``include_stop_str_in_output``) the last len(longest stop string) - 1 characters are
         held back until the request finishes, so the pieces always join to the final text. Closing the
         iterator early aborts the request."""
-        sp = sampling_params or SamplingParams()
-        rid = self.engine.add_request(prompt, sp)
+        rid = self.engine.add_request(prompt, sampling_params or SamplingParams())
         self._watched[rid] = None
+        sp = self.engine.requests[rid][1][0].params  # the request's validated copy (stop strings normalized)
         stops = [] if sp.include_stop_str_in_output else sp.stop_strings
         hold = max((len(s) for s in stops), default=1) - 1
         sent = 0
@@ -221,8 +221,9 @@ class LLM:
                         continue  # read again: a generate() between two pieces may have stepped the engine
                     if out.finished:
                         return
-                if not self.engine.has_unfinished_requests():
-                    return
+                if rid not in self.engine.requests:  # aborted by the engine: a step it was in raised
+                    raise RuntimeError(f"request {rid} was aborted: a step it was part of was interrupted "
+                                       "or failed")
                 self._step()
         finally:
             self._release(rid)

@@ -385,6 +385,41 @@ def test_interrupted_generate_leaves_no_requests(tiny_model_dir, monkeypatch):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == expected
 
 
+def test_interrupt_inside_an_overlapped_step_aborts_its_requests(tiny_text_model_dir, monkeypatch):
+    """Ctrl-C while the host waits for a queued step's picks (overlapped greedy decode: the next step is already
+    queued, this one's tokens not yet appended) aborts every request in flight, an open stream's too: the stream
+    raises instead of going on from a half-updated sequence; blocks are freed and later requests are exact."""
+    from sparrow.engine import engine as engine_mod
+    from sparrow.engine.model_runner import GreedyPicks
+
+    assert engine_mod.OVERLAP
+    llm = make_llm(tiny_text_model_dir, skip_tokenizer_init=False)
+    sp = SamplingParams(max_tokens=20, **GREEDY)
+    alone = llm.generate("abc", sp)[0].outputs[0].text
+    free0 = llm.engine.block_manager.num_free_blocks
+    stream = llm.stream("abc", sp)
+    got = next(stream) + next(stream)
+    real, calls = GreedyPicks.tolist, []
+
+    def tolist(self):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(GreedyPicks, "tolist", tolist)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate("hello world", sp)
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="aborted"):
+        for piece in stream:  # the text of the steps that completed, then the error
+            got += piece
+    assert alone.startswith(got) and len(got) < len(alone)
+    assert not llm.engine.requests and not llm._watched and llm.engine._ahead is None
+    assert llm.engine.block_manager.num_free_blocks == free0
+    assert llm.generate("abc", sp)[0].outputs[0].text == alone
+
+
 def test_stream_pieces_join_to_the_final_text_with_stop_strings(tiny_text_model_dir):
     """stream() holds back len(longest stop string) - 1 characters until the request finishes, so text that a
     stop string later removes is never sent (vLLM's output processor does the same)."""
@@ -400,6 +435,9 @@ def test_stream_pieces_join_to_the_final_text_with_stop_strings(tiny_text_model_
         assert final == full[:i]
         pieces = list(llm.stream("abc", sp))
         assert "".join(pieces) == final, (stop, pieces)
+        edited = SamplingParams(max_tokens=24, **GREEDY)
+        edited.stop = [stop]  # set after construction: the request's validated copy decides the hold-back
+        assert "".join(llm.stream("abc", edited)) == final
         checked += 1
         incremental |= len(pieces) > 1
     assert checked >= 3 and incremental, (full, checked)
