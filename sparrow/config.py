@@ -312,6 +312,8 @@ class ModelConfig:
         if not isinstance(act, str) or act not in ACTIVATIONS:
             raise ModelLoadError(f"config.json has hidden_act={act!r}; sparrow supports {sorted(ACTIVATIONS)}")
         positions = cfg.get("max_position_embeddings")
+        if isinstance(positions, float) and positions.is_integer():
+            positions = int(positions)  # 2048.0: accepted as before
         if positions is not None and (isinstance(positions, bool) or not isinstance(positions, int) or positions < 2):
             raise ModelLoadError(f"config.json has max_position_embeddings={positions!r}; it must be an integer >= 2")
         is_gemma = model_type.startswith("gemma")

@@ -78,6 +78,7 @@ def test_hf_folder_of_unknown_architecture(unknown_arch_dir):
 @pytest.mark.parametrize("change, needles", [
     (dict(hidden_act="bogus"), ["hidden_act='bogus'", "silu"]),
     (dict(max_position_embeddings=0), ["max_position_embeddings=0"]),
+    (dict(max_position_embeddings=2048.5), ["max_position_embeddings=2048.5"]),  # 2048.0 loads as 2048
 ])
 def test_hf_config_with_bad_values(tiny_model_dir, tmp_path, change, needles):
     """Refused at load with the field named (0 positions were read as 4096 before)."""
