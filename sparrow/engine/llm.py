@@ -86,7 +86,7 @@ class LLM:
                 raise InvalidRequestError(f"{name}={val!r} must be an integer")
             if val is not None and val < 1:
                 raise InvalidRequestError(f"{name}={val} must be at least 1")
-        if block_size < 1 or block_size & (block_size - 1):
+        if block_size & (block_size - 1):  # >= 1 checked above
             raise InvalidRequestError(f"block_size={block_size} must be a power of two")
         path = os.fspath(model) if model is not None else default_model_path()
         device = resolve_device(device)
@@ -157,6 +157,11 @@ class LLM:
             if out.request_id in self._watched:
                 self._watched[out.request_id] = out
 
+    def _aborted(self, rid: str) -> bool:
+        """Whether ``rid`` left the engine without finishing (aborted by the engine: a step it was in raised)."""
+        out = self._watched.get(rid)
+        return (out is None or not out.finished) and rid not in self.engine.requests
+
     def _release(self, rid: str) -> None:
         """Stop waiting on ``rid``; abort it when it has not finished (an exception or an abandoned stream)."""
         out = self._watched.pop(rid, None)
@@ -188,8 +193,10 @@ class LLM:
                 finished = now
                 if finished == len(ids):
                     break
-                if not self.engine.has_unfinished_requests():
-                    raise RuntimeError("the engine has no work left but some requests did not finish")
+                gone = [r for r in ids if self._aborted(r)]
+                if gone:
+                    raise RuntimeError(f"request {gone[0]} was aborted: a step it was part of was interrupted "
+                                       "or failed")
                 self._step()
             if bar:
                 bar.close()
@@ -221,9 +228,8 @@ class LLM:
                         continue  # read again: a generate() between two pieces may have stepped the engine
                     if out.finished:
                         return
-                if rid not in self.engine.requests:  # aborted by the engine: a step it was in raised
-                    raise RuntimeError(f"request {rid} was aborted: a step it was part of was interrupted "
-                                       "or failed")
+                if self._aborted(rid):
+                    raise RuntimeError(f"request {rid} was aborted: a step it was part of was interrupted or failed")
                 self._step()
         finally:
             self._release(rid)
