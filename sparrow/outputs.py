@@ -16,7 +16,9 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
-    """One generated sequence of a request."""
+    """One generated sequence of a request. ``text`` and ``token_ids`` are cumulative; ``delta_text`` and
+    ``delta_token_ids`` are what the latest step added (what a stream sends). While a stop string may still
+    complete, the text's last len(longest stop string) - 1 characters are held back from both."""
 
     index: int
     text: str
@@ -25,6 +27,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     """'stop' (EOS, stop token or stop string), 'length' (max_tokens or context) or None while running."""
     stop_reason: int | str | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

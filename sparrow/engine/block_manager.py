@@ -89,6 +89,18 @@ class BlockManager:
                 self.block_hash[block] = h
         seq.num_committed_blocks = max(seq.num_committed_blocks, done)
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep the blocks holding ``seq``'s first ``num_tokens`` slots and give back the rest (the slots of rejected
+        draft tokens). Only prompt blocks whose K/V are computed are ever registered in the prefix cache, so no
+        block given back here carries a hash of its own tokens."""
+        keep = -(-num_tokens // self.block_size)
+        for block in reversed(seq.block_table[keep:]):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free[block] = None
+        del seq.block_table[keep:]
+        seq.num_committed_blocks = min(seq.num_committed_blocks, keep)
+
     def free_seq(self, seq: Sequence) -> None:
         """Drop the sequence's references; blocks reaching zero go to the free list (hash kept)."""
         for block in reversed(seq.block_table):

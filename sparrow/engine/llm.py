@@ -206,24 +206,19 @@ class LLM:
                 self._release(rid)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield the text of one prompt's first completion as it is generated (new text per step). With stop
-        strings (and not ``include_stop_str_in_output``) the last len(longest stop string) - 1 characters are
-        held back until the request finishes, so the pieces always join to the final text. Closing the
-        iterator early aborts the request."""
+        """Yield the text of one prompt's first completion as it is generated (new text per step). The engine
+        holds back text a stop string may still remove, so the pieces always join to the final text. Closing
+        the iterator early aborts the request."""
         rid = self.engine.add_request(prompt, sampling_params or SamplingParams())
         self._watched[rid] = None
-        sp = self.engine.requests[rid][1][0].params  # the request's validated copy (stop strings normalized)
-        stops = [] if sp.include_stop_str_in_output else sp.stop_strings
-        hold = max((len(s) for s in stops), default=1) - 1
         sent = 0
         try:
             while True:
                 out = self._watched[rid]
                 if out is not None:
                     text = out.outputs[0].text
-                    end = len(text) if out.finished else max(sent, len(text) - hold)
-                    if end > sent:
-                        piece, sent = text[sent:end], end
+                    if len(text) > sent:
+                        piece, sent = text[sent:], len(text)
                         yield piece
                         continue  # read again: a generate() between two pieces may have stepped the engine
                     if out.finished:

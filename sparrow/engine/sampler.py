@@ -40,11 +40,16 @@ class SamplingState:
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
-    """[R] the sampled token of every row."""
+    tokens: torch.Tensor
+    """[R] int64 the sampled token of every row, on the logits' device."""
     logprobs: list[dict[int, tuple[float, int]] | None]
     """[R] token id -> (logprob, rank) for the top ``params.logprobs`` tokens plus the sampled one, from
     the raw logits; None for rows whose ``params.logprobs`` is None."""
+
+    @property
+    def token_ids(self) -> list[int]:
+        """[R] the sampled tokens on the host (waits for the device)."""
+        return self.tokens.tolist()
 
 
 class Candidates(NamedTuple):
@@ -112,6 +117,15 @@ def apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.
     if ban_idx:
         flat[torch.tensor(ban_idx, device=dev)] = float("-inf")
     return logits
+
+
+def argmax_only(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether the sampler only takes the argmax of a row's raw logits for a sequence with ``num_output_tokens``
+    generated: greedy, no logprobs, no repetition / frequency / presence penalty and min_tokens reached (so
+    nothing bans EOS). The engine then skips the sampler and may feed the argmax to a queued next step."""
+    return (params.temperature == 0.0 and params.logprobs is None and params.repetition_penalty == 1.0
+            and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0
+            and num_output_tokens >= params.min_tokens)
 
 
 def _needs_penalties(st: SamplingState) -> bool:
@@ -234,13 +248,13 @@ class Sampler:
                 tokens[gi] = x[gi].argmax(dim=-1)
             rand = [r for r in range(R) if states[r].params.temperature != 0.0]
             tokens[torch.tensor(rand, device=x.device)] = self._sample(x, rand, [states[r] for r in rand])
-        token_ids = tokens.tolist()
         logprobs: list[dict[int, tuple[float, int]] | None] = [None] * R
         if raw_lp is not None:
+            token_ids = tokens.tolist()
             for r, d in zip(lp_rows, _logprob_dicts(raw_lp, [token_ids[r] for r in lp_rows],
                                                      [states[r].params.logprobs for r in lp_rows])):
                 logprobs[r] = d
-        return SamplerOutput(token_ids, logprobs)
+        return SamplerOutput(tokens, logprobs)
 
     def _sample(self, x: torch.Tensor, rows: list[int], states: list[SamplingState]) -> torch.Tensor:
         """x: [R, V] float32 penalized logits (not modified); rows: the S rows to sample, states: theirs.
@@ -331,3 +345,23 @@ def _logprob_dicts(
         d[sampled[i]] = (tok_lp[i], tok_rank[i])
         out.append(d)
     return out
+
+
+def prompt_logprob_rows(logits: torch.Tensor, targets: list[int], top_n: int) -> list[dict[int, tuple[float, int]]]:
+    """Prompt logprobs of m rows: logits [m, V] (row r predicts prompt token targets[r]). Returns per row
+    {token: (logprob, rank)} for the target plus the top ``top_n`` tokens (vLLM's ``prompt_logprobs``), from the
+    raw logits; rank = 1 + number of tokens with a strictly larger logprob."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    tgt = torch.tensor(targets, device=lp.device)
+    chosen = lp.gather(1, tgt[:, None])[:, 0]
+    ranks = ((lp > chosen[:, None]).sum(1) + 1).tolist()
+    chosen = chosen.tolist()
+    top = lp.topk(top_n, dim=-1) if top_n > 0 else None
+    top_v, top_i = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
+    rows = []
+    for r, t in enumerate(targets):
+        d = {t: (chosen[r], ranks[r])}
+        for j in range(top_n):
+            d.setdefault(top_i[r][j], (top_v[r][j], j + 1))
+        rows.append(d)
+    return rows

@@ -1,36 +1,39 @@
-"""Continuous batching: the waiting and running queues, the per-step token budget, chunked prefill and
-preemption (by recomputation: a preempted sequence frees its blocks and goes back to the front of the
-waiting queue; its prompt and output so far are prefilled again when it is readmitted).
+"""Continuous batching: the waiting and running queues, the per-step token budget, chunked prefill, preemption
+(by recomputation: a preempted sequence frees its blocks and goes back to the front of the waiting queue; its
+prompt and output so far are prefilled again when it is readmitted), and the overlap decision.
 
-Each step, running sequences go first (a decode needs one token; an unfinished prefill takes a chunk),
-then waiting sequences are admitted while the budget, ``max_num_seqs`` and free blocks allow.
+Each step, running sequences go first (a decode needs one row; an unfinished prefill takes a chunk), then
+waiting sequences are admitted while the budget, ``max_num_seqs`` and free blocks allow. A waiting sequence
+that cannot be admitted holds no blocks (the prefix-cache hits it took are given back), so it never starves
+the running ones. A plan whose rows are all plain greedy decode rows of every running sequence, with nothing
+waiting, may queue the next step before it is read (``queue_next``; ``switches.OVERLAP``): ``schedule_ahead``
+plans that step (allocating its blocks as for any other) from the queued one.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
+from sparrow import switches
 from sparrow.config import SchedulerConfig
 from sparrow.engine.block_manager import BlockManager
+from sparrow.engine.sampler import argmax_only
 from sparrow.engine.sequence import Sequence, SequenceStatus
+from sparrow.engine.step_plan import ScheduledSeq, StepPlan
 
 
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-    """Rows this sequence contributes to the step (1 for decode, a chunk for prefill)."""
-
-    @property
-    def samples(self) -> bool:
-        """True when the step reaches the sequence's last token, so a new token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+def _plain_decode(item: ScheduledSeq) -> bool:
+    """One greedy decode row whose sampling is the argmax (what a queued next step can follow on the device)."""
+    seq = item.seq
+    return (item.num_new_tokens == 1 and item.num_sampled == 1 and not item.draft_token_ids
+            and item.start >= seq.num_prompt_tokens and seq.params.prompt_logprobs is None
+            and argmax_only(seq.params, len(seq.output_token_ids)))
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int | None = None):
         self.config = config
         self.bm = block_manager
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -49,7 +52,11 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def schedule(self) -> list[ScheduledSeq]:
+    def _item(self, seq: Sequence, n: int) -> ScheduledSeq:
+        reaches_end = seq.num_computed_tokens + n == seq.num_tokens
+        return ScheduledSeq(seq, seq.num_computed_tokens, n, num_sampled=1 if reaches_end else 0)
+
+    def schedule(self) -> StepPlan:
         budget = self.config.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         for seq in list(self.running):
@@ -66,7 +73,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             self.bm.allocate(seq, seq.num_computed_tokens + n)
-            out.append(ScheduledSeq(seq, n))
+            out.append(self._item(seq, n))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -80,17 +87,60 @@ class Scheduler:
                     n = (self.bm.num_free_blocks + len(seq.block_table)) * self.bm.block_size - seq.num_computed_tokens
                     if n <= 0:
                         raise RuntimeError(
-                            f"KV cache of {self.bm.num_blocks} blocks cannot hold a single chunk of a sequence"
-                        )
+                            f"KV cache of {self.bm.num_blocks} blocks cannot hold a single chunk of a sequence")
                 else:
+                    self._release_waiting(seq)
                     break
             self.waiting.popleft()
             self.bm.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.append(ScheduledSeq(seq, n))
+            out.append(self._item(seq, n))
             budget -= n
-        return out
+        plan = StepPlan(out)
+        sampled = [item for item in out if item.samples]
+        plan.argmax_only = all(argmax_only(i.seq.params, len(i.seq.output_token_ids)) for i in sampled)
+        plan.queue_next = (switches.OVERLAP and bool(out) and not self.waiting
+                           and len(out) == len(self.running) and all(_plain_decode(i) for i in out))
+        return plan
+
+    def _release_waiting(self, seq: Sequence) -> None:
+        """A waiting sequence that cannot be admitted gives back the prefix-cache blocks it took (their hashes
+        stay, so it finds them again later unless they were reused)."""
+        self.bm.free_seq(seq)
+        seq.num_computed_tokens = seq.num_cached_prefix_tokens = 0
+
+    def schedule_ahead(self, plan: StepPlan) -> StepPlan | None:
+        """The decode step after ``plan`` (a ``queue_next`` plan, queued but not read), fed on the device by its
+        sampled ids: every sequence of ``plan`` that does not end on length with ``plan``'s token, when nothing
+        waits, all running sequences are in ``plan`` and their next K/V slots fit without preemption (allocated
+        here). None when it cannot be queued."""
+        if self.waiting or len(plan.seqs) != len(self.running):
+            return None
+        items = []
+        for i, item in enumerate(plan.seqs):
+            seq = item.seq
+            if seq.is_finished:
+                return None
+            if seq.at_length_limit(self.max_model_len, coming=1):  # ends with the queued step's token
+                continue
+            items.append(ScheduledSeq(seq, item.start + 1, 1, num_sampled=1, fed_row=i))
+        if not items or not all(_plain_decode(i) for i in items):
+            return None
+        if sum(self.bm.blocks_needed(i.seq, i.start + 1) for i in items) > self.bm.num_free_blocks:
+            return None
+        for i in items:
+            self.bm.allocate(i.seq, i.start + 1)
+        return StepPlan(items, queue_next=True, argmax_only=True)
+
+    def commit(self, item: ScheduledSeq, num_accepted_drafts: int = 0) -> None:
+        """After the step ran: the rows holding the sequence's tokens and its accepted draft tokens are computed;
+        the slots of rejected draft tokens are given back (``BlockManager.truncate``)."""
+        seq = item.seq
+        seq.num_computed_tokens = item.start + item.num_verified + num_accepted_drafts
+        if num_accepted_drafts < len(item.draft_token_ids):
+            self.bm.truncate(seq, seq.num_computed_tokens + 1)  # + 1: the slot of the token sampled after them
+        self.bm.commit_computed(seq)
 
     def finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED

@@ -48,6 +48,8 @@ class Sequence:
     """The block manager's hashes of the prompt's full blocks (computed once: the prompt never changes)."""
     num_committed_blocks: int = 0
     """Leading prompt blocks already registered in the prefix cache (reset when the blocks are freed)."""
+    num_sent_chars: int = 0
+    """Characters of ``text`` already reported in a RequestOutput (the rest is held back for stop strings)."""
 
     @property
     def num_tokens(self) -> int:
@@ -62,7 +64,20 @@ class Sequence:
         return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
     def tokens(self, start: int, end: int) -> list[int]:
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        """Tokens start..end-1 of prompt + output (without joining the two lists: a decode row costs O(1))."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    def at_length_limit(self, max_model_len: int, coming: int = 0) -> bool:
+        """Whether the sequence ends on length (max_tokens, or max_model_len tokens in all) with ``coming`` more
+        tokens appended."""
+        p = self.params
+        return ((p.max_tokens is not None and len(self.output_token_ids) + coming >= p.max_tokens)
+                or self.num_tokens + coming >= max_model_len)
 
     @property
     def is_finished(self) -> bool:

@@ -1,44 +1,16 @@
-"""Attention over the paged KV cache, and the per-step metadata every layer reads.
+"""Attention over the paged KV cache (the step layout comes from the ForwardBatch every layer reads).
 
 Shapes: R = rows of the step, S = sequences, Hq / Hkv = query / KV heads, D = head dim,
 N = KV blocks in the pool, B = block size, M = max blocks per sequence.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from sparrow.kernels import use_triton
 from sparrow.kernels.paged_attention import paged_attention_ref, write_kv
-
-
-@dataclass
-class AttentionMetadata:
-    """One step's batch layout, built by the ModelRunner and read by every attention layer."""
-
-    positions: torch.Tensor
-    """[R] int64: position of each row's token in its sequence."""
-    slot_mapping: torch.Tensor
-    """[R] int64: KV-pool slot (block * B + offset) where each row's K/V is written."""
-    query_start_loc: torch.Tensor
-    """[S+1] int32: rows of sequence s are query_start_loc[s]:query_start_loc[s+1]."""
-    seq_lens: torch.Tensor
-    """[S] int32: tokens of sequence s in the cache after this step (cached + new)."""
-    block_tables: torch.Tensor
-    """[S, M] int32: KV blocks of each sequence, in order (padding entries are 0)."""
-    max_query_len: int
-    """Longest q_len of the step (1 for a pure decode step)."""
-    max_seq_len: int
-    """Longest seq_len of the step."""
-    logits_indices: torch.Tensor
-    """[S'] int64: rows whose logits are computed (the last row of each sequence that samples)."""
-
-    @property
-    def is_decode(self) -> bool:
-        """Every sequence contributes exactly one row."""
-        return self.max_query_len == 1
+from sparrow.layers.forward_batch import ForwardBatch
 
 
 class Attention(nn.Module):
@@ -55,19 +27,19 @@ class Attention(nn.Module):
         self.scale, self.sliding_window, self.soft_cap = scale, sliding_window, soft_cap
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q, meta)
+        write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        return self.attend(q, batch)
 
-    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention over the cache alone: this step's K/V must already be written at ``meta.slot_mapping``."""
+    def attend(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Attention over the cache alone: this step's K/V must already be written at ``batch.slot_mapping``."""
         k_cache, v_cache = self.kv_cache
         if use_triton(q):  # the Triton dispatcher: split-K decode or varlen prefill kernel
             from sparrow.kernels.attention import paged_attention as fn
         else:
             fn = paged_attention_ref
-        return fn(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        return fn(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                   self.scale, self.sliding_window, self.soft_cap)
 
 
@@ -113,7 +85,7 @@ class SelfAttention(nn.Module):
         scale = config.attn_scale if config.attn_scale is not None else d**-0.5
         self.attn = Attention(hq, hkv, d, scale, spec.sliding_window, config.attn_logit_softcapping)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         r = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.k_eq_v:
@@ -125,17 +97,17 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.view(r, self.hq, self.d), k.view(r, self.hkv, self.d), v.view(r, self.hkv, self.d)
         if use_triton(q) and (self.q_norm is None or self.per_head_norm):
-            out = self._fused_norm_rope_write(q, k, None if self.k_eq_v else v, meta)
+            out = self._fused_norm_rope_write(q, k, None if self.k_eq_v else v, batch)
         else:
             if self.q_norm is not None and self.per_head_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             if self.v_norm is not None:
                 v = self.v_norm(v)
-            q, k = self.rotary(meta.positions, q, k)
-            out = self.attn(q, k, v, meta)
+            q, k = self.rotary(batch.positions, q, k)
+            out = self.attn(q, k, v, batch)
         return self.o_proj(out.reshape(r, self.hq * self.d))
 
-    def _fused_norm_rope_write(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+    def _fused_norm_rope_write(self, q, k, v, batch: ForwardBatch) -> torch.Tensor:
         """Triton path: per-head q/k norm, RoPE, v-norm and the K/V cache write in one kernel, then attention.
         v is None on K=V layers (the kernel takes V from the raw k)."""
         from sparrow.kernels.rope import qk_norm_rope_kv_write
@@ -145,9 +117,9 @@ class SelfAttention(nn.Module):
         kind = norm.kind if norm is not None else "llama"
         eps = norm.eps if norm is not None else (self.v_norm.eps if self.v_norm is not None else 1e-6)
         q, _ = qk_norm_rope_kv_write(
-            q, k, v, meta.positions, self.rotary.cos_sin_cache(q.device), self.rotary.rotary_dim,
+            q, k, v, batch.positions, self.rotary.cos_sin_cache(q.device), self.rotary.rotary_dim,
             None if norm is None else norm.weight, None if norm is None else self.k_norm.weight, eps,
             gemma_norm=kind != "llama", v_norm=self.v_norm is not None, k_eq_v=v is None,
-            k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping,
+            k_cache=k_cache, v_cache=v_cache, slot_mapping=batch.slot_mapping,
             norm_offset=1.0 if kind == "gemma" else 0.0)
-        return self.attn.attend(q, meta)
+        return self.attn.attend(q, batch)

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from sparrow.config import ModelConfig
-from sparrow.layers.attention import AttentionMetadata
 from sparrow.layers.embedding import VocabEmbedding
+from sparrow.layers.forward_batch import ForwardBatch
 from sparrow.layers.logits import LogitsProcessor
 from sparrow.layers.mlp import GatedMLP
 from sparrow.layers.moe import FusedMoE, MoEBlock
@@ -70,23 +70,23 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layer_cls(config, i, dtype) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kind=config.norm_kind, dtype=dtype)
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, soft_embeds=None, soft_mask=None):
-        x = self.embed_tokens(input_ids, soft_embeds, soft_mask)
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids, batch.soft_embeds, batch.soft_mask)
         if getattr(self.layers[0], "chains_norms", False):
             # each layer returns its output and the next norm of it, computed in its closing kernel
             normed = self.layers[0].input_layernorm(x)
             for i, layer in enumerate(self.layers):
                 next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-                x, normed = layer(x, normed, meta, next_norm)
+                x, normed = layer(x, normed, batch, next_norm)
             return normed
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, meta)
+            x, residual = layer(x, residual, batch)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class CausalLM(nn.Module):
-    """forward(input_ids [R], meta) -> hidden [R, H]; compute_logits(hidden [S', H]) -> [S', V] fp32."""
+    """forward(batch: ForwardBatch of R rows) -> hidden [R, H]; compute_logits(hidden [S', H]) -> [S', V] fp32."""
 
     layer_cls: type = None
     # checkpoint module name -> (packed module name, shard index)
@@ -114,8 +114,8 @@ class CausalLM(nn.Module):
                 torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
         self.logits_processor = LogitsProcessor(config.final_logit_softcapping)
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, soft_embeds=None, soft_mask=None):
-        return self.model(input_ids, meta, soft_embeds, soft_mask)
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
 
     @property
     def lm_weight(self) -> torch.Tensor:

@@ -25,11 +25,11 @@ class Gemma3DecoderLayer(nn.Module):
 
     chains_norms = True  # DecoderModel passes input_layernorm(x) and the norm after this layer (gemma4.py)
 
-    def forward(self, x, normed, meta, next_norm):
+    def forward(self, x, normed, batch, next_norm):
         """x [R, H] the residual stream, normed = input_layernorm(x); returns (out, next_norm(out)).
         HF: h = x + post_attn_norm(attn(input_norm(x))); out = h + post_ff_norm(mlp(pre_ff_norm(h))); each norm
         chain between two matmuls is one kernel on the Triton path (RMSNorm.norm_add)."""
-        h, pre = self.post_attention_layernorm.norm_add(self.self_attn(normed, meta), x,
+        h, pre = self.post_attention_layernorm.norm_add(self.self_attn(normed, batch), x,
                                                         next_norms=(self.pre_feedforward_layernorm,))
         return self.post_feedforward_layernorm.norm_add(self.mlp(pre), h, next_norms=(next_norm,))
 

@@ -75,14 +75,14 @@ class Gemma4DecoderLayer(nn.Module):
     """DecoderModel hands each layer its input already normalized by input_layernorm and the norm that
     follows it (the next layer's input_layernorm, the final norm after the last layer)."""
 
-    def forward(self, x, normed, meta, next_norm):
+    def forward(self, x, normed, batch, next_norm):
         """x [R, H] the residual stream, normed = input_layernorm(x); returns (out, next_norm(out)).
 
         Each chain of norms between two matmuls is one kernel on the Triton path (RMSNorm.norm_add): the
         post-attention add with both pre-feedforward norms, and the closing kernel (the experts' weighted
         reduce, both branch post-norms, their sum, post_feedforward_layernorm + residual, x layer_scalar, then
         next_norm)."""
-        attn = self.self_attn(normed, meta)
+        attn = self.self_attn(normed, batch)
         if not self.moe:
             h, pre = self.post_attention_layernorm.norm_add(attn, x, next_norms=(self.pre_feedforward_layernorm,))
             return self.post_feedforward_layernorm.norm_add(self.mlp(pre), h, self.layer_scalar,

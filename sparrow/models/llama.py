@@ -22,12 +22,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.mlp = make_mlp(config, layer_idx, dtype)
 
-    def forward(self, x, residual, meta):
+    def forward(self, x, residual, batch):
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, meta)
+        x = self.self_attn(x, batch)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 

@@ -389,17 +389,17 @@ def test_interrupt_inside_an_overlapped_step_aborts_its_requests(tiny_text_model
     """Ctrl-C while the host waits for a queued step's picks (overlapped greedy decode: the next step is already
     queued, this one's tokens not yet appended) aborts every request in flight, an open stream's too: the stream
     raises instead of going on from a half-updated sequence; blocks are freed and later requests are exact."""
-    from sparrow.engine import engine as engine_mod
-    from sparrow.engine.model_runner import GreedyPicks
+    from sparrow import switches
+    from sparrow.engine.step_plan import StepResult
 
-    assert engine_mod.OVERLAP
+    assert switches.OVERLAP
     llm = make_llm(tiny_text_model_dir, skip_tokenizer_init=False)
     sp = SamplingParams(max_tokens=20, **GREEDY)
     alone = llm.generate("abc", sp)[0].outputs[0].text
     free0 = llm.engine.block_manager.num_free_blocks
     stream = llm.stream("abc", sp)
     got = next(stream) + next(stream)
-    real, calls = GreedyPicks.tolist, []
+    real, calls = StepResult.token_ids, []
 
     def tolist(self):
         calls.append(1)
@@ -407,7 +407,7 @@ def test_interrupt_inside_an_overlapped_step_aborts_its_requests(tiny_text_model
             raise KeyboardInterrupt
         return real(self)
 
-    monkeypatch.setattr(GreedyPicks, "tolist", tolist)
+    monkeypatch.setattr(StepResult, "token_ids", tolist)
     with pytest.raises(KeyboardInterrupt):
         llm.generate("hello world", sp)
     monkeypatch.undo()

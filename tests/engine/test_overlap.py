@@ -1,4 +1,4 @@
-"""Overlapped greedy decode (engine.OVERLAP): the next decode step is queued before the current one is read.
+"""Overlapped greedy decode (switches.OVERLAP): the next decode step is queued before the current one is read.
 
 Oracle: the same engine with OVERLAP off (every step read before the next is built), itself checked against
 transformers in test_engine.py, which runs with OVERLAP on (the default). Token ids, finish and stop reasons
@@ -10,31 +10,34 @@ from __future__ import annotations
 import pytest
 
 from sparrow import SamplingParams
-from sparrow.engine import engine as engine_mod
+from sparrow import switches
 from tests.helpers import ids_prompt, make_llm, random_prompts, tiny_model_dir  # noqa: F401  (fixture)
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 def _count_launches(monkeypatch, engine) -> dict:
-    """Count the runner's greedy launches, by whether their input tokens came from the device (queued)."""
+    """Count the runner's decode steps, by whether their input tokens came from the device (queued ahead), and
+    the queued steps that left a sequence out."""
     counts = {"host": 0, "fed": 0, "partial": 0}
-    launch = engine.runner.launch_greedy
+    run = engine.runner.run
 
-    def counting(seqs, positions, feed=None):
-        counts["fed" if feed is not None else "host"] += 1
-        return launch(seqs, positions, feed=feed)
+    def counting(plan, previous=None):
+        if all(item.num_new_tokens == 1 and item.samples and item.start >= item.seq.num_prompt_tokens
+               for item in plan.seqs):
+            counts["fed" if previous is not None else "host"] += plan.queue_next or previous is not None
+        return run(plan, previous)
 
-    monkeypatch.setattr(engine.runner, "launch_greedy", counting)
-    real_queue = engine._queue_next
+    monkeypatch.setattr(engine.runner, "run", counting)
+    real_ahead = engine.scheduler.schedule_ahead
 
-    def queue(launched):
-        ahead = real_queue(launched)
-        if ahead is not None and len(ahead.seqs) < len(launched.seqs):
+    def ahead(plan):
+        nxt = real_ahead(plan)
+        if nxt is not None and len(nxt.seqs) < len(plan.seqs):
             counts["partial"] += 1
-        return ahead
+        return nxt
 
-    monkeypatch.setattr(engine, "_queue_next", queue)
+    monkeypatch.setattr(engine.scheduler, "schedule_ahead", ahead)
     return counts
 
 
@@ -58,7 +61,7 @@ def _run(engine, requests, join_after: int, late) -> dict:
 def test_overlapped_decode_equals_plain_steps(tiny_model_dir, monkeypatch):
     prompts = random_prompts([5, 18, 9, 30, 12], seed=21)
     plain_llm = make_llm(tiny_model_dir)
-    monkeypatch.setattr(engine_mod, "OVERLAP", False)
+    monkeypatch.setattr(switches, "OVERLAP", False)
     free = plain_llm.generate(ids_prompt(prompts[1]), SamplingParams(max_tokens=20, **GREEDY))[0].outputs[0].token_ids
     stop = next(t for i, t in enumerate(free) if i >= 4 and t not in free[:i])  # a token first made at step >= 4
     requests = [
@@ -71,7 +74,7 @@ def test_overlapped_decode_equals_plain_steps(tiny_model_dir, monkeypatch):
     want = _run(make_llm(tiny_model_dir).engine, requests, 6, late)
     assert want[1][1] == "stop" and want[1][2] == stop  # the stop really happens inside the run
 
-    monkeypatch.setattr(engine_mod, "OVERLAP", True)
+    monkeypatch.setattr(switches, "OVERLAP", True)
     engine = make_llm(tiny_model_dir).engine
     counts = _count_launches(monkeypatch, engine)
     got = _run(engine, requests, 6, late)
@@ -83,7 +86,7 @@ def test_overlapped_decode_equals_plain_steps(tiny_model_dir, monkeypatch):
 def test_abort_with_a_queued_step(tiny_model_dir, monkeypatch):
     """Aborting while a step is queued frees every block (the queued step's too); the stale step is dropped and
     the next request generates what a fresh engine does."""
-    monkeypatch.setattr(engine_mod, "OVERLAP", True)
+    monkeypatch.setattr(switches, "OVERLAP", True)
     p1, p2 = random_prompts([20, 11], seed=22)
     sp = SamplingParams(max_tokens=30, **GREEDY)
     engine = make_llm(tiny_model_dir).engine
@@ -109,9 +112,9 @@ def test_steps_that_need_the_host_are_not_queued(tiny_model_dir, monkeypatch, pa
     view of every token: those steps run one at a time and give the OVERLAP-off tokens."""
     prompt = random_prompts([14], seed=23)[0]
     sp = SamplingParams(max_tokens=8, ignore_eos=True, **params)
-    monkeypatch.setattr(engine_mod, "OVERLAP", False)
+    monkeypatch.setattr(switches, "OVERLAP", False)
     want = make_llm(tiny_model_dir).generate(ids_prompt(prompt), sp)[0].outputs[0].token_ids
-    monkeypatch.setattr(engine_mod, "OVERLAP", True)
+    monkeypatch.setattr(switches, "OVERLAP", True)
     llm = make_llm(tiny_model_dir)
     counts = _count_launches(monkeypatch, llm.engine)
     assert llm.generate(ids_prompt(prompt), sp)[0].outputs[0].token_ids == want
@@ -121,13 +124,13 @@ def test_steps_that_need_the_host_are_not_queued(tiny_model_dir, monkeypatch, pa
 @pytest.mark.gpu
 def test_overlapped_decode_on_cuda_graphs_equals_plain_steps(tiny_model_dir, monkeypatch):
     """On the GPU the queued steps replay the decode graphs with device-fed input ids and are read through
-    a pinned copy behind an event (GreedyPicks); same workload and oracle as the CPU test."""
+    a pinned copy behind an event (StepResult); same workload and oracle as the CPU test."""
     prompts = random_prompts([5, 18, 9, 30], seed=24)
     requests = [(p, SamplingParams(max_tokens=m, **GREEDY)) for p, m in zip(prompts, (3, 20, 7, 16))]
     late = (random_prompts([12], seed=25)[0], SamplingParams(max_tokens=6, **GREEDY))
-    monkeypatch.setattr(engine_mod, "OVERLAP", False)
+    monkeypatch.setattr(switches, "OVERLAP", False)
     want = _run(make_llm(tiny_model_dir, device="cuda").engine, requests, 6, late)
-    monkeypatch.setattr(engine_mod, "OVERLAP", True)
+    monkeypatch.setattr(switches, "OVERLAP", True)
     engine = make_llm(tiny_model_dir, device="cuda").engine
     assert engine.runner.graphs is not None
     counts = _count_launches(monkeypatch, engine)

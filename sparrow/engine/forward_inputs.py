@@ -1,0 +1,107 @@
+"""StepPlan -> the step's rows on the host (``StepRows``) -> a ForwardBatch on the device.
+
+Shapes: R = rows of the step, S = sequences, M = the step's widest block table, R' = sampled rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sparrow.engine.step_plan import StepPlan, StepResult
+from sparrow.layers.forward_batch import ForwardBatch
+
+
+@dataclass
+class StepRows:
+    """A plan's rows as host lists (sequence by sequence, rows in order)."""
+
+    input_ids: list[int] = field(default_factory=list)
+    """[R] (0 in rows fed on the device)."""
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    query_start_loc: list[int] = field(default_factory=lambda: [0])
+    seq_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    """[R'] the last ``num_sampled`` rows of each sequence."""
+    prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)
+    """(plan index, first row, count) of rows whose next token is a prompt token (prompt logprobs)."""
+    soft_vecs: list[torch.Tensor] = field(default_factory=list)
+    soft_mask: list[bool] = field(default_factory=list)
+
+
+def step_rows(plan: StepPlan, block_size: int) -> StepRows:
+    """The rows of ``plan``: a sequence's rows are positions start .. start + num_new_tokens - 1, their K/V
+    slots read from its block table (allocated by the scheduler)."""
+    r, bs = StepRows(), block_size
+    for i, item in enumerate(plan.seqs):
+        seq, n, start = item.seq, item.num_new_tokens, item.start
+        row0 = len(r.input_ids)
+        r.input_ids += item.input_ids()
+        r.positions += range(start, start + n)
+        table = seq.block_table
+        r.slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        if seq.soft_embeds is not None:
+            index = {p: j for j, p in enumerate(seq.soft_positions)}
+            for p in range(start, start + n):
+                j = index.get(p)
+                r.soft_mask.append(j is not None)
+                if j is not None:
+                    r.soft_vecs.append(seq.soft_embeds[j])
+        else:
+            r.soft_mask += [False] * n
+        r.query_start_loc.append(len(r.input_ids))
+        r.seq_lens.append(start + n)
+        r.block_tables.append(table)
+        if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens:
+            m = min(n, seq.num_prompt_tokens - 1 - start)
+            if m > 0:
+                r.prompt_rows.append((i, row0, m))
+        end = len(r.input_ids)
+        r.sample_rows += range(end - item.num_sampled, end)
+    return r
+
+
+def fed_tokens(plan: StepPlan, previous: StepResult | None) -> torch.Tensor | None:
+    """[S] int64 on the device: the input tokens of a queued step's rows (one row per sequence, each row
+    ``fed_row`` of ``previous``'s sampled ids); None when the plan's inputs are all on the host. Raises
+    ValueError for a plan that mixes fed and host rows or lacks the previous step."""
+    rows = [item.fed_row for item in plan.seqs]
+    if all(r is None for r in rows):
+        return None
+    if previous is None or any(r is None for r in rows) or any(s.num_new_tokens != 1 for s in plan.seqs):
+        raise ValueError("a step fed on the device needs the previous step and one fed row per sequence")
+    tokens = previous.tokens
+    if rows == list(range(tokens.shape[0])):
+        return tokens
+    return tokens[torch.tensor(rows, device=tokens.device)]
+
+
+def block_table_tensor(tables: list[list[int]], pad_block: int) -> torch.Tensor:
+    """[S, M] int32 CPU tensor of the sequences' blocks, padded with the pad block."""
+    bt = torch.full((len(tables), max(len(t) for t in tables)), pad_block, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    return bt
+
+
+def forward_batch(rows: StepRows, feed: torch.Tensor | None, pad_block: int, device: torch.device) -> ForwardBatch:
+    """The ForwardBatch of ``rows`` on ``device`` (``feed``: the input ids when the rows are fed on the device)."""
+    def dev(values, dtype):
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    soft = rows.soft_vecs
+    return ForwardBatch(
+        input_ids=feed if feed is not None else dev(rows.input_ids, torch.int64),
+        positions=dev(rows.positions, torch.int64),
+        slot_mapping=dev(rows.slot_mapping, torch.int64),
+        query_start_loc=dev(rows.query_start_loc, torch.int32),
+        seq_lens=dev(rows.seq_lens, torch.int32),
+        block_tables=block_table_tensor(rows.block_tables, pad_block).to(device, non_blocking=True),
+        max_query_len=max(b - a for a, b in zip(rows.query_start_loc, rows.query_start_loc[1:])),
+        max_seq_len=max(rows.seq_lens),
+        sample_rows=dev(rows.sample_rows, torch.int64),
+        soft_embeds=torch.stack(soft).to(device) if soft else None,
+        soft_mask=torch.tensor(rows.soft_mask, dtype=torch.bool, device=device) if soft else None,
+    )
