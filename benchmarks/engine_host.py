@@ -1,11 +1,11 @@
 """The engine's own host work per decode step (scheduler, block bookkeeping, stop checks, request outputs),
 with the model runner stubbed out: on a GPU this work leaves the GPU idle between two decode graphs unless
-it is overlapped (``sparrow bench --profile`` prints that idle time; engine.OVERLAP hides it).
+it is overlapped (``sparrow bench --profile`` prints that idle time; overlapped decode, switches.OVERLAP, hides it).
 
     python benchmarks/engine_host.py [--batch-sizes 1,64] [--tokens 32,1000]
 
 For each batch size B, B greedy requests (16-token prompts) run on a tiny random Llama (CPU; the runner's
-``execute`` returns token 7 for every row without running the model), and the script prints the mean wall
+``run`` returns token 7 for every sampled row without running the model), and the script prints the mean wall
 time of ``Engine.step()`` over the 50 steps before each output length in ``--tokens``.
 """
 from __future__ import annotations
@@ -26,7 +26,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from sparrow import LLM, SamplingParams
-    from sparrow.engine.sampler import SamplerOutput
+    import torch
+
+    from sparrow.engine.step_plan import StepResult
     from tests.helpers import build_tiny_llama, random_prompts
 
     marks = sorted(int(t) for t in args.tokens.split(","))
@@ -36,11 +38,10 @@ def main() -> None:
                   max_model_len=16 + marks[-1] + 1)
         eng = llm.engine
 
-        def execute(scheduled):  # every sampling row picks token 7, no model
-            n = sum(1 for s in scheduled if s.samples)
-            return SamplerOutput([7] * n, [None] * n), {}
+        def run(plan, previous=None):  # every sampled row picks token 7, no model
+            return StepResult(torch.full((sum(s.num_sampled for s in plan.seqs),), 7, dtype=torch.int64))
 
-        eng.runner.execute = execute
+        eng.runner.run = run
         params = SamplingParams(temperature=0.0, max_tokens=marks[-1], ignore_eos=True)
         for p in random_prompts([16] * batch):
             eng.add_request({"prompt_token_ids": p}, params)

@@ -264,7 +264,7 @@ def _graph_alone(runner, batch: int, reps: int = 20) -> float | None:
     bucket = graphs.bucket_for(batch) if graphs is not None else None
     if bucket is None:
         return None
-    graph = graphs.graphs[bucket]
+    graph = graphs.graphs[bucket, 1]
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
