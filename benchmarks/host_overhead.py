@@ -45,15 +45,15 @@ def main(argv=None) -> None:
                                                   for s in engine.scheduler.running):
                 engine.step()  # prefill
             runner_s = [0.0]
-            execute = engine.runner.execute
+            run = engine.runner.run
 
-            def timed(scheduled, execute=execute):
+            def timed(plan, previous=None, run=run):
                 t0 = time.perf_counter()
-                out = execute(scheduled)
+                out = run(plan, previous)
                 runner_s[0] += time.perf_counter() - t0
                 return out
 
-            engine.runner.execute = timed
+            engine.runner.run = timed
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 engine.step()
