@@ -15,6 +15,7 @@ from sparrow.devices import TORCH_DTYPES  # noqa: F401  (re-exported: EngineConf
 from sparrow.errors import InvalidRequestError, ModelLoadError
 from sparrow.loader.hf_config import check_gemma4, gemma4_layer_shape, moe_fields
 
+
 def _rope_for(cfg: dict, layer_type: str | None) -> dict:
     """The rope parameters ({rope_theta, rope_type, ...}) of a layer type, from transformers 5's
     ``rope_parameters`` (flat or keyed by layer type) or transformers 4's rope_theta / rope_scaling."""
