@@ -24,11 +24,17 @@ def _positive_int(text: str) -> int:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
+    from sparrow.config import DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig  # the defaults are the config's
+
     p.add_argument("--model", default=None,
                    help="HF checkpoint folder or .gguf file (default: the packaged Gemma 3 270M Q4_K_M)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: bf16 on GPU and on CPUs with native bf16, else fp32)")
-    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens")
+    p.add_argument("--device", default=EngineConfig.device, help=f"auto | cpu | cuda (default: {EngineConfig.device})")
+    p.add_argument("--dtype", default=EngineConfig.dtype,
+                   help=f"auto | float32 | bfloat16 | float16 (default: {EngineConfig.dtype}; auto: bf16 on GPU and on "
+                        "CPUs with native bf16, else fp32)")
+    p.add_argument("--max-model-len", type=int, default=EngineConfig.max_model_len,
+                   help=f"longest prompt + output in tokens (default: the model's, at most "
+                        f"{DEFAULT_MAX_MODEL_LEN_CAP})")
     p.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: quantize the linear layers to block-scaled FP8 at load (FP8 checkpoints load as FP8 "
                         "without it)")
@@ -86,10 +92,11 @@ def cmd_chat(args) -> int:
 
     params = _sampling(args)
     llm = _llm(args)
-    apply_chat_template(llm.tokenizer, [{"role": "user", "content": "hi"}])  # fail early without a template
     messages: list[dict] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
+    # fail early (exit 2) without a template, or with one that refuses the system message
+    apply_chat_template(llm.tokenizer, [*messages, {"role": "user", "content": "hi"}])
     print("sparrow chat: type a message, /reset to start over, /exit or Ctrl-D to quit", file=sys.stderr)
     while True:
         try:
@@ -111,7 +118,7 @@ def cmd_chat(args) -> int:
                 reply.append(piece)
                 sys.stdout.write(piece)
                 sys.stdout.flush()
-        except InvalidRequestError as e:  # e.g. the conversation outgrew max_model_len: this turn only
+        except InvalidRequestError as e:  # outgrew max_model_len, or the template refused it: this turn only
             messages.pop()
             print(f"sparrow: error: {' '.join(str(e).split())} (/reset starts a new conversation)", file=sys.stderr)
             continue

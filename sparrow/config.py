@@ -1,7 +1,9 @@
 """Frozen configuration dataclasses, normalized once (style.md 3).
 
 ``ModelConfig.from_hf`` turns an HF ``config.json`` dict (any supported architecture, transformers 4 or 5
-field names) into explicit fields; ``from_gguf`` first maps GGUF metadata onto HF names, then calls it.
+field names) into explicit fields; ``from_gguf`` first maps GGUF metadata onto HF names
+(``sparrow.loader.gguf.hf_config_from_gguf``), then calls it. The engine configs (CacheConfig, SchedulerConfig,
+EngineConfig) validate themselves when built and are the single source of the engine's defaults.
 """
 from __future__ import annotations
 
@@ -9,21 +11,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from sparrow.errors import ModelLoadError, UnsupportedArchitectureError
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""EngineConfig.dtype name -> torch dtype."""
-
-# GGUF general.architecture -> HF architecture name.
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "mistral": "MistralForCausalLM",
-}
+from sparrow.devices import TORCH_DTYPES  # noqa: F401  (re-exported: EngineConfig.dtype name -> torch dtype)
+from sparrow.errors import InvalidRequestError, ModelLoadError
+from sparrow.loader.hf_config import check_gemma4, gemma4_layer_shape, moe_fields
 
 
 def _rope_for(cfg: dict, layer_type: str | None) -> dict:
@@ -56,76 +46,6 @@ def _rotary_dim(cfg: dict, rope: dict, head_dim: int) -> int:
     if factor is None and cfg.get("rotary_dim"):
         return int(cfg["rotary_dim"])
     return int(head_dim * float(factor if factor is not None else 1.0))
-
-
-def _check_gemma4(cfg: dict) -> None:
-    """Gemma 4 features outside the MoE text decoder (26B-A4B) sparrow runs: an error, never ignored."""
-    unsupported = {
-        "hidden_size_per_layer_input": "per-layer input embeddings (PLE)",
-        "num_kv_shared_layers": "KV sharing across layers",
-    }
-    for key, what in unsupported.items():
-        if cfg.get(key):
-            raise ModelLoadError(f"Gemma 4 config sets {key}={cfg[key]!r} ({what}), which sparrow does not support")
-    if cfg.get("use_bidirectional_attention") == "all":
-        raise ModelLoadError("Gemma 4 config sets use_bidirectional_attention='all'; sparrow runs causal decoders only")
-
-
-def _gemma4_layer_shape(cfg: dict, i: int, layer_type: str, n_kv: int, head_dim: int) -> tuple[int, int]:
-    """(KV heads, head dim) of Gemma 4 layer i: transformers 5's ``per_layer_config`` when saved (layers it does
-    not list, or all when it is empty, take the top-level values: transformers >= 5.2x saves only the
-    differences there), else the ``global_head_dim`` (default 512) / ``num_global_key_value_heads`` of
-    full-attention layers (older configs)."""
-    per_layer = cfg.get("per_layer_config")
-    if isinstance(per_layer, dict):
-        by_index = {int(k): v for k, v in per_layer.items() if str(k).isdigit()}  # keys may be "05"
-        over = by_index.get(i) or per_layer.get(layer_type) or {}
-        return int(over.get("num_key_value_heads", n_kv)), int(over.get("head_dim", head_dim))
-    if layer_type != "full_attention":
-        return n_kv, head_dim
-    kv = cfg.get("num_global_key_value_heads") if cfg.get("attention_k_eq_v", False) else None
-    return int(kv or n_kv), int(cfg.get("global_head_dim") or 512)
-
-
-def _moe_fields(cfg: dict, model_type: str) -> dict:
-    """The MoE fields of ModelConfig from an HF config (empty for a dense model). Raises ModelLoadError for a
-    top-k outside [1, num_experts]."""
-    out = _moe_values(cfg, model_type)
-    if out:
-        k, n = out["num_experts_per_tok"], out["num_experts"]
-        if not 1 <= k <= n:
-            raise ModelLoadError(f"MoE config has num_experts_per_tok={k} (top-k) for num_experts={n}; "
-                                 f"it must be in [1, {n}]")
-    return out
-
-
-def _moe_values(cfg: dict, model_type: str) -> dict:
-    if model_type.startswith("gemma4"):
-        if not cfg.get("enable_moe_block"):
-            return {}
-        return dict(num_experts=int(cfg["num_experts"]), num_experts_per_tok=int(cfg["top_k_experts"]),
-                    moe_intermediate_size=int(cfg["moe_intermediate_size"]), norm_topk_prob=True)
-    n = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
-    if not n:
-        return {}
-    out = dict(
-        num_experts=n,
-        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
-        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type in ("mixtral", "minimax_m2"))),
-        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
-        decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
-        mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
-        n_group=cfg.get("n_group"),
-        topk_group=cfg.get("topk_group"),
-    )
-    if model_type == "minimax_m2":
-        out.update(router_scoring="sigmoid", router_correction_bias=True, norm_topk_prob=True)
-    elif cfg.get("scoring_func"):
-        out.update(router_scoring=str(cfg["scoring_func"]),
-                   router_correction_bias=cfg.get("topk_method") == "noaux_tc" or model_type == "deepseek_v3")
-    return out
 
 
 @dataclass(frozen=True)
@@ -287,12 +207,12 @@ class ModelConfig:
         elif model_type == "qwen3_moe" and window and not cfg.get("layer_types"):
             layer_types = ["sliding_attention"] * n_layers  # Qwen3MoeModel: one window for every layer
         if model_type.startswith("gemma4"):
-            _check_gemma4(cfg)
+            check_gemma4(cfg)
         layers = []
         for i, t in enumerate(layer_types):
             kv_i, d_i = n_kv, head_dim
             if model_type.startswith("gemma4"):
-                kv_i, d_i = _gemma4_layer_shape(cfg, i, t, n_kv, head_dim)
+                kv_i, d_i = gemma4_layer_shape(cfg, i, t, n_kv, head_dim)
             rope = _rope_for(cfg, t)
             layers.append(LayerSpec(
                 layer_type=t,
@@ -317,7 +237,7 @@ class ModelConfig:
         if positions is not None and (isinstance(positions, bool) or not isinstance(positions, int) or positions < 2):
             raise ModelLoadError(f"config.json has max_position_embeddings={positions!r}; it must be an integer >= 2")
         is_gemma = model_type.startswith("gemma")
-        moe = _moe_fields(cfg, model_type)
+        moe = moe_fields(cfg, model_type)
         if model_type.startswith("gemma4"):
             scalar = None
         return cls(
@@ -350,103 +270,83 @@ class ModelConfig:
 
     @classmethod
     def from_gguf(cls, metadata: dict[str, Any], tensor_names: set[str] | None = None) -> "ModelConfig":
-        """Normalize GGUF metadata (``{key: python value}``, as read by sparrow.loader.gguf); the LM head is
-        tied to the embedding when the file has no ``output.weight`` among ``tensor_names``.
+        """Normalize GGUF metadata: ``sparrow.loader.gguf.hf_config_from_gguf`` (its docstring lists the rule for
+        each field the metadata lacks), then ``from_hf``. Raises UnsupportedArchitectureError / ModelLoadError."""
+        from sparrow.loader.gguf import hf_config_from_gguf
 
-        Raises UnsupportedArchitectureError for a ``general.architecture`` sparrow cannot run."""
-        arch = metadata.get("general.architecture")
-        if arch not in GGUF_ARCHITECTURES:
-            raise UnsupportedArchitectureError(
-                f"GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}"
-            )
+        return cls.from_hf(hf_config_from_gguf(metadata, tensor_names))
 
-        def m(key: str, default: Any = None) -> Any:
-            return metadata.get(f"{arch}.{key}", default)
 
-        try:
-            hidden = int(m("embedding_length"))
-            n_heads = int(m("attention.head_count"))
-            n_layers = int(m("block_count"))
-        except TypeError:
-            raise ModelLoadError(f"GGUF metadata lacks the {arch} shape keys (embedding_length, ...)") from None
-        vocab = (m("vocab_size") or metadata.get("tokenizer.ggml.tokens.length")
-                 or len(metadata.get("tokenizer.ggml.tokens", [])) or None)
-        if vocab is None:
-            raise ModelLoadError("GGUF metadata gives no vocab size (no vocab_size, no tokenizer.ggml.tokens)")
-        cfg: dict[str, Any] = {
-            "architectures": [GGUF_ARCHITECTURES[arch]],
-            "model_type": {"gemma3": "gemma3_text"}.get(arch, arch),
-            "hidden_size": hidden,
-            "intermediate_size": int(m("feed_forward_length", 0)),
-            "num_hidden_layers": n_layers,
-            "num_attention_heads": n_heads,
-            "num_key_value_heads": int(m("attention.head_count_kv", n_heads)),
-            "head_dim": int(m("attention.key_length", hidden // n_heads)),
-            "rms_norm_eps": float(m("attention.layer_norm_rms_epsilon", 1e-6)),
-            "max_position_embeddings": int(m("context_length", 4096)),
-            "vocab_size": int(vocab),
-            "rope_theta": float(m("rope.freq_base", 10000.0)),
-            "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
-            "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
-        }
-        if tensor_names is not None:
-            cfg["tie_word_embeddings"] = "output.weight" not in tensor_names
-        if arch == "gemma3":
-            cfg.update(
-                hidden_activation="gelu_pytorch_tanh",
-                query_pre_attn_scalar=cfg["head_dim"],
-                sliding_window=int(m("attention.sliding_window", 512)),
-                rope_local_base_freq=10000.0,
-                sliding_window_pattern=6,
-            )
-        else:
-            cfg["hidden_act"] = "silu"
-        if arch == "qwen2":
-            cfg["attention_bias"] = True
-        scaling = m("rope.scaling.type")
-        if scaling == "linear":
-            cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(m("rope.scaling.factor", 1.0))}
-        return cls.from_hf(cfg)
+def _check_int(name: str, value: Any, minimum: int = 1) -> None:
+    """Raise InvalidRequestError unless ``value`` is an int (not a bool) >= ``minimum``; the message names it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"{name}={value!r} must be an integer")
+    if value < minimum:
+        raise InvalidRequestError(f"{name}={value} must be at least {minimum}")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache settings."""
+    """Paged KV cache settings. Raises InvalidRequestError for a value out of range (named as LLM names it)."""
 
     block_size: int = 16
     """Tokens per KV block (a power of two >= 1)."""
     num_blocks: int | None = None
-    """Blocks in the pool per layer; None sizes the pool from max_num_seqs x max_model_len (CPU) or free GPU memory."""
+    """Blocks in the pool per layer (LLM's ``num_kv_blocks``); None sizes the pool from max_num_seqs x
+    max_model_len (CPU) or free GPU memory."""
     gpu_memory_utilization: float = 0.85
-    """Fraction of GPU memory the engine may use (weights + KV pool)."""
+    """Fraction of GPU memory the engine may use (weights + KV pool), in (0, 1]."""
     cpu_kv_cache_bytes: int = 1 << 30
     """Bytes of the KV pool on CPU (the pool is still at least one max_model_len sequence)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
 
+    def __post_init__(self):
+        _check_int("block_size", self.block_size)
+        if self.block_size & (self.block_size - 1):
+            raise InvalidRequestError(f"block_size={self.block_size} must be a power of two")
+        if self.num_blocks is not None:
+            _check_int("num_kv_blocks", self.num_blocks)
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise InvalidRequestError(f"gpu_memory_utilization={u!r} must be a number in (0, 1]")
+        _check_int("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous-batching limits."""
+    """Continuous-batching limits. Raises InvalidRequestError for a value below 1 or not an integer."""
 
     max_num_seqs: int = 64
     """Most sequences running in one step."""
     max_num_batched_tokens: int = 2048
     """Token budget of one step (prefill chunks + decode rows)."""
 
+    def __post_init__(self):
+        _check_int("max_num_seqs", self.max_num_seqs)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens)
+
+
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+"""max_model_len=None takes the model's positions, at most this many (a smaller KV pool by default)."""
+
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs besides the weights."""
+    """Everything the engine needs besides the weights. Built, it holds resolved values: device 'cpu' or
+    'cuda[:N]', a dtype name of TORCH_DTYPES, an int max_model_len. Raises InvalidRequestError for an unknown
+    device or dtype, float16 on the CPU, a max_model_len outside [2, the model's positions] and a KV pool
+    (cache.num_blocks) that cannot hold one max_model_len sequence."""
 
     model: ModelConfig
     """The model's normalized config."""
-    device: str = "cpu"
-    """'cpu' or 'cuda[:N]'."""
-    dtype: str = "float32"
-    """Compute dtype of weights and activations: 'float32', 'bfloat16' or 'float16'."""
-    max_model_len: int = 4096
-    """Longest sequence (prompt + output) accepted."""
+    device: str = "auto"
+    """'auto' (CUDA when a GPU is visible, else CPU), 'cpu' or 'cuda[:N]'."""
+    dtype: str = "auto"
+    """Compute dtype of weights and activations: 'auto' (bf16 on CUDA and on CPUs with native bf16, else
+    fp32), 'float32', 'bfloat16' or 'float16'."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output) accepted; None: the model's, capped at DEFAULT_MAX_MODEL_LEN_CAP."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     """KV cache settings."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -454,6 +354,27 @@ class EngineConfig:
     enforce_eager: bool = False
     """Never capture CUDA graphs."""
 
+    def __post_init__(self):
+        from sparrow.devices import resolve_device, resolve_dtype
+
+        device = resolve_device(self.device)
+        dtype = resolve_dtype(self.dtype, device)
+        if dtype == "float16" and device == "cpu":
+            raise InvalidRequestError("dtype='float16' is not supported on the CPU (use 'float32' or 'bfloat16')")
+        limit, mml = self.model.max_position_embeddings, self.max_model_len
+        if mml is None:
+            mml = min(limit, DEFAULT_MAX_MODEL_LEN_CAP)
+        _check_int("max_model_len", mml)
+        if mml > limit:
+            raise InvalidRequestError(f"max_model_len={mml} exceeds the model's {limit} positions")
+        _check_int("max_model_len", mml, minimum=2)
+        n, bs = self.cache.num_blocks, self.cache.block_size
+        if n is not None and n * bs < mml:
+            raise InvalidRequestError(f"num_kv_blocks={n} of {bs} tokens cannot hold one sequence of "
+                                      f"max_model_len={mml} tokens")
+        for name, value in (("device", device), ("dtype", dtype), ("max_model_len", mml)):
+            object.__setattr__(self, name, value)  # frozen: the resolved values, set once here
+
     def replace(self, **kw: Any) -> "EngineConfig":
-        """A copy with some fields changed."""
+        """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **kw)

@@ -55,8 +55,30 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
 
 
 def apply_chat_template(tokenizer, messages: list[dict]) -> str:
-    """Render a conversation with the model's chat template, ending with the assistant turn's opening.
-    Raises InvalidRequestError when the model has no chat template."""
+    """Render a conversation (a list of {'role': str, 'content': str}) with the model's chat template, ending
+    with the assistant turn's opening.
+
+    Raises InvalidRequestError when there is no tokenizer or no chat template, for messages that are not
+    role-keyed dicts or that the template cannot render, and when the template refuses the conversation (it
+    raises jinja2's TemplateError, e.g. Gemma 2's "System role not supported": that message is quoted);
+    ModelLoadError when the template does not parse (a TemplateSyntaxError is the model's fault, not the
+    request's)."""
+    from jinja2.exceptions import TemplateError, TemplateSyntaxError
+
+    if tokenizer is None:
+        raise InvalidRequestError("chat needs a tokenizer (this LLM was built without one)")
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("this model has no chat template: give it a plain prompt (sparrow generate without --chat)")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if not isinstance(messages, (list, tuple)) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise InvalidRequestError("messages must be a non-empty list of {'role': str, 'content': ...} dicts")
+    try:
+        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    except TemplateSyntaxError as e:
+        raise ModelLoadError(f"the model's chat template does not parse: {' '.join(str(e).split())}") from None
+    except TemplateError as e:
+        raise InvalidRequestError(f"the model's chat template refused the conversation: "
+                                  f"{' '.join(str(e).split())}") from None
+    except (TypeError, KeyError, AttributeError) as e:  # the template met a message shape it cannot render
+        raise InvalidRequestError(f"the model's chat template cannot render these messages: "
+                                  f"{type(e).__name__}: {' '.join(str(e).split())}") from None

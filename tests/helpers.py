@@ -86,6 +86,14 @@ def save_byte_tokenizer(path: Path, chat_template: str | None = None) -> None:
     fast.save_pretrained(str(path))
 
 
+GEMMA2_STYLE_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for m in messages %}{% if m['content'] | length > 20 %}"
+    "{{ raise_exception('Messages longer than 20 characters are not supported') }}{% endif %}"
+    "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+"""Gemma 2's refusal of the system role, plus a per-message refusal (a stand-in for any turn a template refuses)."""
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The tiny random Llama checkpoint (no tokenizer), built once per session."""

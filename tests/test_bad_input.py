@@ -254,6 +254,24 @@ def test_sampling_params_changed_after_construction(llm):
         llm.engine.abort(rid)
 
 
+def test_chat_template_errors_are_sparrow_errors(tiny_model_dir, tmp_path):
+    """A template that refuses (jinja2 TemplateError) was raised as is; one that does not parse is the model's."""
+    from tests.helpers import GEMMA2_STYLE_TEMPLATE, save_byte_tokenizer
+
+    path = copy_checkpoint(tiny_model_dir, tmp_path / "refusing")
+    save_byte_tokenizer(path, chat_template=GEMMA2_STYLE_TEMPLATE)
+    llm = make_llm(path, skip_tokenizer_init=False, max_model_len=64)
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    raises(InvalidRequestError, lambda: llm.chat([{"role": "system", "content": "be brief"},
+                                                  {"role": "user", "content": "hi"}], sp),
+           "chat template refused", "System role not supported")
+    for bad in ([], "hi", [{"content": "hi"}]):
+        raises(InvalidRequestError, lambda: llm.chat(bad, sp), "messages must be")
+    assert len(llm.chat([{"role": "user", "content": "hi"}], sp).outputs[0].token_ids) == 2  # still serves
+    llm.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }"
+    raises(ModelLoadError, lambda: llm.chat([{"role": "user", "content": "hi"}], sp), "does not parse")
+
+
 def test_prompt_that_is_not_utf8_text():
     from sparrow.tokenizer import encode_prompt
 

@@ -139,6 +139,37 @@ def test_chat_without_template(tiny_model_dir, tmp_path):
     assert_cli_error(cli("chat", "--model", path, input="hi\n"), "chat template")
 
 
+@pytest.fixture(scope="module")
+def refusing_template_dir(tiny_model_dir, tmp_path_factory):
+    from tests.helpers import GEMMA2_STYLE_TEMPLATE, copy_checkpoint, save_byte_tokenizer
+
+    path = copy_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("refusing") / "tiny")
+    save_byte_tokenizer(path, chat_template=GEMMA2_STYLE_TEMPLATE)
+    return path
+
+
+def test_generate_chat_with_a_template_that_refuses(refusing_template_dir):
+    """Was a 32-line jinja2 traceback and exit 1."""
+    assert_cli_error(cli("generate", "x" * 30, "--chat", "--model", refusing_template_dir),
+                     "chat template refused", "Messages longer than 20 characters are not supported")
+
+
+def test_chat_with_a_system_message_the_template_refuses(refusing_template_dir):
+    """Every turn would be refused: one line and exit 2 before the first prompt."""
+    assert_cli_error(cli("chat", "--system", "be brief", "--model", refusing_template_dir, input="hi\n"),
+                     "System role not supported")
+
+
+def test_chat_turn_the_template_refuses_is_reported_and_chat_goes_on(refusing_template_dir):
+    proc = cli("chat", "--model", refusing_template_dir, "--max-tokens", "3",
+               input="hi\n" + "x" * 30 + "\nagain\n/exit\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("sparrow: error:")]
+    assert len(errors) == 1 and "Messages longer than 20 characters" in errors[0], proc.stderr
+    assert proc.stdout.count("> ") == 4  # hi, the refused turn, again, /exit: every line was read
+
+
 # ---------------------------------------------------------------- success
 
 

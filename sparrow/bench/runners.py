@@ -15,40 +15,28 @@ from sparrow.bench.settings import Settings
 from sparrow.bench.timing import HFRunner, SparrowRunner
 
 
-def engine_from_model(model: torch.nn.Module, model_config, s: Settings, **engine_kw):
-    """sparrow's ``Engine`` around an already-built model (what ``LLM`` does after loading from a path;
-    LLM has no constructor for a built model). ``engine_kw``: LLM's engine arguments (max_model_len,
-    num_kv_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, enforce_eager)."""
-    from sparrow.config import CacheConfig, EngineConfig, SchedulerConfig
-    from sparrow.engine.engine import Engine
-
-    config = EngineConfig(
-        model=model_config, device=s.device, dtype=s.dtype, max_model_len=engine_kw["max_model_len"],
-        cache=CacheConfig(block_size=engine_kw.get("block_size", 16), num_blocks=engine_kw["num_kv_blocks"],
-                          enable_prefix_caching=engine_kw["enable_prefix_caching"]),
-        scheduler=SchedulerConfig(max_num_seqs=engine_kw["max_num_seqs"],
-                                  max_num_batched_tokens=engine_kw["max_num_batched_tokens"]),
-        enforce_eager=engine_kw["enforce_eager"],
-    )
-    return Engine(config, model, tokenizer=None)
-
-
 def engine_kwargs(s: Settings, max_model_len: int | None) -> dict:
-    """LLM arguments for the benchmark: a KV pool that holds every sequence of the largest batch at once,
-    no prefix caching (each run uses fresh prompts anyway), a step budget that prefills one prompt whole."""
+    """LLM's engine arguments for the benchmark (``LLM(path, ...)`` and ``LLM.from_model``): a KV pool that
+    holds every sequence of the largest batch at once, no prefix caching (each run uses fresh prompts anyway),
+    a step budget that prefills one prompt whole (at least 8192 tokens on a GPU)."""
+    from sparrow.config import CacheConfig, SchedulerConfig
+
     mml = max_model_len or s.max_model_len
     if mml < s.max_model_len:
         raise InvalidRequestError(f"--max-model-len {mml} is shorter than prompt + decode tokens ({s.max_model_len})")
-    block, top = 16, max(s.batch_sizes)
+    block, top = CacheConfig.block_size, max(s.batch_sizes)
+    budget = 8192 if s.device.startswith("cuda") else SchedulerConfig.max_num_batched_tokens
     return dict(max_model_len=mml, num_kv_blocks=top * -(-mml // block) + top, max_num_seqs=max(top, 1),
-                max_num_batched_tokens=max(8192 if s.device.startswith("cuda") else 2048, max(s.prompt_lens)),
-                enable_prefix_caching=False, enforce_eager=s.enforce_eager, skip_tokenizer_init=True)
+                max_num_batched_tokens=max(budget, max(s.prompt_lens)), enable_prefix_caching=False,
+                enforce_eager=s.enforce_eager)
 
 
 def sparrow_from_hf(hf_model, full_cfg: dict, s: Settings, engine_kw: dict):
     """sparrow's model for ``full_cfg`` on the device, filled from the transformers model's state dict (the
-    same weights), wrapped in an Engine. Raises UnsupportedArchitectureError if sparrow lacks the architecture."""
+    same weights), wrapped in an Engine by ``LLM.from_model`` (no tokenizer). Raises UnsupportedArchitectureError
+    if sparrow lacks the architecture."""
     from sparrow.config import ModelConfig
+    from sparrow.engine.llm import LLM
     from sparrow.loader.model_loader import build_model, finish_loading
     from sparrow.loader.weights import load_weights
     from sparrow.models.registry import get_model_class
@@ -62,8 +50,10 @@ def sparrow_from_hf(hf_model, full_cfg: dict, s: Settings, engine_kw: dict):
     model = build_model(get_model_class(mcfg.architecture), mcfg, _DTYPES[s.dtype], s.device, quant_config)
     load_weights(model, hf_model.state_dict().items())
     finish_loading(model, quant_config, s.quantize_lm_head)
-    kw = {k: v for k, v in engine_kw.items() if k != "skip_tokenizer_init"}
-    return engine_from_model(model, mcfg, s, **kw)
+    # a --max-model-len beyond the shape's positions only sizes the KV pool (num_kv_blocks); prompt + decode
+    # tokens were checked against the positions
+    kw = dict(engine_kw, max_model_len=min(engine_kw["max_model_len"], mcfg.max_position_embeddings))
+    return LLM.from_model(model, device=s.device, dtype=s.dtype, **kw).engine
 
 
 def load_hf_pretrained(path: Path, s: Settings):
@@ -140,7 +130,7 @@ def path_runners(path: Path, s: Settings, engine_kw: dict, with_hf: bool, meta: 
     quant = {"quantization": s.quantization} if s.quantization else {}
     if s.quantize_lm_head:
         quant["quantize_lm_head"] = True
-    engine = LLM(str(path), device=s.device, dtype=s.dtype, **quant, **engine_kw).engine
+    engine = LLM(str(path), device=s.device, dtype=s.dtype, skip_tokenizer_init=True, **quant, **engine_kw).engine
     mcfg = engine.config.model
     fp = footprint(engine.runner.model, mcfg.raw, mcfg.tie_word_embeddings, mcfg.hidden_size)
     meta["params"] = sum(p.numel() for p in engine.runner.model.parameters())

@@ -43,7 +43,7 @@ def _int_list(text: str, flag: str) -> list[int]:
 def resolve_settings(args) -> Settings:
     """Settings from the CLI flags; unset sizes default by device (GPU: batches 1,8,64, prompts 128,2048,
     64 new tokens; CPU: batches 1,8, prompt 128, 32 new tokens)."""
-    from sparrow.engine.llm import resolve_device, resolve_dtype
+    from sparrow.devices import resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
     gpu = device.startswith("cuda")

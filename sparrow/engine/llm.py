@@ -7,7 +7,8 @@ from typing import Iterator, Sequence as Seq
 
 import torch
 
-from sparrow.config import CacheConfig, EngineConfig, SchedulerConfig
+from sparrow.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from sparrow.devices import TORCH_DTYPES, cpu_has_native_bf16, resolve_device, resolve_dtype  # noqa: F401
 from sparrow.engine.engine import Engine
 from sparrow.errors import InvalidRequestError
 from sparrow.outputs import RequestOutput
@@ -15,109 +16,116 @@ from sparrow.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-from sparrow.config import TORCH_DTYPES as _DTYPES
+_E, _C, _S = EngineConfig, CacheConfig, SchedulerConfig  # the engine arguments' defaults are their fields'
 
 
-def resolve_device(device: str) -> str:
-    """'auto' -> 'cuda' when a GPU is visible, else 'cpu'. Raises InvalidRequestError for 'cuda' without one."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise InvalidRequestError("device='cuda' was asked for but no CUDA GPU is visible")
-    if device != "cpu" and not device.startswith("cuda"):
-        raise InvalidRequestError(f"unknown device {device!r} (use 'auto', 'cpu' or 'cuda')")
-    return device
+def engine_config(model: ModelConfig, *, device: str = _E.device, dtype: str = _E.dtype,
+                  max_model_len: int | None = _E.max_model_len, block_size: int = _C.block_size,
+                  num_kv_blocks: int | None = _C.num_blocks, enable_prefix_caching: bool = _C.enable_prefix_caching,
+                  max_num_seqs: int = _S.max_num_seqs, max_num_batched_tokens: int = _S.max_num_batched_tokens,
+                  enforce_eager: bool = _E.enforce_eager) -> EngineConfig:
+    """The EngineConfig for LLM's flat engine arguments (``num_kv_blocks`` is ``cache.num_blocks``). The
+    configs validate themselves: InvalidRequestError names the first bad argument (cache and scheduler
+    settings, then device, dtype, max_model_len and the pool size)."""
+    cache = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching)
+    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    return EngineConfig(model=model, device=device, dtype=dtype, max_model_len=max_model_len, cache=cache,
+                        scheduler=scheduler, enforce_eager=enforce_eager)
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16, read from /proc/cpuinfo), so that
-    bf16 weights halve the bytes of a matmul without a slow emulation."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
-
-
-def resolve_dtype(dtype: str, device: str) -> str:
-    """'auto' -> bfloat16 on CUDA and on CPUs with native bf16 (decode reads half the bytes of fp32),
-    float32 on other CPUs."""
-    if dtype == "auto":
-        if device.startswith("cuda") or cpu_has_native_bf16():
-            return "bfloat16"
-        return "float32"
-    if dtype not in _DTYPES:
-        raise InvalidRequestError(f"unknown dtype {dtype!r} (use 'auto', 'float32', 'bfloat16' or 'float16')")
-    return dtype
+def _model_placement(model: torch.nn.Module) -> tuple[str, str]:
+    """(device, dtype name) of a built model: those of its embedding table (``model.embed_tokens``, never
+    quantized; a model without one: its first parameter of a TORCH_DTYPES dtype). Raises InvalidRequestError
+    when there is no such parameter."""
+    names = {v: k for k, v in TORCH_DTYPES.items()}
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    params = [embed.weight] if isinstance(getattr(embed, "weight", None), torch.Tensor) else []
+    params += [p for p in model.parameters() if p.dtype in names]
+    params = [p for p in params if p.dtype in names]
+    if not params:
+        raise InvalidRequestError("the model has no float32 / bfloat16 / float16 parameter to take its dtype from")
+    return str(params[0].device), names[params[0].dtype]
 
 
 class LLM:
     """Load a model and generate.
 
     model: an HF folder (config.json + safetensors), a ``.gguf`` file, or None for the packaged default
-    (Gemma 3 270M Q4_K_M). device: 'auto' | 'cpu' | 'cuda'. dtype: 'auto' | 'float32' | 'bfloat16' |
-    'float16'. max_model_len: longest prompt + output (default: the model's, capped at 8192).
+    (Gemma 3 270M Q4_K_M); ``LLM.from_model`` wraps a model already built. device: 'auto' | 'cpu' | 'cuda'.
+    dtype: 'auto' | 'float32' | 'bfloat16' | 'float16'. max_model_len: longest prompt + output (default: the
+    model's, capped at 8192). block_size, num_kv_blocks, enable_prefix_caching, max_num_seqs,
+    max_num_batched_tokens, enforce_eager: the engine settings (defaults and meaning: the fields of
+    ``CacheConfig``, ``SchedulerConfig``, ``EngineConfig``; every value is checked before the weights load).
     quantization: None | 'fp8' (quantize a float checkpoint's linear layers to block-scaled FP8 at load; an
     FP8 checkpoint, declared by config.json's quantization_config, loads as FP8 either way).
     quantize_lm_head: with FP8 linears, compute the logits on a block-scaled FP8 copy of the LM head too (off by
     default, as in vLLM: it halves the LM head's bytes and rounds the logits; see ``CausalLM.quantize_lm_head``).
     tokenizer: a transformers tokenizer to use instead of the model's; skip_tokenizer_init=True runs without one.
-    Raises sparrow errors (ModelNotFoundError, ModelLoadError, UnsupportedArchitectureError, ...)."""
+    seed: seeds torch's global generator before loading.
+    Raises sparrow errors (ModelNotFoundError, ModelLoadError, UnsupportedArchitectureError,
+    InvalidRequestError, ...)."""
 
-    def __init__(self, model: str | None = None, device: str = "auto", dtype: str = "auto",
-                 max_model_len: int | None = None, quantization: str | None = None, block_size: int = 16,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, enforce_eager: bool = False,
-                 num_kv_blocks: int | None = None, enable_prefix_caching: bool = True, seed: int = 0,
-                 tokenizer=None, skip_tokenizer_init: bool = False, quantize_lm_head: bool = False):
+    def __init__(self, model: str | os.PathLike | None = None, device: str = _E.device, dtype: str = _E.dtype,
+                 max_model_len: int | None = _E.max_model_len, quantization: str | None = None,
+                 block_size: int = _C.block_size, max_num_seqs: int = _S.max_num_seqs,
+                 max_num_batched_tokens: int = _S.max_num_batched_tokens, enforce_eager: bool = _E.enforce_eager,
+                 num_kv_blocks: int | None = _C.num_blocks, enable_prefix_caching: bool = _C.enable_prefix_caching,
+                 seed: int = 0, tokenizer=None, skip_tokenizer_init: bool = False, quantize_lm_head: bool = False):
         from sparrow.default_model import default_model_path
-        from sparrow.loader.model_loader import load_model
+        from sparrow.loader.model_loader import load_model, read_model_config
         from sparrow.quant.fp8 import SUPPORTED_QUANTIZATION
         from sparrow.tokenizer import load_tokenizer
 
         if quantization is not None and quantization not in SUPPORTED_QUANTIZATION:
             raise InvalidRequestError(f"quantization={quantization!r} is not supported "
                                       f"(supported: None, {', '.join(map(repr, SUPPORTED_QUANTIZATION))})")
+        if isinstance(model, torch.nn.Module):
+            raise InvalidRequestError("model is a built torch module: use LLM.from_model(model, ...) for it")
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise InvalidRequestError(f"model={model!r} must be a path (str) or None for the packaged default")
-        for name, val in (("max_model_len", max_model_len), ("block_size", block_size), ("max_num_seqs", max_num_seqs),
-                          ("max_num_batched_tokens", max_num_batched_tokens), ("num_kv_blocks", num_kv_blocks)):
-            if val is not None and (isinstance(val, bool) or not isinstance(val, int)):
-                raise InvalidRequestError(f"{name}={val!r} must be an integer")
-            if val is not None and val < 1:
-                raise InvalidRequestError(f"{name}={val} must be at least 1")
-        if block_size & (block_size - 1):  # >= 1 checked above
-            raise InvalidRequestError(f"block_size={block_size} must be a power of two")
         path = os.fspath(model) if model is not None else default_model_path()
-        device = resolve_device(device)
-        dtype = resolve_dtype(dtype, device)
-        if dtype == "float16" and device == "cpu":
-            raise InvalidRequestError("dtype='float16' is not supported on the CPU (use 'float32' or 'bfloat16')")
+        # every engine argument is checked against the model's config (read without the weights) before loading
+        config = engine_config(
+            read_model_config(path)[0], device=device, dtype=dtype, max_model_len=max_model_len,
+            block_size=block_size, num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager)
         torch.manual_seed(seed)
-        loaded = load_model(path, _DTYPES[dtype], device, quantization=quantization,
+        loaded = load_model(path, TORCH_DTYPES[config.dtype], config.device, quantization=quantization,
                             quantize_lm_head=quantize_lm_head)
-        mcfg = loaded.config
-        limit = mcfg.max_position_embeddings
-        if max_model_len is None:
-            max_model_len = min(limit, 8192)
-        elif max_model_len > limit:
-            raise InvalidRequestError(f"max_model_len={max_model_len} exceeds the model's {limit} positions")
-        elif max_model_len < 2:
-            raise InvalidRequestError(f"max_model_len={max_model_len} must be at least 2")
-        if num_kv_blocks is not None and num_kv_blocks * block_size < max_model_len:
-            raise InvalidRequestError(f"num_kv_blocks={num_kv_blocks} of {block_size} tokens cannot hold one "
-                                      f"sequence of max_model_len={max_model_len} tokens")
-        config = EngineConfig(
-            model=mcfg, device=device, dtype=dtype, max_model_len=max_model_len,
-            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
-                              enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens),
-            enforce_eager=enforce_eager,
-        )
         # skip_tokenizer_init (vLLM's name): no tokenizer; prompts must be {'prompt_token_ids': [...]}, no text out
-        self.tokenizer = tokenizer if tokenizer is not None or skip_tokenizer_init else load_tokenizer(path)
-        self.engine = Engine(config, loaded.model, self.tokenizer)
+        if tokenizer is None and not skip_tokenizer_init:
+            tokenizer = load_tokenizer(path)
+        self._start(config.replace(model=loaded.config), loaded.model, tokenizer, path)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, tokenizer=None, **engine_args) -> "LLM":
+        """An LLM around a sparrow model that is already built and loaded (a ``sparrow.models`` class whose
+        ``config`` is a ModelConfig, after ``loader.model_loader.finish_loading``), e.g. random weights copied
+        from a transformers model. ``engine_args``: LLM's engine arguments (device, dtype, max_model_len,
+        block_size, num_kv_blocks, enable_prefix_caching, max_num_seqs, max_num_batched_tokens, enforce_eager);
+        device and dtype ('auto' or left out) are the model's own (``_model_placement``). tokenizer: None runs
+        without one (prompts as {'prompt_token_ids': [...]}). Raises InvalidRequestError for a model that is not
+        a sparrow model, a device or dtype other than the model's, or a bad engine argument; TypeError for an
+        unknown argument."""
+        config = getattr(model, "config", None)
+        if not isinstance(model, torch.nn.Module) or not isinstance(config, ModelConfig):
+            raise InvalidRequestError(f"LLM.from_model needs a sparrow model (a torch module whose .config is a "
+                                      f"ModelConfig), got {type(model).__name__}")
+        device, dtype = _model_placement(model)
+        for name, own in (("device", device), ("dtype", dtype)):
+            if engine_args.get(name, "auto") == "auto":
+                engine_args[name] = own
+        built = engine_config(config, **engine_args)
+        if torch.device(built.device).type != torch.device(device).type or built.dtype != dtype:
+            raise InvalidRequestError(f"device={built.device!r}, dtype={built.dtype!r} do not match the model's "
+                                      f"weights ({device}, {dtype})")
+        llm = cls.__new__(cls)
+        llm._start(built, model, tokenizer, None)
+        return llm
+
+    def _start(self, config: EngineConfig, model: torch.nn.Module, tokenizer, path: str | None) -> None:
+        self.tokenizer = tokenizer
+        self.engine = Engine(config, model, tokenizer)
         self.model_path = path
         self._watched: dict[str, RequestOutput | None] = {}
         """Latest output of each request a ``generate`` or ``stream`` call is waiting on (None before its first):
@@ -230,7 +238,10 @@ class LLM:
             self._release(rid)
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
-        """Generate the assistant's reply to a conversation, rendered with the model's chat template."""
+        """Generate the assistant's reply to a conversation (a list of {'role': str, 'content': str}), rendered
+        with the model's chat template. Raises InvalidRequestError when the model has no template, the
+        messages are malformed or the template refuses them (its own message quoted), ModelLoadError when the
+        template itself is broken (``sparrow.tokenizer.apply_chat_template``)."""
         from sparrow.tokenizer import apply_chat_template
 
         return self.generate(apply_chat_template(self.tokenizer, messages), sampling_params)[0]
