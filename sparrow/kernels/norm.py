@@ -12,7 +12,9 @@ Conventions (each matches its transformers module exactly when the weight has x'
 - Llama (``gemma=False``, ``LlamaRMSNorm``): x̂ = x * rsqrt(mean(x²) + eps) in fp32, cast to x's dtype, then
   multiplied by the weight: ``(w * x̂.to(dtype)).to(dtype)``.
 - Gemma 1-3 (``gemma=True``, ``Gemma3RMSNorm``): ``(x̂ * (1 + w.float())).to(dtype)``, all in fp32.
-- Gemma 4 (``gemma=True, unit_offset=False``, ``Gemma4RMSNorm``): ``(x̂ * w.float()).to(dtype)``.
+- Gemma 4 (``gemma=True, unit_offset=False``, ``Gemma4RMSNorm``): ``(x̂ * w.float()).to(dtype)``, with
+  x̂ = x * pow(mean(x²) + eps, -0.5) as that module computes it (the Triton kernel uses rsqrt: the same
+  value up to an fp32 ulp).
 - ``weight=None``: scale-free, ``x̂.to(dtype)`` (Gemma 4 v_norm and router norm, ``with_scale=False``).
 The output always has x's dtype (HF's Llama module would promote to an fp32 weight's dtype).
 """
@@ -56,19 +58,17 @@ def rms_norm_ref(
     if pair_weights is not None:  # moe_reduce_ref: fp32 weighted sum over the K slots, rounded once
         rows, top_k = pair_weights.shape
         x = (x.float().view(rows, top_k, -1) * pair_weights.float().unsqueeze(-1)).sum(dim=1).to(dtype)
+    gemma4 = gemma and not unit_offset
     if pre_add is not None:
-        xf = x.float()
-        pre_hat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        pre_hat = _normed(x, eps, gemma4)
         a = pre_add.float()
         if pre_add_weight is not None:
-            a_hat = a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + eps)
-            a = _weighted(a_hat, pre_add_weight, dtype, gemma, unit_offset).float()
+            a = _weighted(_normed(pre_add, eps, gemma4), pre_add_weight, dtype, gemma, unit_offset).float()
         x = (a + _weighted(pre_hat, pre_weight, dtype, gemma, unit_offset).float()).to(dtype)
     if residual is not None:
         x = (x.float() + residual.float()).to(dtype)  # HF adds in the model dtype
         new_residual = x
-    xf = x.float()
-    xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xhat = _normed(x, eps, gemma4)
     y = xhat.to(dtype) if weight is None else _weighted(xhat, weight, dtype, gemma, unit_offset)
     if post_add is not None:
         y = (post_add.float() + y.float()).to(dtype)
@@ -78,10 +78,17 @@ def rms_norm_ref(
     if new_residual is not None:
         outs = outs + (new_residual,)
     if next_weights:
-        yf = y.float()
-        y_hat = yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + eps)
+        y_hat = _normed(y, eps, gemma4)
         outs = outs + tuple(_weighted(y_hat, w, dtype, gemma, unit_offset) for w in next_weights)
     return outs[0] if len(outs) == 1 else outs
+
+
+def _normed(x: torch.Tensor, eps: float, gemma4: bool) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) in fp32 over the last dim: ``torch.pow(m, -0.5)`` for Gemma 4's convention,
+    as ``Gemma4RMSNorm`` computes it, ``torch.rsqrt`` for the others (Llama / Gemma 3), as theirs do."""
+    xf = x.float()
+    mean_sq = xf.pow(2).mean(-1, keepdim=True) + eps
+    return xf * (torch.pow(mean_sq, -0.5) if gemma4 else torch.rsqrt(mean_sq))
 
 
 def _weighted(xhat: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, gemma: bool, unit_offset: bool):

@@ -35,7 +35,7 @@ from sparrow.kernels.moe import (
     moe_reduce_triton,
 )
 from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config, pick_config
-from sparrow.layers.moe import fused_moe_grouped_ref, fused_moe_per_pair_ref
+from sparrow.kernels.moe_ref import fused_moe_grouped_ref, fused_moe_per_pair_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
