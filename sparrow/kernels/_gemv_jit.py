@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from sparrow.kernels._fp8_jit import dot_upcast, quant_fp8
-from sparrow.kernels._pdl_jit import pdl_enter, prefetch_tile_l2
+from sparrow.kernels._pdl_jit import pdl_enter
 from sparrow.kernels._split_k_jit import split_k_and, split_k_range, split_k_reduce
 
 
@@ -46,13 +46,9 @@ def gemv_kernel(
     # registers (SUB_K = 128) and the dot run on e4m3 tensor cores
     EMULATE_FP8: tl.constexpr = False,  # QUANT_X under the interpreter: e4m3 rounding emulated, fp32 dots (_fp8_jit)
     USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
-    PREFETCH: tl.constexpr = 0,  # with USE_PDL: bytes of each weight row of the tile sent to L2 before the wait
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if PREFETCH > 0:
-        pk0, pk1 = split_k_range(K, pid_k, SPLIT_K, BLOCK_K)
-        prefetch_tile_l2(w_ptr, pid * BLOCK_N, N, K, stride_wn, pk0, pk1, PREFETCH, BLOCK_N)
     pdl_enter(USE_PDL)
     rr = tl.arange(0, BLOCK_R)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)

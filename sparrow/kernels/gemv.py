@@ -26,7 +26,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from sparrow.kernels import ForcedConfig, interpreting, pdl_kwargs, prefetch_bytes, use_triton
+from sparrow.kernels import ForcedConfig, interpreting, pdl_kwargs, use_triton
 
 from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, dequantize_fp8_block_ref
 from sparrow.kernels import split_k
@@ -215,7 +215,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, quan
         QUANT_X=quant_x,
         EMULATE_FP8=quant_x and interpreting(),
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, PREFETCH=prefetch_bytes(x, w), **pdl_kwargs(x),
+        num_stages=cfg.num_stages, **pdl_kwargs(x),
     )
     return y
 
