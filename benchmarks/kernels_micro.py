@@ -61,8 +61,6 @@ def bench_norm(peak: float) -> None:
             shape = f"R={rows} H={hidden}"
             _report("rms_norm", shape, lambda: rms_norm_triton(x, w, 1e-6, gemma=True), 2 * e, peak)
             _report("rms_norm+res", shape, lambda: rms_norm_triton(x, w, 1e-6, residual=r), 4 * e, peak)
-            _report("rms_norm+res+fp8", shape, lambda: rms_norm_triton(x, w, 1e-6, residual=r, fp8_out=True),
-                    3 * e + e // 2, peak)
             _report("  torch twin", shape, lambda: rms_norm_ref(x, w, 1e-6, gemma=True), 2 * e, peak)
     x = torch.randn(64, 16, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(256, device="cuda", dtype=torch.bfloat16)
