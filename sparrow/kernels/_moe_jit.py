@@ -255,10 +255,8 @@ def moe_reduce_kernel(
     y_ptr,  # [P, H] per-pair expert outputs, contiguous
     w_ptr,  # [R, K] routing weights (any float dtype), unit stride on K
     out_ptr,  # [R, H] contiguous
-    shared_ptr,  # [R, H] shared-expert output, unit stride on H, or dummy
-    gate_ptr,  # [R] shared-expert gate logits, or dummy
-    H, stride_wr, stride_sr, stride_g,
-    TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr, RNE_BF16: tl.constexpr,
+    H, stride_wr,
+    TOPK: tl.constexpr, RNE_BF16: tl.constexpr,
     BLOCK_H: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
 ):
@@ -270,12 +268,6 @@ def moe_reduce_kernel(
     for k in tl.static_range(TOPK):
         wk = tl.load(w_ptr + r * stride_wr + k).to(tl.float32)
         acc += wk * tl.load(y_ptr + (r * TOPK + k) * H + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SHARED:
-        sh = tl.load(shared_ptr + r * stride_sr + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_GATE:
-            gl = tl.load(gate_ptr + r * stride_g).to(tl.float32)
-            sh = sh / (1.0 + tl.exp(-gl))
-        acc += sh
     if RNE_BF16:
         acc = _rne_bf16(acc)
     tl.store(out_ptr + r * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -5,10 +5,9 @@ Shapes: R = rows, H = hidden, E = experts, K = top-k, I = expert width, P = R * 
 
     fused_moe(x [R, H], gate_up_proj [E, 2I, H], down_proj [E, H, I], topk_weights [R, K], topk_ids [R, K],
               activation="silu", *, w13_scale=None, w2_scale=None, pair_threshold=64, swiglu_limit=None,
-              shared_output=None, shared_gate=None) -> [R, H] in x's dtype
+              reduce=True) -> [R, H] in x's dtype
 
     out[r] = sum_k topk_weights[r, k] * down[e] @ act(gate[e] @ x[r]) * (up[e] @ x[r]),  e = topk_ids[r, k]
-             (+ sigmoid(shared_gate[r]) * shared_output[r], or + shared_output[r] without a gate)
 
 Weights are x's dtype (bf16 / fp16 / fp32), or FP8: e4m3 with ``w13_scale`` [E, ceil(2I/128), ceil(H/128)]
 and ``w2_scale`` [E, ceil(H/128), ceil(I/128)] fp32 (128 x 128 block scales, DeepSeek / Qwen
@@ -19,7 +18,7 @@ and ``w2_scale`` [E, ceil(H/128), ceil(I/128)] fp32 (128 x 128 block scales, Dee
 Paths (``fused_moe`` picks by P vs ``pair_threshold``, Triton where ``use_triton(x)``):
 - grouped (prefill): ``moe_align`` (sort pairs by expert, pad segments to BM; device-only, fixed-size
   buffers, CUDA-graph safe) -> grouped GEMM gate|up + activation [P, I] -> grouped GEMM down [P, H] ->
-  ``moe_reduce`` (weighted sum over K back to row order, shared-expert blend fused);
+  ``moe_reduce`` (weighted sum over K back to row order);
 - small (decode, P <= SMALL_MAX_PAIRS): per-expert GEMV kernels (no sort; each selected expert's weights
   streamed once for all the rows that picked it) -> the same ``moe_reduce``.
 Accumulation is fp32; the intermediate [P, I] and the per-pair outputs [P, H] are rounded to x's dtype
@@ -42,7 +41,7 @@ from sparrow.kernels import interpreting as _interpret, pdl_kwargs, split_k, use
 from sparrow.kernels.fp8 import GROUP
 from sparrow.kernels.moe_align import align_sizes, moe_align, moe_align_ref, moe_align_triton
 from sparrow.kernels.moe_configs import MoeConfig, Tile, pick_config
-from sparrow.kernels.moe_reduce import _check_reduce_shared, moe_reduce, moe_reduce_ref, moe_reduce_triton
+from sparrow.kernels.moe_reduce import moe_reduce, moe_reduce_ref, moe_reduce_triton
 from sparrow.kernels.moe_ref import _check_moe, fused_moe_fp8_ref, fused_moe_grouped_ref, fused_moe_per_pair_ref, \
     fused_moe_ref
 
@@ -62,13 +61,11 @@ _ACT_CODE = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu": 2}  # the ke
 
 
 def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu", *, w13_scale=None,
-                     w2_scale=None, pair_threshold=64, swiglu_limit=None, shared_output=None, shared_gate=None,
-                     reduce=True):
+                     w2_scale=None, pair_threshold=64, swiglu_limit=None, reduce=True):
     """Triton launcher of ``fused_moe`` (same contract): the small path for P <= pair_threshold (and
     <= SMALL_MAX_PAIRS), the grouped path above; 3 launches small, 6 grouped (one more per FP8 GEMM whose
     tile has ``a_fp8``: its activation quantizer), no host sync."""
     _check_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, w13_scale, w2_scale)
-    _check_reduce_shared(x.shape[0], x.shape[1], shared_output, shared_gate, reduce)
     rows, hidden = x.shape
     num_experts, two_width = gate_up_proj.shape[:2]
     width = two_width // 2
@@ -129,20 +126,18 @@ def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activat
                 SWAP_AB=tile.swap_ab, A_FP8=a_fp8,
                 num_warps=tile.num_warps, num_stages=tile.num_stages, **common, **pdl_kwargs(x),
             )
-    return moe_reduce_triton(y, topk_weights, x.dtype, shared_output, shared_gate) if reduce else y
+    return moe_reduce_triton(y, topk_weights, x.dtype) if reduce else y
 
 
 def fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu", *, w13_scale=None,
-              w2_scale=None, pair_threshold=64, swiglu_limit=None, shared_output=None, shared_gate=None,
-              reduce=True):
-    """Routed experts (+ shared-expert blend) of x [R, H] -> [R, H] in x's dtype; see the module doc.
-    ``reduce=False`` (no shared expert): the unweighted per-pair outputs [P, H] in pair order instead, for a
-    consumer that fuses the weighted reduce (``moe_reduce``'s y). Triton where ``use_triton(x)``, else
-    ``fused_moe_ref``. Raises ValueError on bad shapes / dtypes."""
+              w2_scale=None, pair_threshold=64, swiglu_limit=None, reduce=True):
+    """Routed experts of x [R, H] -> [R, H] in x's dtype; see the module doc.
+    ``reduce=False``: the unweighted per-pair outputs [P, H] in pair order instead, for a consumer that fuses
+    the weighted reduce (``moe_reduce``'s y). Triton where ``use_triton(x)``, else ``fused_moe_ref``.
+    Raises ValueError on bad shapes / dtypes."""
     fn = fused_moe_triton if use_triton(x) else fused_moe_ref
     return fn(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, w13_scale=w13_scale,
-              w2_scale=w2_scale, pair_threshold=pair_threshold, swiglu_limit=swiglu_limit,
-              shared_output=shared_output, shared_gate=shared_gate, reduce=reduce)
+              w2_scale=w2_scale, pair_threshold=pair_threshold, swiglu_limit=swiglu_limit, reduce=reduce)
 
 
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100 / H200 allow 227 KB)

@@ -12,80 +12,47 @@ import torch
 from sparrow.kernels import interpreting as _interpret, pdl_kwargs, use_triton
 
 
-def moe_reduce_ref(y: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype | None = None,
-                   shared_output: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None
+def moe_reduce_ref(y: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype | None = None
                    ) -> torch.Tensor:
-    """Unpermute + weighted reduce: y [P, H] (pair order) , topk_weights [R, K] -> [R, H] in ``out_dtype``
-    (default y's): sum_k w[r, k] y[r K + k] in fp32 (+ sigmoid(shared_gate [R] or [R, 1]) * shared_output
-    [R, H], or + shared_output without a gate), rounded once."""
-    rows, top_k = _check_reduce(y, topk_weights, shared_output, shared_gate)
+    """Unpermute + weighted reduce: y [P, H] (pair order), topk_weights [R, K] -> [R, H] in ``out_dtype``
+    (default y's): sum_k w[r, k] y[r K + k] in fp32, rounded once."""
+    rows, top_k = _check_reduce(y, topk_weights)
     out = (y.float().view(rows, top_k, -1) * topk_weights.float().unsqueeze(-1)).sum(dim=1)
-    return _blend_ref(out, shared_output, shared_gate).to(out_dtype or y.dtype)
+    return out.to(out_dtype or y.dtype)
 
 
-def moe_reduce_triton(y: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype | None = None,
-                      shared_output: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None
+def moe_reduce_triton(y: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype | None = None
                       ) -> torch.Tensor:
     """Triton launcher of ``moe_reduce_ref`` (same contract); one program per (row, BLOCK_H columns)."""
     from sparrow.kernels._moe_jit import moe_reduce_kernel
 
-    rows, top_k = _check_reduce(y, topk_weights, shared_output, shared_gate)
+    rows, top_k = _check_reduce(y, topk_weights)
     hidden = y.shape[1]
     out = torch.empty(rows, hidden, dtype=out_dtype or y.dtype, device=y.device)
     if rows == 0 or hidden == 0:
         return out
     y = y.contiguous()
     w = topk_weights if topk_weights.stride(-1) == 1 else topk_weights.contiguous()
-    gate = shared_gate.reshape(rows) if shared_gate is not None else None
     block_h = min(1024, _next_pow2(hidden))
     moe_reduce_kernel[(rows, -(-hidden // block_h))](
-        y, w, out, shared_output if shared_output is not None else out, gate if gate is not None else w,
-        hidden, w.stride(0), shared_output.stride(0) if shared_output is not None else 0,
-        gate.stride(0) if gate is not None else 0,
-        TOPK=top_k, HAS_SHARED=shared_output is not None, HAS_GATE=gate is not None,
-        RNE_BF16=_interpret() and out.dtype == torch.bfloat16, BLOCK_H=block_h,
+        y, w, out, hidden, w.stride(0),
+        TOPK=top_k, RNE_BF16=_interpret() and out.dtype == torch.bfloat16, BLOCK_H=block_h,
         num_warps=4, **pdl_kwargs(y),
     )
     return out
 
 
-def moe_reduce(y: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype | None = None,
-               shared_output: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+def moe_reduce(y: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``moe_reduce_ref``'s contract: Triton where ``use_triton(y)``, else the twin."""
     fn = moe_reduce_triton if use_triton(y) else moe_reduce_ref
-    return fn(y, topk_weights, out_dtype, shared_output, shared_gate)
+    return fn(y, topk_weights, out_dtype)
 
 
-def _blend_ref(out: torch.Tensor, shared_output, shared_gate) -> torch.Tensor:
-    """out (fp32) + [sigmoid(gate) *] shared, in fp32."""
-    if shared_output is None:
-        return out
-    shared = shared_output.float()
-    if shared_gate is not None:
-        shared = torch.sigmoid(shared_gate.float().reshape(-1, 1)) * shared
-    return out + shared
-
-
-def _check_reduce_shared(rows, hidden, shared_output, shared_gate, reduce=True) -> None:
-    if not reduce and shared_output is not None:
-        raise ValueError("fused_moe: reduce=False returns the per-pair outputs; blend shared_output after the reduce")
-    if shared_output is not None and (tuple(shared_output.shape) != (rows, hidden) or shared_output.stride(1) != 1):
-        raise ValueError(f"moe_reduce: shared_output must be [R={rows}, H={hidden}] with unit stride on H, got "
-                         f"{tuple(shared_output.shape)}")
-    if shared_gate is not None:
-        if shared_output is None:
-            raise ValueError("moe_reduce: shared_gate needs shared_output")
-        if shared_gate.numel() != rows or shared_gate.dim() not in (1, 2):
-            raise ValueError(f"moe_reduce: shared_gate must be [R={rows}] or [R, 1], got {tuple(shared_gate.shape)}")
-
-
-def _check_reduce(y, topk_weights, shared_output, shared_gate) -> tuple[int, int]:
+def _check_reduce(y, topk_weights) -> tuple[int, int]:
     if topk_weights.dim() != 2 or y.dim() != 2 or y.shape[0] != topk_weights.numel():
         raise ValueError(f"moe_reduce: need y [P, H] and topk_weights [R, K] with P = R * K, got "
                          f"{tuple(y.shape)} and {tuple(topk_weights.shape)}")
-    rows, top_k = topk_weights.shape
-    _check_reduce_shared(rows, y.shape[1], shared_output, shared_gate)
-    return rows, top_k
+    return topk_weights.shape
 
 
 def _next_pow2(n: int) -> int:

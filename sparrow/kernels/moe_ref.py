@@ -21,7 +21,7 @@ import torch
 from sparrow.kernels.act import ACTIVATIONS, get_activation
 from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, dequantize_fp8_block_ref, dequantize_fp8_per_group_ref, \
     quantize_fp8_per_group_ref
-from sparrow.kernels.moe_reduce import _blend_ref, _check_reduce_shared, moe_reduce_ref
+from sparrow.kernels.moe_reduce import moe_reduce_ref
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -129,21 +129,15 @@ def fused_moe_fp8_ref(
 
 
 def fused_moe_ref(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu", *, w13_scale=None,
-                  w2_scale=None, pair_threshold=64, swiglu_limit=None, shared_output=None, shared_gate=None,
-                  reduce=True):
-    """Torch twin of ``fused_moe`` (same contract): the layer references for x-dtype weights, the FP8 twin
-    otherwise, then the shared-expert blend in fp32."""
+                  w2_scale=None, pair_threshold=64, swiglu_limit=None, reduce=True):
+    """Torch twin of ``fused_moe`` (same contract): the grouped / per-pair twins for x-dtype weights (by P vs
+    ``pair_threshold``), the FP8 twin otherwise."""
     _check_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, w13_scale, w2_scale)
-    _check_reduce_shared(x.shape[0], x.shape[1], shared_output, shared_gate, reduce)
     if w13_scale is not None:
-        out = fused_moe_fp8_ref(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, swiglu_limit,
-                                w13_scale=w13_scale, w2_scale=w2_scale, reduce=reduce)
-    else:
-        ref = fused_moe_grouped_ref if topk_ids.numel() > pair_threshold else fused_moe_per_pair_ref
-        out = ref(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, swiglu_limit, reduce=reduce)
-    if shared_output is None:
-        return out
-    return _blend_ref(out.float(), shared_output, shared_gate).to(x.dtype)
+        return fused_moe_fp8_ref(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, swiglu_limit,
+                                 w13_scale=w13_scale, w2_scale=w2_scale, reduce=reduce)
+    ref = fused_moe_grouped_ref if topk_ids.numel() > pair_threshold else fused_moe_per_pair_ref
+    return ref(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, swiglu_limit, reduce=reduce)
 
 
 def _check_moe(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale) -> None:

@@ -140,18 +140,12 @@ def test_align_matches_twin(num_experts, top_k, block_m):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shared", ["none", "plain", "gated"])
-def test_reduce_matches_twin(dtype, shared):
+def test_reduce_matches_twin(dtype):
     g = torch.Generator().manual_seed(0)
     rows, top_k, hidden = 5, 3, 200
     y = torch.randn(rows * top_k, hidden, generator=g).to(dtype).to(DEVICE)
     w = torch.rand(rows, top_k, generator=g).to(DEVICE)
-    kw = {}
-    if shared != "none":
-        kw["shared_output"] = torch.randn(rows, hidden, generator=g).to(dtype).to(DEVICE)
-    if shared == "gated":
-        kw["shared_gate"] = torch.randn(rows, 1, generator=g).to(dtype).to(DEVICE)
-    torch.testing.assert_close(moe_reduce_triton(y, w, **kw), moe_reduce_ref(y, w, **kw), **TOL[dtype])
+    torch.testing.assert_close(moe_reduce_triton(y, w), moe_reduce_ref(y, w), **TOL[dtype])
 
 
 # ------------------------------------------------------------------------------------------ experts
@@ -265,8 +259,6 @@ def test_unreduced_pairs(path):
     assert pairs.shape == (34, x.shape[1])
     torch.testing.assert_close(moe_reduce_triton(pairs, tw, x.dtype), out, atol=0, rtol=0)
     torch.testing.assert_close(pairs, fused_moe_ref(x, w13, w2, tw, ti, reduce=False), atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="reduce=False"):
-        fused_moe_triton(x, w13, w2, tw, ti, reduce=False, shared_output=x)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -296,22 +288,6 @@ def test_small_path_split_k(num_experts, top_k, rows, fp8, swap):
     assert torch.equal(out, again)  # counters reset, partials summed in split order
 
 
-@pytest.mark.parametrize("gated", [False, True])
-def test_shared_expert_blend(gated):
-    x, w13, w2, tw, ti = _case(8, 2, 5, torch.float32)
-    g = torch.Generator().manual_seed(5)
-    shared = torch.randn(5, H, generator=g).to(DEVICE)
-    gate = torch.randn(5, generator=g).to(DEVICE) if gated else None
-    routed = fused_moe_grouped_ref(x, w13, w2, tw, ti)
-    want = routed + (torch.sigmoid(gate)[:, None] if gated else 1.0) * shared
-    with _cfg():
-        for thr in (GROUPED, SMALL):
-            got = fused_moe_triton(x, w13, w2, tw, ti, shared_output=shared, shared_gate=gate, pair_threshold=thr)
-            torch.testing.assert_close(got, want, **TOL[torch.float32])
-    torch.testing.assert_close(fused_moe_ref(x, w13, w2, tw, ti, shared_output=shared, shared_gate=gate), want,
-                               **TOL[torch.float32])
-
-
 def test_dispatcher_picks_backend_and_path():
     x, w13, w2, tw, ti = _case(8, 2, 40, torch.float32)  # P = 80
     with backend("torch"):
@@ -335,8 +311,7 @@ def test_dispatcher_picks_backend_and_path():
         (lambda x, w13, w2, tw, ti: fused_moe_triton(x, w13, w2, tw, ti, w13_scale=torch.ones(1)), "w2_scale"),
         (lambda x, w13, w2, tw, ti: fused_moe_triton(x, w13, w2, tw, ti, w13_scale=torch.ones(1, 1, 1),
                                                      w2_scale=torch.ones(1, 1, 1)), "float8"),
-        (lambda x, w13, w2, tw, ti: fused_moe_triton(x, w13, w2, tw, ti, shared_gate=tw[:, 0]), "shared_output"),
-        (lambda x, w13, w2, tw, ti: fused_moe_ref(x, w13, w2, tw, ti, shared_output=x[:, :-1]), "shared_output"),
+        (lambda x, w13, w2, tw, ti: moe_reduce_ref(torch.zeros(5, H), tw), "moe_reduce"),
         (lambda x, w13, w2, tw, ti: moe_align_triton(ti, 8, 24), "block_m"),
     ],
 )
