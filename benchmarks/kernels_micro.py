@@ -61,8 +61,6 @@ def bench_norm(peak: float) -> None:
             shape = f"R={rows} H={hidden}"
             _report("rms_norm", shape, lambda: rms_norm_triton(x, w, 1e-6, gemma=True), 2 * e, peak)
             _report("rms_norm+res", shape, lambda: rms_norm_triton(x, w, 1e-6, residual=r), 4 * e, peak)
-            _report("rms_norm+res+fp8", shape, lambda: rms_norm_triton(x, w, 1e-6, residual=r, fp8_out=True),
-                    3 * e + e // 2, peak)
             _report("  torch twin", shape, lambda: rms_norm_ref(x, w, 1e-6, gemma=True), 2 * e, peak)
     x = torch.randn(64, 16, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(256, device="cuda", dtype=torch.bfloat16)
@@ -124,9 +122,8 @@ def _sweep(configs, forced_config, call) -> list:
 
 
 def tune_gemv(peak: float, dtypes=(False, True)) -> None:
-    """Sweep GemvConfig per shape: tensor-core tiles x split-K at R = 1 and 8, and the FMA path (deferred K
-    sum) at R = 1 (bf16 and / or FP8 weights), also with narrow tiles (block_n 4-16: a program per few full
-    weight rows) and long K steps; print the best few, to fill GEMV_CONFIGS / FP8_GEMV_CONFIGS."""
+    """Sweep GemvConfig per shape: tensor-core tiles x split-K at R = 1 and 8 (bf16 and / or FP8 weights);
+    print the best few, to fill GEMV_CONFIGS / FP8_GEMV_CONFIGS."""
     import itertools
 
     import torch.nn.functional as F
@@ -135,14 +132,7 @@ def tune_gemv(peak: float, dtypes=(False, True)) -> None:
     from sparrow.kernels.gemv import GemvConfig, forced_config, gemv_fp8_triton, gemv_triton
 
     splits = (1, 2, 4, 8)
-    dot = [GemvConfig(bn, bk, True, split_k=sk) for bn, bk, sk in itertools.product((32, 64), (256, 512), splits)]
-    fma = [GemvConfig(bn, bk, False, split_k=sk) for bn, bk, sk in itertools.product((16, 32, 64), (128, 256, 512), splits)
-           if bn * bk <= 16384]
-
-    def narrow(fp8):  # bf16: the [bn, bk] fp32 accumulator within ~128 registers a thread
-        return [GemvConfig(bn, bk, False, num_warps=nw, split_k=sk) for bn, bk, sk, nw
-                in itertools.product((4, 8, 16), (512, 1024, 2048) if fp8 else (256, 512, 1024), (1, 2), (2, 4))
-                if fp8 or bn * bk <= 4096 * nw]
+    dot = [GemvConfig(bn, bk, split_k=sk) for bn, bk, sk in itertools.product((32, 64), (256, 512), splits)]
 
     for (k, n), fp8 in itertools.product(((2816, 8192), (4096, 2816), (2112, 2816), (2816, 4224)), dtypes):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
@@ -151,14 +141,12 @@ def tune_gemv(peak: float, dtypes=(False, True)) -> None:
         nbytes = n * k * (1 if fp8 else 2)
         for rows in (1, 8):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            cands = list(dict.fromkeys(dot + (fma + narrow(fp8) if rows == 1 else [])))
-            results = _sweep(cands, forced_config, lambda: fn(x, *nxt()))
+            results = _sweep(dot, forced_config, lambda: fn(x, *nxt()))
             if not fp8:
                 t = time_s(lambda: F.linear(x, *nxt()), rep=20)
                 print(f"tune cuBLAS R={rows:<2} K={k} N={n}: {t * 1e6:6.1f} us {nbytes / t / 1e9:7.1f} GB/s "
                       f"{100 * nbytes / t / peak:5.1f} %", flush=True)
-            best_fma = [r for r in results if not r[1].use_dot][:1]
-            for t, cfg in results[:4] + [r for r in results if r[1].split_k == 1][:1] + best_fma:
+            for t, cfg in results[:4] + [r for r in results if r[1].split_k == 1][:1]:
                 programs = -(-n // cfg.block_n) * cfg.split_k
                 print(f"tune {'fp8 ' if fp8 else 'bf16'} R={rows:<2} K={k} N={n}: {t * 1e6:6.1f} us "
                       f"{nbytes / t / 1e9:7.1f} GB/s {100 * nbytes / t / peak:5.1f} %  programs {programs:4d}  {cfg}",
@@ -196,10 +184,10 @@ def tune_fp8_rows(peak: float) -> None:
     from sparrow.kernels.fp8 import quantize_fp8_block_ref
     from sparrow.kernels.fp8_gemm import fp8_gemm_triton
 
-    configs = [gemv.GemvConfig(bn, bk, True, num_warps=warps, split_k=sk) for bn, bk, sk, warps
+    configs = [gemv.GemvConfig(bn, bk, num_warps=warps, split_k=sk) for bn, bk, sk, warps
                in itertools.product((32, 64), (128, 256), (0, 1), (4,))]
     # swapped dots: the widened weight tile as the wgmma's M side (64 / 128 rows), the rows as its N side
-    configs += [gemv.GemvConfig(bn, bk, True, num_warps=4, split_k=sk, swap_ab=True) for bn, bk, sk
+    configs += [gemv.GemvConfig(bn, bk, num_warps=4, split_k=sk, swap_ab=True) for bn, bk, sk
                 in itertools.product((64, 128), (128, 256), (0, 1))]
     table = gemv.FP8_GEMV_CONFIGS
     gemv.FP8_GEMV_CONFIGS = ((64, table[-1][1]),)  # let the launcher take 64 rows
@@ -233,7 +221,7 @@ def tune_w8a8(peak: float) -> None:
     from sparrow.kernels.fp8 import quantize_fp8_block_ref
     from sparrow.kernels.fp8_gemm import fp8_gemm_triton
 
-    swap = [gemv.GemvConfig(bn, bk, True, num_stages=st, swap_ab=True, split_k=sk) for bn, bk, st, sk
+    swap = [gemv.GemvConfig(bn, bk, num_stages=st, swap_ab=True, split_k=sk) for bn, bk, st, sk
             in itertools.product((64, 128), (128, 256, 512), (3, 4), (0,))]
     shapes = ((2816, 8192), (4096, 2816), (2112, 2816), (2816, 4224), (2816, 8 * 1408), (704, 8 * 2816))
     for k, n in shapes:

@@ -1,7 +1,66 @@
-"""Every runtime switch, read once from the environment (placeholder: the kernels' switches join here)."""
+"""Runtime switches: every environment variable sparrow reads, with its type, default and meaning (style.md 16).
+
+Each is read once, when this module is first imported; the code reads ``sparrow.switches.NAME`` where it
+decides, so a test sets one with ``monkeypatch.setattr(sparrow.switches, "NAME", value)``. ``SWITCHES`` lists
+them (environment name -> ``Switch``). A boolean switch takes 1 / 0 (also true / false, on / off, any case);
+unset or empty keeps its default; any other value raises ``SwitchError`` naming the variable.
+
+One more variable is read elsewhere, at each call: ``SPARROW_CACHE``, the cache folder (``sparrow.cache``;
+default ``~/.cache/sparrow``).
+"""
 from __future__ import annotations
 
+import dataclasses
 import os
 
-OVERLAP: bool = os.environ.get("SPARROW_OVERLAP", "1") != "0"
-"""SPARROW_OVERLAP (bool, default on): queue the next greedy decode step before reading this one's tokens."""
+from sparrow.errors import SparrowError
+
+
+class SwitchError(SparrowError, ValueError):
+    """An environment switch holds a value sparrow cannot read."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Switch:
+    name: str
+    """The environment variable."""
+    type: type
+    default: object
+    doc: str
+    """What it does, in one line."""
+
+
+SWITCHES: dict[str, Switch] = {}
+
+_TRUE, _FALSE = ("1", "true", "on"), ("0", "false", "off")
+
+
+def _bool(name: str, default: bool, doc: str) -> bool:
+    SWITCHES[name] = Switch(name, bool, default, doc)
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in _TRUE or raw in _FALSE:
+        return raw in _TRUE
+    raise SwitchError(f"environment variable {name}={os.environ[name]!r}: expected 1 or 0 ({doc})")
+
+
+OVERLAP: bool = _bool(
+    "SPARROW_OVERLAP", True,
+    "queue the next greedy decode step before reading this one's tokens (sparrow.engine.engine)")
+"""H200, gemma4-26b-a4b FP8: 382.5 / 6,409.9 tok/s at batch 1 / 64 with it, 337.2 / 5,839.1 without
+(benchmarks/README.md)."""
+
+PDL: bool = _bool(
+    "SPARROW_PDL", True,
+    "launch the decode-path Triton kernels with programmatic dependent launch on Hopper (sparrow.kernels.use_pdl)")
+"""H200, gemma4-26b-a4b bf16 decode with CUDA graphs: 309.4 / 1,032.8 tok/s at batch 1 / 8 with it,
+294.7 / 961.4 without (benchmarks/README.md)."""
+
+TRITON_INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
+"""Triton's own variable, read here as Triton parses it (1 / true / on): Triton runs its kernels in its CPU
+interpreter, and sparrow's launchers switch on their interpreter workarounds (``sparrow.kernels.interpreting``).
+Triton reads it when a kernel is decorated, so it must be set before sparrow's kernels are imported
+(tests/conftest.py sets it on machines without CUDA)."""
+SWITCHES["TRITON_INTERPRET"] = Switch("TRITON_INTERPRET", bool, False,
+                                      "Triton's CPU interpreter (Triton's variable; sparrow reads it too)")

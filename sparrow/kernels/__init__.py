@@ -9,26 +9,14 @@ TRITON_INTERPRET=1, for tests), and ``set_backend(None)`` restores the default.
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Iterator
 
 import torch
 
+from sparrow import switches
+
 _BACKEND: str | None = None
-
-PDL = os.environ.get("SPARROW_PDL", "1") != "0"
-"""Launch the decode-path kernels with programmatic dependent launch where the GPU has it (``use_pdl``);
-``SPARROW_PDL=0`` in the environment (or ``PDL = False`` before the kernels first run) turns it off. H200,
-gemma4-26b-a4b bf16 decode with CUDA graphs: 309.4 / 1,032.8 tok/s at batch 1 / 8, against 294.7 / 961.4
-without (benchmarks/README.md)."""
 _CAPABILITIES: dict[int, tuple[int, int]] = {}
-
-PREFETCH_BYTES = int(os.environ.get("SPARROW_PREFETCH", "0"))
-"""When > 0, weight kernels launched with PDL (the GEMV, the MoE down GEMV) first hint up to this many bytes of
-each weight row of their tile into L2, before they wait for the previous kernel (``_pdl_jit.prefetch_tile_l2``;
-``SPARROW_PREFETCH=4096`` in the environment). Off by default: on the H200, gemma4-26b-a4b bf16 at batch 1
-ran at 290.2 tok/s with the MoE down prefetch on, 287.7 without it on another machine, and 242.9 with the
-dense linears on the prefetching GEMV instead of cuBLAS (benchmarks/README.md, sixth session)."""
 
 
 def set_backend(name: str | None) -> None:
@@ -62,16 +50,16 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 def interpreting() -> bool:
-    """Whether Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``), where launchers switch on
-    their interpreter workarounds (``_fp8_jit``) and PDL stays off."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether Triton kernels run in its CPU interpreter (``switches.TRITON_INTERPRET``), where launchers switch
+    on their interpreter workarounds (``_fp8_jit``) and PDL stays off."""
+    return switches.TRITON_INTERPRET
 
 
 def use_pdl(x: torch.Tensor) -> bool:
     """Whether a kernel on x's device launches with programmatic dependent launch (``launch_pdl=True`` and its
-    ``pdl_enter`` prologue, sparrow/kernels/_pdl_jit.py): ``PDL`` is on, x is a CUDA tensor of a device of
-    compute capability >= 9.0 (Hopper), and Triton is not the interpreter."""
-    if not (PDL and x.is_cuda) or interpreting():
+    ``pdl_enter`` prologue, sparrow/kernels/_pdl_jit.py): the PDL switch is on, x is a CUDA tensor of a device of
+    compute capability >= 9.0 (Hopper), and Triton is not the interpreter. ``switches.PDL`` (``SPARROW_PDL``)."""
+    if not (switches.PDL and x.is_cuda) or interpreting():
         return False
     return device_capability(x.device)[0] >= 9
 
@@ -90,18 +78,6 @@ def pdl_kwargs(x: torch.Tensor) -> dict:
     """Launch keywords of a kernel with a ``pdl_enter`` prologue: ``USE_PDL`` and ``launch_pdl`` by ``use_pdl(x)``."""
     on = use_pdl(x)
     return {"USE_PDL": on, "launch_pdl": on}
-
-
-def prefetch_bytes(x: torch.Tensor, w: torch.Tensor) -> int:
-    """The PREFETCH constexpr of a weight kernel on activations x and weight w [..., N, K] (unit stride on K):
-    PREFETCH_BYTES when x's kernels use PDL and w's base, row pitch and row length are multiples of 16 bytes
-    (the bulk prefetch's alignment), else 0."""
-    size = w.element_size()
-    if PREFETCH_BYTES <= 0 or not use_pdl(x) or w.stride(-1) != 1:
-        return 0
-    if w.data_ptr() % 16 or (w.stride(-2) * size) % 16 or (w.shape[-1] * size) % 16 or w.shape[-1] * size < 16:
-        return 0
-    return PREFETCH_BYTES
 
 
 class ForcedConfig:

@@ -1,13 +1,12 @@
 """Triton body of the block-scaled FP8 GEMM (launcher and torch twin: ``sparrow.kernels.fp8_gemm``).
 
-Shapes: M = rows, K = input width, N = output width; a [M, K] (bf16 / fp16 / fp32, or e4m3 already
-quantized by its producer with scales a_s [M, ceil(K/128)] fp32), w [N, K] e4m3 (row-major, nn.Linear
+Shapes: M = rows, K = input width, N = output width; a [M, K] (bf16 / fp16 / fp32), w [N, K] e4m3 (row-major, nn.Linear
 layout) with block scales w_s [ceil(N/128), ceil(K/128)] fp32, c [M, N].
 
     c[m, n] = sum over 128-wide k groups g of  a_s[m, g] * w_s[n // 128, g] * (a_q[m, g] . w_q[n, g])
 
 Each program owns a [BLOCK_M, BLOCK_N] tile of c and walks K in steps of BLOCK_K = 128 (one scale group
-per step, as in DeepSeek-V3's ``w8a8_block_fp8_matmul``). With QUANT_A the program quantizes its a tile
+per step, as in DeepSeek-V3's ``w8a8_block_fp8_matmul``). The program quantizes its a tile (a_q, a_s)
 per row and 128-column group itself (scale = max(amax, 1e-10) / 448, q = clamp(a / scale) -> e4m3, the
 formula of ``sparrow.kernels.fp8.quantize_fp8_per_group_ref``), so no second pass over a is needed.
 
@@ -26,8 +25,7 @@ from sparrow.kernels._split_k_jit import split_k_and, split_k_range, split_k_red
 
 @triton.jit
 def fp8_gemm_kernel(
-    a_ptr,  # [M, K], unit stride on K: float (QUANT_A) or e4m3
-    as_ptr,  # [M, ceil(K/128)] fp32, unit stride on groups (ignored with QUANT_A)
+    a_ptr,  # [M, K] float, unit stride on K
     w_ptr,  # [N, K] e4m3, unit stride on K
     ws_ptr,  # [ceil(N/128), ceil(K/128)] fp32, unit stride on K groups
     c_ptr,  # [M, N] contiguous
@@ -37,10 +35,8 @@ def fp8_gemm_kernel(
     N,
     K,
     stride_am,
-    stride_asm,
     stride_wn,
     stride_wsn,
-    QUANT_A: tl.constexpr,
     INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -72,21 +68,15 @@ def fp8_gemm_kernel(
         k_mask = kk < k_end
         g = k0 // BLOCK_K
         a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if QUANT_A:
-            af = a.to(tl.float32)
-            a_s = tl.maximum(tl.max(tl.abs(af), axis=1), 1e-10)
-            a_s = tl.math.div_rn(a_s, tl.full([BLOCK_M], 448.0, tl.float32))
-            aq = tl.math.div_rn(af, a_s[:, None])
-            aq = tl.minimum(tl.maximum(aq, -448.0), 448.0)
-            if INTERPRET:
-                aq = round_e4m3(aq)
-            else:
-                aq = aq.to(tl.float8e4nv)
+        af = a.to(tl.float32)
+        a_s = tl.maximum(tl.max(tl.abs(af), axis=1), 1e-10)
+        a_s = tl.math.div_rn(a_s, tl.full([BLOCK_M], 448.0, tl.float32))
+        aq = tl.math.div_rn(af, a_s[:, None])
+        aq = tl.minimum(tl.maximum(aq, -448.0), 448.0)
+        if INTERPRET:
+            aq = round_e4m3(aq)
         else:
-            a_s = tl.load(as_ptr + rm * stride_asm + g, mask=m_mask, other=0.0)
-            aq = a
-            if INTERPRET:
-                aq = aq.to(tl.float32)
+            aq = aq.to(tl.float8e4nv)
         w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         w_s = tl.load(ws_ptr + (rn // 128) * stride_wsn + g, mask=n_mask, other=0.0)
         if INTERPRET:

@@ -6,15 +6,13 @@ One program owns BLOCK_N output columns for *all* R rows and walks its K range i
 weight element is read from memory exactly once per call (decode is bound by those bytes); with SPLIT_K > 1
 the K range is split over programs and reduced in the kernel (``_split_k_jit``). FP8 weights are W8A16
 (e4m3 widened to x's dtype, exact), or W8A8 with QUANT_X (x quantized per 128-column group in registers,
-e4m3 tensor-core dots). Two inner products: tensor-core ``tl.dot`` with the rows padded to 16 (USE_DOT),
-or CUDA-core FMAs into a [BLOCK_R, BLOCK_N, SUB_K] fp32 accumulator that is summed over K once, after the
-loop (no cross-lane reduction per step; registers grow with BLOCK_R, so few rows).
+e4m3 tensor-core dots). The inner products are tensor-core ``tl.dot`` with the rows padded to 16.
 """
 import triton
 import triton.language as tl
 
 from sparrow.kernels._fp8_jit import dot_upcast, quant_fp8
-from sparrow.kernels._pdl_jit import pdl_enter, prefetch_tile_l2
+from sparrow.kernels._pdl_jit import pdl_enter
 from sparrow.kernels._split_k_jit import split_k_and, split_k_range, split_k_reduce
 
 
@@ -33,8 +31,7 @@ def gemv_kernel(
     stride_wn,
     stride_sn,
     FP8_W: tl.constexpr,
-    USE_DOT: tl.constexpr,  # tensor-core tl.dot on a [BLOCK_R >= 16, BLOCK_K] x [BLOCK_K, BLOCK_N] tile
-    SWAP_AB: tl.constexpr,  # with USE_DOT: y^T = w @ x^T, the weight tile as the K-major A operand (converted
+    SWAP_AB: tl.constexpr,  # y^T = w @ x^T, the weight tile as the K-major A operand (converted
     # from e4m3 in registers) and the rows as the N side of the dot; acc is [BLOCK_N, BLOCK_R]
     IEEE: tl.constexpr,  # fp32 operands: exact fp32 products in tl.dot, not tf32
     BLOCK_R: tl.constexpr,
@@ -42,17 +39,13 @@ def gemv_kernel(
     BLOCK_K: tl.constexpr,  # K elements per loop step
     SUB_K: tl.constexpr,  # K per inner product inside a step: divides 128 when FP8_W (one scale block each)
     SPLIT_K: tl.constexpr,  # programs per N tile (grid axis 1), each over a contiguous run of BLOCK_K steps
-    QUANT_X: tl.constexpr = False,  # FP8_W and USE_DOT: W8A8, x quantized per row and 128-column group in
+    QUANT_X: tl.constexpr = False,  # FP8_W: W8A8, x quantized per row and 128-column group in
     # registers (SUB_K = 128) and the dot run on e4m3 tensor cores
     EMULATE_FP8: tl.constexpr = False,  # QUANT_X under the interpreter: e4m3 rounding emulated, fp32 dots (_fp8_jit)
     USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
-    PREFETCH: tl.constexpr = 0,  # with USE_PDL: bytes of each weight row of the tile sent to L2 before the wait
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if PREFETCH > 0:
-        pk0, pk1 = split_k_range(K, pid_k, SPLIT_K, BLOCK_K)
-        prefetch_tile_l2(w_ptr, pid * BLOCK_N, N, K, stride_wn, pk0, pk1, PREFETCH, BLOCK_N)
     pdl_enter(USE_PDL)
     rr = tl.arange(0, BLOCK_R)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -61,10 +54,8 @@ def gemv_kernel(
     n_mask = rn < N
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_R], dtype=tl.float32)
-    elif USE_DOT:
-        acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
     else:
-        acc3 = tl.zeros([BLOCK_R, BLOCK_N, SUB_K], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
     k_start, k_end = split_k_range(K, pid_k, SPLIT_K, BLOCK_K)
     for k0 in range(k_start, k_end, BLOCK_K):
         for j in tl.static_range(BLOCK_K // SUB_K):
@@ -76,13 +67,13 @@ def gemv_kernel(
             if FP8_W:
                 # a sub-step wholly past K (w = 0) reads the last scale column instead of out of bounds
                 s = tl.load(s_ptr + (rn // 128) * stride_sn + tl.minimum(ks, k_end - 1) // 128, mask=n_mask, other=0.0)
-            if USE_DOT and QUANT_X:
+            if QUANT_X:
                 xq, xs = quant_fp8(x.to(tl.float32), EMULATE_FP8)
                 if SWAP_AB:
                     acc += dot_upcast(w, tl.trans(xq), EMULATE_FP8) * (s[:, None] * xs[None, :])
                 else:
                     acc += dot_upcast(xq, tl.trans(w), EMULATE_FP8) * (xs[:, None] * s[None, :])
-            elif USE_DOT:
+            else:
                 if FP8_W:
                     w = w.to(x.dtype)  # e4m3 -> bf16 / fp16 / fp32 is exact; the block scale is applied per SUB_K
                 if SWAP_AB:
@@ -100,13 +91,6 @@ def gemv_kernel(
                     if FP8_W:
                         part = part * s[None, :]
                 acc += part
-            else:
-                wf = w.to(tl.float32)
-                if FP8_W:
-                    wf = wf * s[:, None]
-                acc3 += x.to(tl.float32)[:, None, :] * wf[None, :, :]
-    if not USE_DOT:
-        acc = tl.sum(acc3, axis=2)
     if SWAP_AB:
         y_ptrs = y_ptr + rr[None, :] * N + rn[:, None]
         y_mask = r_mask[None, :] & n_mask[:, None]

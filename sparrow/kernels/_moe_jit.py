@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from sparrow.kernels._fp8_jit import dot_upcast as _dot, quant_fp8 as _quant_fp8, rne_bf16 as _rne_bf16
-from sparrow.kernels._pdl_jit import pdl_enter, prefetch_tile_l2
+from sparrow.kernels._pdl_jit import pdl_enter
 from sparrow.kernels._split_k_jit import split_k_and, split_k_arrive, split_k_range, split_k_store, split_k_sum
 
 SILU = 0
@@ -207,17 +207,10 @@ def moe_gemv_kernel(
     SPLIT_K: tl.constexpr,  # programs per (pair, N tile) (grid axis 2), each over a contiguous K range
     SWAP_AB: tl.constexpr = False,  # _mm_rows' swapped dots (the weight tile as the MMA's M side)
     USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
-    PREFETCH: tl.constexpr = 0,  # down GEMM with USE_PDL: bytes of each weight row of this pair's expert tile
-    # sent to L2 before the wait. ids come from two launches back (the router, before the gate|up GEMM): the
-    # gate|up grid let this one start only after its own wait on that kernel, so they are complete.
 ):
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    if PREFETCH > 0:
-        e_pf = tl.load(ids_ptr + p, cache_modifier=".cg").to(tl.int64)
-        pk0, pk1 = split_k_range(K, pid_k, SPLIT_K, BLOCK_K)
-        prefetch_tile_l2(w_ptr + e_pf * stride_we, pid_n * BLOCK_N, N, K, stride_wn, pk0, pk1, PREFETCH, BLOCK_N)
     pdl_enter(USE_PDL)
     q = tl.arange(0, P_PAD)
     eid = tl.load(ids_ptr + q, mask=q < P, other=-1)
@@ -262,10 +255,8 @@ def moe_reduce_kernel(
     y_ptr,  # [P, H] per-pair expert outputs, contiguous
     w_ptr,  # [R, K] routing weights (any float dtype), unit stride on K
     out_ptr,  # [R, H] contiguous
-    shared_ptr,  # [R, H] shared-expert output, unit stride on H, or dummy
-    gate_ptr,  # [R] shared-expert gate logits, or dummy
-    H, stride_wr, stride_sr, stride_g,
-    TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr, RNE_BF16: tl.constexpr,
+    H, stride_wr,
+    TOPK: tl.constexpr, RNE_BF16: tl.constexpr,
     BLOCK_H: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
 ):
@@ -277,12 +268,6 @@ def moe_reduce_kernel(
     for k in tl.static_range(TOPK):
         wk = tl.load(w_ptr + r * stride_wr + k).to(tl.float32)
         acc += wk * tl.load(y_ptr + (r * TOPK + k) * H + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SHARED:
-        sh = tl.load(shared_ptr + r * stride_sr + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_GATE:
-            gl = tl.load(gate_ptr + r * stride_g).to(tl.float32)
-            sh = sh / (1.0 + tl.exp(-gl))
-        acc += sh
     if RNE_BF16:
         acc = _rne_bf16(acc)
     tl.store(out_ptr + r * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)

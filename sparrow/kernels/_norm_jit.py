@@ -1,8 +1,8 @@
 """Triton body of the fused RMSNorm (launcher and torch twin: ``sparrow.kernels.norm``).
 
 Shapes: R = rows, nH = heads per row (1 for a plain [R, H] norm), H = normalized width,
-G = ceil(H / GROUP) fp8 groups per row. One program normalizes one (row, head) vector of H elements,
-held in registers as a [BLOCK_G, GROUP] tile (so the fp8 group amax is a reduction over axis 1).
+G = ceil(H / GROUP) column groups per row. One program normalizes one (row, head) vector of H elements,
+held in registers as a [BLOCK_G, GROUP] tile.
 Under PDL the norm weights and post_scale are read before ``pdl_enter``: they must be tensors that the kernel
 launched just before this one does not write (model parameters). Every other input is read right after it.
 """
@@ -26,12 +26,11 @@ def _weighted(xhat, w, dt: tl.constexpr, GEMMA: tl.constexpr, UNIT_OFFSET: tl.co
 
 @triton.jit
 def rms_norm_kernel(
-    x_ptr,  # [R, nH, H] any strides with unit stride on H; dtype = output dtype before fp8
+    x_ptr,  # [R, nH, H] any strides with unit stride on H; dtype = output dtype
     res_ptr,  # [R, H] contiguous, or dummy when not HAS_RESIDUAL
     w_ptr,  # [H] any float dtype, or dummy when not HAS_WEIGHT
-    y_ptr,  # [R, nH, H] contiguous: x's dtype, or e4m3 when FP8_OUT
+    y_ptr,  # [R, nH, H] contiguous, x's dtype
     res_out_ptr,  # [R, H] contiguous x + residual in x's dtype, or dummy
-    scale_ptr,  # [R, G] fp32 contiguous, or dummy when not FP8_OUT
     post_add_ptr,  # [R, H] contiguous, x's dtype, or dummy when not HAS_POST_ADD
     post_scale_ptr,  # [1] float, or dummy when not HAS_POST_SCALE
     pre_w_ptr,  # [H] any float dtype, or dummy when not HAS_PRE
@@ -52,7 +51,6 @@ def rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     GEMMA: tl.constexpr,  # fp32 multiply then cast (Gemma) vs cast then multiply (Llama)
     UNIT_OFFSET: tl.constexpr,  # with GEMMA: multiply by (1 + w) (Gemma 1-3) instead of w (Gemma 4)
-    FP8_OUT: tl.constexpr,
     HAS_POST_ADD: tl.constexpr,  # y = post_add + y (rounded), the post-norm residual add (Gemma 2-4)
     HAS_POST_SCALE: tl.constexpr,  # y = y * post_scale (rounded), Gemma 4's layer_scalar
     HAS_PRE: tl.constexpr,  # x = pre_add + norm(x, pre_w) (rounded) first: a second sandwich norm (Gemma 4)
@@ -135,17 +133,7 @@ def rms_norm_kernel(
         y = (y.to(tl.float32) * post_scale).to(dt)
 
     out_row = row * NUM_HEADS + head
-    if FP8_OUT:
-        yf = y.to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(yf), axis=1), 1e-10)  # [BLOCK_G], fp8.AMAX_EPS
-        scale = amax / 448.0
-        q = yf / scale[:, None]
-        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-        tl.store(y_ptr + out_row * H + cols, q.to(y_ptr.dtype.element_ty), mask=mask)
-        n_groups = (H + GROUP - 1) // GROUP
-        tl.store(scale_ptr + out_row * n_groups + g, scale, mask=g < n_groups)
-    else:
-        tl.store(y_ptr + out_row * H + cols, y, mask=mask)
+    tl.store(y_ptr + out_row * H + cols, y, mask=mask)
     if NUM_NEXT > 0:
         # the next sandwich norms read the stored (rounded) y; they share its mean square, not their weights
         yf = y.to(tl.float32)

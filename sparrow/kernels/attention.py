@@ -11,13 +11,11 @@ pass ``config=`` to force one. ``sparrow.kernels.backend("triton")`` makes the d
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
 from sparrow.kernels._attention_jit import paged_decode_kernel, paged_decode_reduce_kernel, paged_prefill_kernel
-from sparrow.kernels import pdl_kwargs, use_triton
+from sparrow.kernels import interpreting, pdl_kwargs, use_triton
 from sparrow.kernels.paged_attention import paged_attention_ref
 
 # head dim (padded to a power of two) -> tile config. BLOCK_D chunks the q.k product so D = 512 fits.
@@ -86,7 +84,7 @@ def _common(q, k_cache, v_cache, sliding_window, soft_cap):
         HEAD_DIM=d, HEAD_DIM_PAD=max(16, triton.next_power_of_2(d)), DV=dv, DV_PAD=max(16, triton.next_power_of_2(dv)),
         PAGE=k_cache.shape[1], USE_WINDOW=sliding_window is not None, USE_SOFTCAP=soft_cap is not None,
         DOT_FP32=q.dtype == torch.float32 or k_cache.dtype == torch.float32,
-        UPCAST=os.environ.get("TRITON_INTERPRET") == "1",  # interpreter: 16-bit dots via fp32 (see _dot16)
+        UPCAST=interpreting(),  # interpreter: 16-bit dots via fp32 (see _dot16)
     )
 
 

@@ -3,13 +3,11 @@ per row and 128-column group.
 
 Shapes: M = rows, K = input width, N = output width, G = ceil(K / 128).
 
-    fp8_gemm(x [M, K], w [N, K] e4m3, w_scale [ceil(N/128), G] fp32, x_scale=None, out_dtype=None) -> [M, N]
+    fp8_gemm(x [M, K], w [N, K] e4m3, w_scale [ceil(N/128), G] fp32, out_dtype=None) -> [M, N]
 
-x is either a float tensor (bf16 / fp16 / fp32; quantized here, per row and 128-column group, by the
-formula of ``sparrow.kernels.fp8.quantize_fp8_per_group_ref``) or e4m3 already quantized by its producer
-with ``x_scale`` [M, G] fp32. w = w_e4m3 * w_scale[n // 128, k // 128] (DeepSeek / Qwen FP8
-``weight_scale_inv``). Accumulation is fp32; y is rounded once to ``out_dtype`` (default: x's dtype, bf16
-for e4m3 x). ``fp8_gemm_ref`` is the torch twin (CPU path and oracle: dequantize both operands, fp32
+x is a float tensor (bf16 / fp16 / fp32), quantized in the kernel per row and 128-column group by the
+formula of ``sparrow.kernels.fp8.quantize_fp8_per_group_ref``. w = w_e4m3 * w_scale[n // 128, k // 128] (DeepSeek / Qwen FP8
+``weight_scale_inv``). Accumulation is fp32; y is rounded once to ``out_dtype`` (default: x's dtype). ``fp8_gemm_ref`` is the torch twin (CPU path and oracle: dequantize both operands, fp32
 matmul), ``fp8_gemm_triton`` the launcher with the same signature, ``fp8_gemm`` the dispatcher (Triton for
 CUDA tensors or under ``sparrow.kernels.backend("triton")``, else the twin).
 
@@ -76,23 +74,21 @@ def pick_config(rows: int) -> Fp8GemmConfig:
     return next(c for bound, c in FP8_GEMM_CONFIGS if rows <= bound)
 
 
-def fp8_gemm_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor | None = None,
+def fp8_gemm_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Torch twin: quantize x per 128-group (unless already e4m3), dequantize x and w, fp32 matmul, round to
-    ``out_dtype``. Raises ValueError on bad shapes / dtypes (see ``fp8_gemm``)."""
-    out_dtype = _check(x, w, w_scale, x_scale, out_dtype)
-    if x_scale is None:
-        x, x_scale = quantize_fp8_per_group_ref(x, GROUP)
-    xd = dequantize_fp8_per_group_ref(x, x_scale, GROUP)
+    """Torch twin: quantize x per 128-group, dequantize x and w, fp32 matmul, round to ``out_dtype``.
+    Raises ValueError on bad shapes / dtypes (see ``fp8_gemm``)."""
+    out_dtype = _check(x, w, w_scale, out_dtype)
+    xd = dequantize_fp8_per_group_ref(*quantize_fp8_per_group_ref(x, GROUP), GROUP)
     return (xd @ dequantize_fp8_block_ref(w, w_scale, GROUP).T).to(out_dtype)
 
 
-def fp8_gemm_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor | None = None,
+def fp8_gemm_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Triton launcher of ``fp8_gemm_ref`` (same contract)."""
     from sparrow.kernels._fp8_gemm_jit import fp8_gemm_kernel
 
-    out_dtype = _check(x, w, w_scale, x_scale, out_dtype)
+    out_dtype = _check(x, w, w_scale, out_dtype)
     m, k = x.shape
     n = w.shape[0]
     y = torch.empty(m, n, dtype=out_dtype, device=x.device)
@@ -105,7 +101,6 @@ def fp8_gemm_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, x_s
     split, ws, locks = split_k.plan(x.device, tiles, -(-k // BLOCK_K), cfg.split_k, cfg.block_m * cfg.block_n, y)
     fp8_gemm_kernel[(tiles, split)](
         x,
-        x_scale if x_scale is not None else w_scale,
         w,
         w_scale,
         y,
@@ -115,10 +110,8 @@ def fp8_gemm_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, x_s
         n,
         k,
         x.stride(0),
-        x_scale.stride(0) if x_scale is not None else 0,
         w.stride(0),
         w_scale.stride(0),
-        QUANT_A=x_scale is None,
         INTERPRET=interpreting(),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -131,42 +124,34 @@ def fp8_gemm_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, x_s
     return y
 
 
-def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor | None = None,
+def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
              out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = x @ dequant(w, w_scale).T, W8A8; see the module doc for the contract and the dispatch."""
     if use_triton(x):
-        return fp8_gemm_triton(x, w, w_scale, x_scale, out_dtype)
-    return fp8_gemm_ref(x, w, w_scale, x_scale, out_dtype)
+        return fp8_gemm_triton(x, w, w_scale, out_dtype)
+    return fp8_gemm_ref(x, w, w_scale, out_dtype)
 
 
-def _check(x, w, w_scale, x_scale, out_dtype) -> torch.dtype:
+def _check(x, w, w_scale, out_dtype) -> torch.dtype:
     """Validate the operands; return the output dtype. Raises ValueError naming the bad operand."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"fp8_gemm: need x [M, K] and w [N, K], got x {tuple(x.shape)}, w {tuple(w.shape)}")
-    m, k = x.shape
-    groups = -(-k // GROUP)
+    groups = -(-x.shape[1] // GROUP)
     if w.dtype != FP8_DTYPE:
         raise ValueError(f"fp8_gemm: w must be float8_e4m3fn, got {w.dtype}")
     want = (-(-w.shape[0] // GROUP), groups)
     if tuple(w_scale.shape) != want or w_scale.dtype != torch.float32 or w_scale.stride(-1) != 1:
         raise ValueError(f"fp8_gemm: w_scale must be fp32 {want} with unit last stride, "
                          f"got {tuple(w_scale.shape)} {w_scale.dtype}")
-    if x_scale is None:
-        if x.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"fp8_gemm: x dtype {x.dtype} needs x_scale (float x: fp32, bf16, fp16)")
-    else:
-        if x.dtype != FP8_DTYPE:
-            raise ValueError(f"fp8_gemm: x_scale given, so x must be float8_e4m3fn, got {x.dtype}")
-        if tuple(x_scale.shape) != (m, groups) or x_scale.dtype != torch.float32 or x_scale.stride(-1) != 1:
-            raise ValueError(f"fp8_gemm: x_scale must be fp32 {(m, groups)} with unit last stride, "
-                             f"got {tuple(x_scale.shape)} {x_scale.dtype}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"fp8_gemm: x dtype {x.dtype} not supported (fp32, bf16, fp16)")
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError(f"fp8_gemm: x and w need unit stride on K, got {x.stride()} and {w.stride()}")
-    devices = {t.device for t in (x, w, w_scale, x_scale) if t is not None}
+    devices = {t.device for t in (x, w, w_scale)}
     if len(devices) != 1:
         raise ValueError(f"fp8_gemm: operands on several devices {sorted(map(str, devices))}")
     if out_dtype is None:
-        out_dtype = torch.bfloat16 if x.dtype == FP8_DTYPE else x.dtype
+        out_dtype = x.dtype
     if out_dtype not in _FLOAT_DTYPES:
         raise ValueError(f"fp8_gemm: out_dtype {out_dtype} not supported (fp32, bf16, fp16)")
     return out_dtype

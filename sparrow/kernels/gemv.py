@@ -26,7 +26,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from sparrow.kernels import ForcedConfig, interpreting, pdl_kwargs, prefetch_bytes, use_triton
+from sparrow.kernels import ForcedConfig, interpreting, pdl_kwargs, use_triton
 
 from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, dequantize_fp8_block_ref
 from sparrow.kernels import split_k
@@ -42,16 +42,14 @@ H200 (kernels_micro.py tune_fp8_rows), 64 rows, GEMV / fp8_gemm us: 2816 x 8192 
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
     block_n: int
-    """Output columns per program (power of two; >= 16 with use_dot)."""
+    """Output columns per program (power of two, >= 16)."""
     block_k: int
-    """K elements per loop step (power of two; >= 16 with use_dot); FP8 weights split it into dots of
+    """K elements per loop step (power of two, >= 16); FP8 weights split it into dots of
     at most 128 so each stays inside one scale block."""
-    use_dot: bool
-    """tl.dot on rows padded to 16 (tensor cores) instead of a broadcast multiply + sum."""
     num_warps: int = 4
     num_stages: int = 3
     swap_ab: bool = False
-    """With use_dot: y^T = w @ x^T, the weight as the dot's first (K-major) operand and the rows padded to
+    """y^T = w @ x^T, the weight as the dot's first (K-major) operand and the rows padded to
     16 as its second ("swap AB" for small M); block_n >= 16."""
     split_k: int = 1
     """Programs per N tile, each over a contiguous K range, reduced in the kernel (``split_k``); 0: enough
@@ -59,23 +57,22 @@ class GemvConfig:
 
 
 # (largest R, config). H200 sweep (benchmarks/kernels_micro.py tune_gemv_bf16 / tune_gemv_fp8: block_n 32-64,
-# block_k 256-512, split-K 1-8, tensor-core path at R = 1 and 8, FMA path at R = 1; K x N = 2816 x 8192,
+# block_k 256-512, split-K 1-8, at R = 1 and 8; K x N = 2816 x 8192,
 # 4096 x 2816, 2112 x 2816, 2816 x 4224). One entry wins for both weight formats: tensor-core dots on rows
 # padded to 16, 32 x 256 tiles, and split-K where N has few tiles (automatic: FILL_PROGRAMS = 352 programs).
 # R = 1, bf16 / FP8 / cuBLAS bf16 (us): 2816 x 8192 13.9 / 13.0 / 13.8; 4096 x 2816 9.5 / 9.0 / 11.1;
 # 2112 x 2816 6.9 / 6.7 / 6.5; 2816 x 4224 9.5 / 9.0 / 11.2 (R = 8 within 0.3 us of R = 1). Without split-K
 # the 2816-wide outputs took 10.9 (bf16) and 12.8 (FP8) us at 4096 x 2816. Time barely falls with the bytes:
 # a fit gives about 4 us per call plus the bytes at 5 TB/s (bf16) or 2.5 TB/s (FP8), so FP8 weights save
-# little in these GEMVs. The FMA path (fp32 products summed over K once) loses at every shape (11.6 us
-# FP8 at 4096 x 2816); swap_ab lost in the earlier sweep.
+# little in these GEMVs; swap_ab lost in the earlier sweep.
 GEMV_CONFIGS: tuple[tuple[int, GemvConfig], ...] = (
-    (MAX_ROWS, GemvConfig(block_n=32, block_k=256, use_dot=True, num_warps=4, num_stages=3, split_k=0)),
+    (MAX_ROWS, GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=3, split_k=0)),
 )
 # Past 16 rows (FP8 only, rows padded to 32 / 64): the best of tune_fp8_rows' sweep (block_n 32-64, block_k
 # 128-256, split-K automatic or 1) at most shapes.
 FP8_GEMV_CONFIGS: tuple[tuple[int, GemvConfig], ...] = GEMV_CONFIGS + (
-    (32, GemvConfig(block_n=64, block_k=128, use_dot=True, num_warps=4, num_stages=3, split_k=0)),
-    (FP8_MAX_ROWS, GemvConfig(block_n=32, block_k=128, use_dot=True, num_warps=4, num_stages=3, split_k=0)),
+    (32, GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=0)),
+    (FP8_MAX_ROWS, GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=3, split_k=0)),
 )
 W8A8_MAX_ROWS = 16
 """Rows up to which FP8 linears take the W8A8 GEMV (``gemv_w8a8``); 17 to FP8_MAX_ROWS take the W8A16 GEMV."""
@@ -86,7 +83,7 @@ W8A8_MAX_ROWS = 16
 # 2816 7.0 / 8.3 / 6.5; 2816 x 4224 7.7 / 8.3 / 11.3 (R = 8 within 0.3 us). At 64 rows W8A16 won at three
 # of four shapes (4096 x 2816: 20.4 against 13.5 us).
 W8A8_GEMV_CONFIGS: tuple[tuple[int, GemvConfig], ...] = (
-    (W8A8_MAX_ROWS, GemvConfig(block_n=64, block_k=128, use_dot=True, num_warps=4, num_stages=3, swap_ab=True,
+    (W8A8_MAX_ROWS, GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, swap_ab=True,
                                split_k=0)),
 )
 MIN_PROGRAMS = 132  # one program per SM of an H100 / H200 before BLOCK_N narrows
@@ -185,9 +182,9 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, quan
     sub_k = min(cfg.block_k, GROUP) if fp8 else cfg.block_k
     if fp8 and (GROUP % sub_k != 0 or cfg.block_k % sub_k != 0):
         raise ValueError(f"gemv_fp8: block_k {cfg.block_k} must divide or be a multiple of the 128 scale block")
-    if quant_x and (sub_k != GROUP or not (cfg.use_dot and cfg.swap_ab)):
-        raise ValueError(f"gemv_w8a8: needs use_dot, swap_ab and block_k a multiple of {GROUP}, got {cfg}")
-    block_r = max(16, _next_pow2(rows)) if cfg.use_dot else _next_pow2(rows)
+    if quant_x and (sub_k != GROUP or not cfg.swap_ab):
+        raise ValueError(f"gemv_w8a8: needs swap_ab and block_k a multiple of {GROUP}, got {cfg}")
+    block_r = max(16, _next_pow2(rows))
     tiles = -(-n // cfg.block_n)
     split, ws, locks = split_k.plan(x.device, tiles, -(-k // cfg.block_k), cfg.split_k, block_r * cfg.block_n, y)
     gemv_kernel[(tiles, split)](
@@ -204,8 +201,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, quan
         w.stride(0),
         w_scale.stride(0) if fp8 else 0,
         FP8_W=fp8,
-        USE_DOT=cfg.use_dot,
-        SWAP_AB=cfg.use_dot and cfg.swap_ab,
+        SWAP_AB=cfg.swap_ab,
         IEEE=x.dtype == torch.float32,
         BLOCK_R=block_r,
         BLOCK_N=cfg.block_n,
@@ -215,7 +211,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, quan
         QUANT_X=quant_x,
         EMULATE_FP8=quant_x and interpreting(),
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, PREFETCH=prefetch_bytes(x, w), **pdl_kwargs(x),
+        num_stages=cfg.num_stages, **pdl_kwargs(x),
     )
     return y
 

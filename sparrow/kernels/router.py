@@ -6,7 +6,7 @@ Shapes: R = rows, E = experts, K = top-k, G = n_group.
                  n_group, topk_group, routed_scaling_factor, per_expert_scale [E] | None, ids_dtype)
         -> (weights [R, K] fp32, ids [R, K] ids_dtype)
 
-Same contract and formulas as ``sparrow.layers.router.select_experts`` (design §3: softmax, sigmoid with a
+Same contract and formulas as ``select_experts``, the torch routing every router's CPU path runs (design §3: softmax, sigmoid with a
 selection-only bias and optional grouped top-k, sqrt-softplus; Gemma 4 = softmax + renormalize +
 per_expert_scale on logits from ``Gemma4Router.logits``). ids are ordered by descending (biased) score;
 ties go to the lowest expert id. ``fused_router_ref`` is the torch twin (it calls ``select_experts``),
@@ -27,9 +27,88 @@ import torch
 import torch.nn.functional as F
 
 from sparrow.kernels import ForcedConfig, pdl_kwargs, split_k, use_triton
-from sparrow.layers.router import SCORING_FUNCS, select_experts
 
 MAX_EXPERTS = 4096  # one row's logits live in one program's registers
+SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+
+
+def score_logits(router_logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """Per-expert scores of logits [R, E] in fp32: softmax over E, sigmoid, or sqrt(softplus)."""
+    logits = router_logits.float()
+    if scoring == "softmax":
+        return torch.softmax(logits, dim=-1)
+    if scoring == "sigmoid":
+        return logits.sigmoid()
+    if scoring == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    raise ValueError(f"unknown router scoring function {scoring!r}; expected one of {SCORING_FUNCS}")
+
+
+def _group_mask(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """``choice`` [R, E] with the experts of all but the best ``topk_group`` of ``n_group`` groups set to -inf.
+    A group scores the sum of its top-2 experts (DeepSeek-V3's ``group_scores``)."""
+    rows, num_experts = choice.shape
+    per_group = num_experts // n_group
+    grouped = choice.view(rows, n_group, per_group)
+    group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)  # [R, G]
+    keep_groups = group_scores.topk(topk_group, dim=-1).indices  # [R, topk_group]
+    keep = torch.zeros(rows, n_group, dtype=torch.bool, device=choice.device).scatter_(1, keep_groups, True)
+    return choice.masked_fill(~keep.unsqueeze(-1).expand(rows, n_group, per_group).reshape(rows, num_experts),
+                              float("-inf"))
+
+
+def weigh_experts(
+    scores: torch.Tensor,
+    topk_ids: torch.Tensor,
+    renormalize: bool = False,
+    routed_scaling_factor: float = 1.0,
+    per_expert_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Weights [R, K] fp32 of the chosen experts ``topk_ids`` [R, K] from unbiased scores [R, E] fp32."""
+    weights = scores.gather(1, topk_ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
+    if per_expert_scale is not None:
+        weights = weights * per_expert_scale.float()[topk_ids]
+    return weights
+
+
+def select_experts(
+    router_logits: torch.Tensor,
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = False,
+    e_score_correction_bias: torch.Tensor | None = None,
+    n_group: int | None = None,
+    topk_group: int | None = None,
+    routed_scaling_factor: float = 1.0,
+    per_expert_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route each row: logits [R, E] (any float dtype) -> (weights [R, K] fp32, ids [R, K] int64).
+
+    ``scoring`` in SCORING_FUNCS; ``e_score_correction_bias`` [E] only shifts the selection; ``n_group`` /
+    ``topk_group`` enable grouped top-k (both or neither; E % n_group == 0); ``per_expert_scale`` [E]
+    multiplies each chosen expert's weight (Gemma 4). ids are ordered by descending (biased) score.
+    Raises ValueError for an unknown scoring function or inconsistent top-k / group sizes.
+    """
+    num_experts = router_logits.shape[-1]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"router top_k={top_k} must be in [1, num_experts={num_experts}]")
+    scores = score_logits(router_logits, scoring)
+    choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
+    if (n_group is None) != (topk_group is None):
+        raise ValueError(f"grouped top-k needs both n_group and topk_group, got {n_group=} {topk_group=}")
+    if n_group is not None and topk_group is not None and n_group > 1:
+        if num_experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"grouped top-k: {num_experts} experts, {n_group=}, {topk_group=} is inconsistent")
+        if top_k > topk_group * (num_experts // n_group):
+            raise ValueError(f"grouped top-k: top_k={top_k} exceeds the {topk_group} kept groups' experts")
+        choice = _group_mask(choice, n_group, topk_group)
+    topk_ids = choice.topk(top_k, dim=-1).indices
+    return weigh_experts(scores, topk_ids, renormalize, routed_scaling_factor, per_expert_scale), topk_ids
+
 
 
 def fused_router_ref(

@@ -17,7 +17,6 @@ embeddings and the LM head are not ``Linear`` and stay in the model dtype.
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Iterator
 
 import torch
@@ -25,16 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparrow.errors import ModelLoadError
-
-
-GEMV_MAX_ROWS = min(int(os.environ.get("SPARROW_GEMV_MAX_ROWS", "0")), 16)  # gemv.MAX_ROWS
-"""Row counts up to this use the Triton GEMV on the GPU (weights streamed once for all rows, split-K where
-N has few tiles) instead of cuBLAS; 0 disables it. On the H200 the GEMV alone beats cuBLAS at Gemma 4's
-2816-wide outputs (kernels_micro.py tune_gemv_bf16, R = 1: 9.5 / 11.1 us at K x N = 4096 x 2816, 9.5 /
-11.2 at 2816 x 4224, 13.9 / 13.8 at 2816 x 8192, 6.9 / 6.5 at 2112 x 2816), but end to end it lost
-(gemma4-26b-a4b bf16, prompt 128: 282.5 / 947.2 tok/s at batch 1 / 8 with 16, 291.2 / 1018.0 with 0), so
-cuBLAS stays. ``SPARROW_GEMV_MAX_ROWS=16`` in the environment sets it for an A/B run (16 at most: the GEMV's
-row limit)."""
 
 
 class UnquantizedLinearMethod:
@@ -47,14 +36,6 @@ class UnquantizedLinearMethod:
         pass
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.is_cuda:
-            from sparrow.kernels import use_triton
-
-            if use_triton(x):
-                from sparrow.kernels.gemv import gemv_triton
-
-                y = gemv_triton(x, layer.weight)
-                return y if layer.bias is None else y + layer.bias
         return F.linear(x, layer.weight, layer.bias)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sparrow.layers.activation import ACTIVATIONS
+from sparrow.kernels.act import ACTIVATIONS, act_and_mul
 from sparrow.layers.linear import Linear
 from sparrow.errors import ModelLoadError
 
@@ -21,23 +21,7 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, output_sizes=[intermediate_size] * 2, bias=bias, dtype=dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
         self.act_name = act
-        self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(act_and_mul(self.act_name, self.gate_up_proj(x)))
 
-
-def act_and_mul(name: str, x: torch.Tensor) -> torch.Tensor:
-    """act(x[:, :I]) * x[:, I:]: the fused Triton kernel where ``use_triton(x)`` and it has the activation,
-    else the torch version from sparrow.layers.activation."""
-    from sparrow.kernels import use_triton
-
-    if use_triton(x) and name in _TRITON_ACTS:
-        from sparrow.kernels import act
-
-        return getattr(act, _TRITON_ACTS[name])(x)
-    return ACTIVATIONS[name](x)
-
-
-_TRITON_ACTS = {"silu": "silu_and_mul_triton", "swish": "silu_and_mul_triton",
-                "gelu_pytorch_tanh": "gelu_tanh_and_mul_triton"}

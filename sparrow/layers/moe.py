@@ -7,13 +7,9 @@ Expert weights, stacked from load time in transformers 5's fused layout (``mlp.e
 ``experts.``): ``gate_up_proj`` [E, 2I, H] (rows :I the gate, rows I: the up projection) and
 ``down_proj`` [E, H, I]; expert e computes ``down_proj[e] @ act(gate_up_proj[e] @ x)``.
 
-Two torch paths with one signature (the twins of the Triton kernels), chosen by P vs ``pair_threshold``:
-- grouped (P > threshold, prefill): stable-sort the pairs by expert, per-expert offsets, one matmul per
-  expert over its contiguous slice (each expert's weights read once), activation, down matmul, then an
-  unpermute with a weighted reduce (index_add) back to row order;
-- per-pair (P <= threshold, decode / speculative verify): gather each pair's expert weights, batched
-  GEMVs, weighted sum over K; no sort.
-Matmuls run in x's dtype; the weighted reduce accumulates in fp32; the result is cast back to x's dtype.
+On the GPU the experts run ``sparrow.kernels.moe.fused_moe`` (Triton); on CPU its torch twins of
+``sparrow.kernels.moe_ref``: the grouped path (P > ``pair_threshold``, prefill) or the per-pair path
+(P <= threshold, decode / speculative verify), matmuls in x's dtype, fp32 weighted reduce.
 
 FP8 (on-load quantization, ``quantization="fp8"`` on a float checkpoint): after loading,
 ``FusedMoE.quantize_fp8()`` turns each stacked weight into e4m3 with 128 x 128 block scales
@@ -30,82 +26,10 @@ import logging
 import torch
 from torch import nn
 
-from sparrow.layers.activation import get_activation
+from sparrow.kernels.act import get_activation
+from sparrow.kernels.moe_ref import fused_moe_grouped_ref, fused_moe_per_pair_ref, gate_up_act
 
 log = logging.getLogger(__name__)
-
-
-def _gate_up_act(h: torch.Tensor, activation: str, swiglu_limit: float | None) -> torch.Tensor:
-    """act(gate) * up of h [P, 2I] -> [P, I]; DeepSeek-V4 clamps gate <= limit and |up| <= limit first."""
-    if swiglu_limit is not None:
-        gate, up = h.chunk(2, dim=-1)
-        h = torch.cat([gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)], dim=-1)
-    return get_activation(activation)(h)
-
-
-def fused_moe_grouped_ref(
-    x: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    activation: str = "silu",
-    swiglu_limit: float | None = None,
-    reduce: bool = True,
-) -> torch.Tensor:
-    """Sorted / grouped expert path. x [R, H], gate_up_proj [E, 2I, H], down_proj [E, H, I],
-    topk_weights [R, K] (any float dtype), topk_ids [R, K] int (each in [0, E)) -> [R, H] in x's dtype.
-    ``reduce=False``: the per-pair outputs [R K, H] in pair order (pair p = row p // K, slot p % K), x's
-    dtype, unweighted (the caller reduces them, as ``sparrow.kernels.moe.moe_reduce``)."""
-    num_rows, top_k = topk_ids.shape
-    num_experts = gate_up_proj.shape[0]
-    flat_ids = topk_ids.reshape(-1).long()  # [P], pair p = row p // K, slot p % K
-    order = torch.argsort(flat_ids, stable=True)  # pairs sorted by expert
-    rows = order // top_k  # [P] row of each sorted pair
-    counts = torch.bincount(flat_ids, minlength=num_experts)  # [E]
-    offsets = [0, *torch.cumsum(counts, 0).tolist()]  # expert e owns sorted pairs offsets[e]:offsets[e+1]
-    xs = x[rows]  # [P, H]
-    h = xs.new_empty(xs.shape[0], gate_up_proj.shape[1])  # [P, 2I]
-    active = [e for e in range(num_experts) if offsets[e + 1] > offsets[e]]
-    for e in active:
-        s, t = offsets[e], offsets[e + 1]
-        h[s:t] = xs[s:t] @ gate_up_proj[e].t()
-    a = _gate_up_act(h, activation, swiglu_limit)  # [P, I]
-    y = xs.new_empty(xs.shape[0], down_proj.shape[1])  # [P, H]
-    for e in active:
-        s, t = offsets[e], offsets[e + 1]
-        y[s:t] = a[s:t] @ down_proj[e].t()
-    if not reduce:
-        pairs = torch.empty_like(y)
-        pairs[order] = y
-        return pairs
-    w = topk_weights.reshape(-1)[order].float()  # [P]
-    out = torch.zeros(num_rows, x.shape[1], dtype=torch.float32, device=x.device)
-    out.index_add_(0, rows, y.float() * w[:, None])
-    return out.to(x.dtype)
-
-
-def fused_moe_per_pair_ref(
-    x: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    activation: str = "silu",
-    swiglu_limit: float | None = None,
-    reduce: bool = True,
-) -> torch.Tensor:
-    """Per-pair GEMV path, no sort: same signature and result as ``fused_moe_grouped_ref``."""
-    num_rows, top_k = topk_ids.shape
-    flat_ids = topk_ids.reshape(-1).long()  # [P]
-    xp = x.repeat_interleave(top_k, dim=0)  # [P, H]
-    h = torch.bmm(gate_up_proj[flat_ids], xp.unsqueeze(-1)).squeeze(-1)  # [P, 2I, H] @ [P, H, 1] -> [P, 2I]
-    a = _gate_up_act(h, activation, swiglu_limit)  # [P, I]
-    y = torch.bmm(down_proj[flat_ids], a.unsqueeze(-1)).squeeze(-1)  # [P, H]
-    if not reduce:
-        return y
-    out = (y.float().view(num_rows, top_k, -1) * topk_weights.float().unsqueeze(-1)).sum(dim=1)  # [R, H]
-    return out.to(x.dtype)
 
 
 class FusedMoE(nn.Module):
@@ -244,7 +168,7 @@ class SharedExpert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)  # [R, 2I]
-        return self.down_proj(_gate_up_act(h, self.activation, self.swiglu_limit))
+        return self.down_proj(gate_up_act(h, self.activation, self.swiglu_limit))
 
 
 class MoEBlock(nn.Module):

@@ -4,34 +4,18 @@ Three weight conventions (``kind``), all normalizing in fp32:
 - 'llama' (LlamaRMSNorm, Qwen, Mixtral, MiniMax): cast the normed x back, then multiply by w;
 - 'gemma' (Gemma3RMSNorm): multiply by (1 + w) in fp32, cast back;
 - 'gemma4' (Gemma4RMSNorm): x * (mean(x^2) + eps)^-0.5 (torch.pow, as HF), multiply by w in fp32, cast back.
-``with_scale=False`` is the scale-free norm (Gemma 4 v_norm and router norm).
+``with_scale=False`` is the scale-free norm (Gemma 4 v_norm and router norm). The arithmetic is
+``sparrow.kernels.norm``'s: its Triton kernel where ``use_triton(x)``, its torch twin ``rms_norm_ref`` otherwise.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from sparrow.kernels import use_triton
+from sparrow.kernels.norm import rms_norm_ref, rms_norm_triton
+
 NORM_KINDS = ("llama", "gemma", "gemma4")
-
-
-def rms_norm_torch(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, gemma: bool = False, kind: str | None = None
-) -> torch.Tensor:
-    """y = x / sqrt(mean(x^2) + eps) * w over the last dim; x [..., H], weight [H] or None. Returns x's dtype.
-    ``kind`` in NORM_KINDS (``gemma=True`` is kind 'gemma')."""
-    kind = kind or ("gemma" if gemma else "llama")
-    xf = x.float()
-    if kind == "gemma4":
-        y = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
-    else:
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is None:
-        return y.to(x.dtype)
-    if kind == "gemma":
-        return (y * (1.0 + weight.float())).to(x.dtype)
-    if kind == "gemma4":
-        return (y * weight.float()).to(x.dtype)
-    return weight * y.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -54,16 +38,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(init(hidden_size, dtype=dtype), requires_grad=False) if with_scale else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        from sparrow.kernels import use_triton
-
         if use_triton(x) and (residual is None or x.dim() == 2):
-            from sparrow.kernels.norm import rms_norm_triton
-
             return rms_norm_triton(x, self.weight, self.eps, residual=residual, **self._convention())
+        # the twin on [N, H] rows: any leading shape, any strides
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        res = residual.reshape(-1, shape[-1]) if residual is not None else None
+        out = rms_norm_ref(rows if rows.stride(-1) == 1 else rows.contiguous(), self.weight, self.eps,
+                           residual=res if res is None or res.is_contiguous() else res.contiguous(),
+                           **self._convention())
         if residual is not None:
-            x = x + residual
-            return rms_norm_torch(x, self.weight, self.eps, kind=self.kind), x
-        return rms_norm_torch(x, self.weight, self.eps, kind=self.kind)
+            return out[0].view(shape), out[1].view(shape)
+        return out.view(shape)
 
     def _convention(self) -> dict:
         """The kernel's weight-convention flags for this norm's kind (sparrow.kernels.norm)."""
@@ -82,14 +68,10 @@ class RMSNorm(nn.Module):
 
         On the Triton path all of it is one kernel when every norm has a weight and shares this one's kind and
         eps (sparrow.kernels.norm.rms_norm); otherwise the ops run one by one, with the same results."""
-        from sparrow.kernels import use_triton
-
         first = pre[0] if pre is not None else None
         norms = [n for n in (self, first, pre_add_norm) if n is not None] + list(next_norms)
         if use_triton(x) and x.dim() == 2 and len(next_norms) <= 2 and (pre is not None or pre_add_norm is None) \
                 and all(n.kind == self.kind and n.eps == self.eps and n.weight is not None for n in norms):
-            from sparrow.kernels.norm import rms_norm_triton
-
             return rms_norm_triton(
                 x.contiguous(), self.weight, self.eps, post_add=add.contiguous(), post_scale=scale,
                 pre_weight=pre[0].weight if pre is not None else None,
@@ -97,16 +79,17 @@ class RMSNorm(nn.Module):
                 pre_add_weight=pre_add_norm.weight if pre_add_norm is not None else None,
                 next_weights=tuple(n.weight for n in next_norms), pair_weights=pair_weights, **self._convention())
         if pair_weights is not None:
-            from sparrow.kernels.moe import moe_reduce
+            from sparrow.kernels.moe_reduce import moe_reduce
 
             x = moe_reduce(x, pair_weights, x.dtype)
         if pre is not None:
             x = pre[0].norm_add(x, pre[1] if pre_add_norm is None else pre_add_norm(pre[1]))
         if use_triton(x) and x.dim() == 2:
-            from sparrow.kernels.norm import rms_norm_triton
-
             y = rms_norm_triton(x, self.weight, self.eps, post_add=add.contiguous(), post_scale=scale,
                                 **self._convention())
+        elif x.dim() == 2:
+            y = rms_norm_ref(x.contiguous(), self.weight, self.eps, post_add=add.contiguous(), post_scale=scale,
+                             **self._convention())
         else:
             y = add + self(x)
             y = y if scale is None else y * scale

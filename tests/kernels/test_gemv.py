@@ -34,14 +34,12 @@ DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2)}
 CONFIGS = {
     "default": None,
-    "fma": GemvConfig(block_n=32, block_k=128, use_dot=False),
-    "fma_split_k2": GemvConfig(block_n=16, block_k=256, use_dot=False, split_k=2),  # FP8: 2 scale blocks a step
-    "dot": GemvConfig(block_n=32, block_k=64, use_dot=True),
-    "dot_wide_k": GemvConfig(block_n=16, block_k=256, use_dot=True),  # FP8: two 128-wide scale blocks a step
-    "swap_ab": GemvConfig(block_n=32, block_k=256, use_dot=True, swap_ab=True),  # weight as the dot's A side
+    "dot": GemvConfig(block_n=32, block_k=64),
+    "dot_wide_k": GemvConfig(block_n=16, block_k=256),  # FP8: two 128-wide scale blocks a step
+    "swap_ab": GemvConfig(block_n=32, block_k=256, swap_ab=True),  # weight as the dot's A side
     # split-K, reduced in the kernel: 3 uneven K ranges (some empty at small K); automatic split with swap AB
-    "split_k3": GemvConfig(block_n=16, block_k=64, use_dot=True, split_k=3),
-    "split_auto_swap": GemvConfig(block_n=32, block_k=128, use_dot=True, swap_ab=True, split_k=0),
+    "split_k3": GemvConfig(block_n=16, block_k=64, split_k=3),
+    "split_auto_swap": GemvConfig(block_n=32, block_k=128, swap_ab=True, split_k=0),
 }
 
 
@@ -105,8 +103,8 @@ def test_gemv_fp8_matches_twin(rows, k, n, dtype, config):
 
 W8A8_CONFIGS = {
     "default": None,
-    "swap_split2": GemvConfig(block_n=16, block_k=256, use_dot=True, swap_ab=True, split_k=2),  # 2 groups a step
-    "swap_split3": GemvConfig(block_n=32, block_k=128, use_dot=True, swap_ab=True, split_k=3),
+    "swap_split2": GemvConfig(block_n=16, block_k=256, swap_ab=True, split_k=2),  # 2 groups a step
+    "swap_split3": GemvConfig(block_n=32, block_k=128, swap_ab=True, split_k=3),
 }
 
 
@@ -136,8 +134,8 @@ def test_gemv_w8a8_matches_twin(rows, k, n, config):
 def test_gemv_w8a8_rejects_tiles_off_the_scale_groups():
     x, w = _inputs(2, 256, 32, torch.bfloat16)
     wq, ws = quantize_fp8_block_ref(w.float())
-    for bad in (GemvConfig(block_n=32, block_k=64, use_dot=True, swap_ab=True),  # a dot across two groups
-                GemvConfig(block_n=32, block_k=128, use_dot=True)):  # plain e4m3 dots: wrong sums on the H200
+    for bad in (GemvConfig(block_n=32, block_k=64, swap_ab=True),  # a dot across two groups
+                GemvConfig(block_n=32, block_k=128)):  # plain e4m3 dots: wrong sums on the H200
         with forced_config(bad), pytest.raises(ValueError, match="swap_ab and block_k"):
             gemv_w8a8_triton(x, wq, ws)
     with pytest.raises(ValueError, match="rows"):
@@ -152,7 +150,7 @@ def test_gemv_fp8_above_16_rows(rows, monkeypatch):
     and FP8 linears take it up to ``FP8_MAX_ROWS``."""
     from sparrow.kernels import gemv
 
-    monkeypatch.setattr(gemv, "FP8_GEMV_CONFIGS", ((64, GemvConfig(block_n=16, block_k=128, use_dot=True, split_k=2)),))
+    monkeypatch.setattr(gemv, "FP8_GEMV_CONFIGS", ((64, GemvConfig(block_n=16, block_k=128, split_k=2)),))
     x, w = _inputs(rows, 256, 48, torch.float32)
     wq, ws = quantize_fp8_block_ref(w)
     torch.testing.assert_close(gemv_fp8_triton(x, wq, ws), gemv_fp8_ref(x, wq, ws), **TOL[torch.float32])
@@ -166,7 +164,7 @@ def test_split_k_counters_reset_and_result_deterministic():
     from sparrow.kernels import split_k
 
     x, w = _inputs(3, 1000, 72, torch.float32)
-    with forced_config(GemvConfig(block_n=16, block_k=64, use_dot=True, split_k=5)):
+    with forced_config(GemvConfig(block_n=16, block_k=64, split_k=5)):
         first = gemv_triton(x, w)
         again = gemv_triton(x, w)
     locks = split_k.workspace(x.device, 0, 0)[1]
@@ -180,7 +178,7 @@ def test_split_k_falls_back_when_the_workspace_is_too_small(monkeypatch):
 
     monkeypatch.setattr(split_k, "WORKSPACE_FLOATS", 16)
     x, w = _inputs(2, 1000, 72, torch.float32)
-    with forced_config(GemvConfig(block_n=16, block_k=64, use_dot=True, split_k=4)):
+    with forced_config(GemvConfig(block_n=16, block_k=64, split_k=4)):
         torch.testing.assert_close(gemv_triton(x, w), gemv_ref(x, w), **TOL[torch.float32])
 
 
@@ -188,7 +186,7 @@ def test_pick_config_narrows_only_without_split_k(monkeypatch):
     from sparrow.kernels import gemv
 
     assert gemv.pick_config(1, 2816, fp8=True) == gemv.FP8_GEMV_CONFIGS[0][1]  # automatic split-K: kept as tuned
-    plain = GemvConfig(block_n=64, block_k=256, use_dot=True)
+    plain = GemvConfig(block_n=64, block_k=256)
     monkeypatch.setattr(gemv, "GEMV_CONFIGS", ((gemv.MAX_ROWS, plain),))
     assert gemv.pick_config(1, 2816, fp8=False).block_n == 16  # 44 tiles -> 176 programs
     assert gemv.pick_config(1, 8192, fp8=False).block_n == 32  # 128 tiles -> 256 programs
@@ -275,7 +273,7 @@ def test_gpu_real_shapes(rows, k, n, fp8):
 def test_gpu_w8a8_real_shapes(rows, k, n, block_n, block_k):
     x, w = _inputs(rows, k, n, torch.bfloat16)
     wq, ws = quantize_fp8_block_ref(w)
-    with forced_config(GemvConfig(block_n=block_n, block_k=block_k, use_dot=True, swap_ab=True, split_k=0)):
+    with forced_config(GemvConfig(block_n=block_n, block_k=block_k, swap_ab=True, split_k=0)):
         y = gemv_w8a8_triton(x, wq, ws)
     assert _nmse(y, fp8_gemm_ref(x, wq, ws)) <= 5e-5
     assert _nmse(gemv_w8a8(x, wq, ws), fp8_gemm_ref(x, wq, ws)) <= 5e-5  # the table's config
@@ -306,16 +304,15 @@ def _side_stream():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("use_dot", [True, False])
 @pytest.mark.parametrize("split", [2, 8, 0])
 @pytest.mark.parametrize("k,n", [(4096, 2816), (2112, 2816)])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_gpu_split_k_in_graphs_and_two_streams(split, k, n, fp8, use_dot):
+def test_gpu_split_k_in_graphs_and_two_streams(split, k, n, fp8):
     """Split-K at real shapes: many launches in a row, inside a CUDA graph (replayed), and on two streams
     at once, each against the twin; the counters end at zero."""
     from sparrow.kernels import split_k
 
-    xs = [_inputs(r, k, n, torch.bfloat16, seed=r)[0] for r in ((1, 5, 16) if use_dot else (1, 2, 4))]
+    xs = [_inputs(r, k, n, torch.bfloat16, seed=r)[0] for r in (1, 5, 16)]
     w = _inputs(1, k, n, torch.bfloat16)[1]
     wq, ws = quantize_fp8_block_ref(w)
 
@@ -326,7 +323,7 @@ def test_gpu_split_k_in_graphs_and_two_streams(split, k, n, fp8, use_dot):
         return gemv_fp8_ref(x, wq, ws) if fp8 else gemv_ref(x, w)
 
     side = _side_stream()
-    with forced_config(GemvConfig(block_n=32, block_k=256 if use_dot else 128, use_dot=use_dot, split_k=split)):
+    with forced_config(GemvConfig(block_n=32, block_k=256, split_k=split)):
         for _ in range(20):
             outs = [call(x) for x in xs]
         side.wait_stream(torch.cuda.current_stream())
@@ -361,13 +358,12 @@ def test_gpu_split_k_in_graphs_and_two_streams(split, k, n, fp8, use_dot):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["swap_ab", "fma"])
 @pytest.mark.parametrize("k,n", [(2816, 8192), (4096, 2816)])
 @pytest.mark.parametrize("rows", [1, 4, 5])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_gpu_swap_ab_and_fma(rows, k, n, fp8, config):
+def test_gpu_swap_ab(rows, k, n, fp8):
     x, w = _inputs(rows, k, n, torch.bfloat16)
-    with forced_config(CONFIGS[config]):
+    with forced_config(CONFIGS["swap_ab"]):
         if fp8:
             wq, ws = quantize_fp8_block_ref(w)
             torch.testing.assert_close(gemv_fp8_triton(x, wq, ws), gemv_fp8_ref(x, wq, ws), **TOL[torch.bfloat16])

@@ -5,12 +5,14 @@ import pytest
 import torch
 
 import sparrow.kernels as K
+from sparrow import switches
 from sparrow.kernels.act import gelu_tanh_and_mul_triton
 from sparrow.kernels.norm import rms_norm_triton
 
 
-def test_off_without_a_hopper_gpu():
+def test_off_without_a_hopper_gpu(monkeypatch):
     x = torch.zeros(4)
+    monkeypatch.setattr(switches, "PDL", True)
     assert not K.use_pdl(x)
     assert K.pdl_kwargs(x) == {"USE_PDL": False, "launch_pdl": False}
 
@@ -26,19 +28,17 @@ def _chain(x, w, steps):
     return y
 
 
-def _same_as_plain_launches(run, x, prefetch: int = 0, weight=None) -> None:
-    """``run()`` with PDL off gives the reference; with PDL on (and ``prefetch`` bytes of L2 prefetch, which
-    ``weight`` must qualify for) it must give the same bits, eagerly and replayed from a CUDA graph."""
+def _same_as_plain_launches(run, x) -> None:
+    """``run()`` with PDL off (``switches.PDL``) gives the reference; with PDL on it must give the same bits,
+    eagerly and replayed from a CUDA graph."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
-    old = K.PDL, K.PREFETCH_BYTES
+    old = switches.PDL
     try:
-        K.PDL = False
+        switches.PDL = False
         want = run()
-        K.PDL, K.PREFETCH_BYTES = True, prefetch
+        switches.PDL = True
         assert K.use_pdl(x)
-        if weight is not None:
-            assert K.prefetch_bytes(x, weight) == prefetch
         torch.testing.assert_close(run(), want, atol=0, rtol=0)  # also compiles outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -48,7 +48,7 @@ def _same_as_plain_launches(run, x, prefetch: int = 0, weight=None) -> None:
             graph.replay()
             torch.testing.assert_close(out, want, atol=0, rtol=0)
     finally:
-        K.PDL, K.PREFETCH_BYTES = old
+        switches.PDL = old
 
 
 @pytest.mark.gpu
@@ -59,23 +59,8 @@ def test_gpu_pdl_chain_matches_plain_launches():
     _same_as_plain_launches(lambda: _chain(x, w, 40), x)
 
 
-def test_prefetch_bytes_needs_pdl_and_16_byte_rows(monkeypatch):
-    w = torch.zeros(64, 256, dtype=torch.bfloat16)
-    x = torch.zeros(1, 256, dtype=torch.bfloat16)
-    assert K.prefetch_bytes(x, w) == 0  # no PDL on CPU
-    monkeypatch.setattr(K, "use_pdl", lambda t: True)
-    assert K.prefetch_bytes(x, w) == K.PREFETCH_BYTES
-    assert K.prefetch_bytes(x, torch.zeros(64, 129, dtype=torch.bfloat16)) == 0  # 258-byte rows
-    assert K.prefetch_bytes(x, torch.zeros(64, 300, dtype=torch.bfloat16)[:, :256]) == 0  # 600-byte pitch
-    assert K.prefetch_bytes(x, torch.zeros(64 * 256 + 1, dtype=torch.bfloat16)[1:].view(64, 256)) == 0  # base
-    assert K.prefetch_bytes(x, torch.zeros(4, 64, 256, dtype=torch.bfloat16)[1]) == K.PREFETCH_BYTES
-    monkeypatch.setattr(K, "PREFETCH_BYTES", 0)
-    assert K.prefetch_bytes(x, w) == 0
-
-
 def _weights_chain(x, w8, s8, w16, experts, steps):
-    """Launches whose weights are prefetched before the PDL wait: W8A8 GEMV, bf16 GEMV, the MoE small path
-    (its down GEMM prefetches the routed experts), each reading the previous output."""
+    """Weight kernels under PDL: W8A8 GEMV, bf16 GEMV, the MoE small path, each reading the previous output."""
     from sparrow.kernels.gemv import gemv_triton, gemv_w8a8_triton
     from sparrow.kernels.moe import fused_moe_triton
 
@@ -116,7 +101,7 @@ def test_gpu_norm_chain_early_loads_change_no_result(rows):
 
 
 @pytest.mark.gpu
-def test_gpu_l2_prefetch_changes_no_result():
+def test_gpu_weight_kernels_match_plain_launches():
     from sparrow.kernels.fp8 import quantize_fp8_block_ref
 
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -128,4 +113,4 @@ def test_gpu_l2_prefetch_changes_no_result():
     down = (torch.randn(e, h, i, device="cuda", generator=g) / i**0.5).bfloat16()
     topk_w, topk_ids = torch.softmax(torch.randn(2, e, device="cuda", generator=g), -1).topk(4)
     experts = (gate_up, down, topk_w, topk_ids.to(torch.int32))
-    _same_as_plain_launches(lambda: _weights_chain(x, w8, s8, w16, experts, 10), x, prefetch=4096, weight=w16)
+    _same_as_plain_launches(lambda: _weights_chain(x, w8, s8, w16, experts, 10), x)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparrow.layers.activation import ACTIVATIONS, gelu_tanh_and_mul, get_activation, silu_and_mul
-from sparrow.layers.moe import (FusedMoE, MoEBlock, SharedExpert, fused_moe_grouped_ref,
-                                fused_moe_per_pair_ref)
+from sparrow.kernels.act import ACTIVATIONS, gelu_and_mul_ref, gelu_tanh_and_mul_ref, get_activation, \
+    silu_and_mul_ref
+from sparrow.kernels.moe_ref import fused_moe_grouped_ref, fused_moe_per_pair_ref
+from sparrow.layers.moe import FusedMoE, MoEBlock, SharedExpert
 from sparrow.layers.router import Gemma4Router, HashRouter, Router
 
 
@@ -123,10 +124,14 @@ def test_bf16_close_to_fp32():
 
 
 def test_activations():
-    x = torch.randn(5, 2 * 7)
-    gate, up = x[:, :7], x[:, 7:]
-    torch.testing.assert_close(silu_and_mul(x), torch.nn.functional.silu(gate) * up)
-    torch.testing.assert_close(gelu_tanh_and_mul(x), torch.nn.functional.gelu(gate, approximate="tanh") * up)
+    """The twins compute transformers' ``act_fn(gate) * up`` in x's dtype, bit for bit (bf16: two roundings)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(5, 2 * 7) * 3).to(dtype)
+        gate, up = x[:, :7], x[:, 7:]
+        torch.testing.assert_close(silu_and_mul_ref(x), torch.nn.functional.silu(gate) * up, atol=0, rtol=0)
+        torch.testing.assert_close(gelu_tanh_and_mul_ref(x), torch.nn.functional.gelu(gate, approximate="tanh") * up,
+                                   atol=0, rtol=0)
+        torch.testing.assert_close(gelu_and_mul_ref(x), torch.nn.functional.gelu(gate) * up, atol=0, rtol=0)
     assert set(ACTIVATIONS) >= {"silu", "gelu_pytorch_tanh", "gelu"}
     with pytest.raises(ValueError, match="relu2"):
         FusedMoE(4, H, I, activation="relu2")

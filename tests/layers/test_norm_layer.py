@@ -90,3 +90,32 @@ def test_norm_add_pair_weights(backend_name):
             want = norm.norm_add(moe_reduce_ref(pairs, weights), add, pre=(norm2, add2), next_norms=(nxt,))
             for a, b in zip(got, want):
                 torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind,module", [("llama", "llama.modeling_llama.LlamaRMSNorm"),
+                                         ("gemma", "gemma3.modeling_gemma3.Gemma3RMSNorm"),
+                                         ("gemma4", "gemma4.modeling_gemma4.Gemma4RMSNorm")])
+def test_torch_path_is_transformers_bit_for_bit(kind, module, dtype):
+    """The CPU path (the kernels package's twin, ``rms_norm_ref``) against the transformers module of each
+    kind, weights in the model dtype as sparrow loads them: exact, on [R, H], per-head [R, nH, D] and a
+    residual add (HF adds in the model dtype)."""
+    import importlib
+
+    path, cls = module.rsplit(".", 1)
+    hf_cls = getattr(importlib.import_module(f"transformers.models.{path}"), cls)
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, generator=g).to(dtype)
+    norm = RMSNorm(40, 1e-6, kind=kind, dtype=dtype)
+    hf = hf_cls(40, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+        hf.weight.copy_(weight)
+    x = (torch.randn(6, 40, generator=g) * 3).to(dtype)
+    r = torch.randn(6, 40, generator=g).to(dtype)
+    with backend("torch"), torch.no_grad():
+        torch.testing.assert_close(norm(x), hf(x), atol=0, rtol=0)
+        torch.testing.assert_close(norm(x.view(3, 2, 40)), hf(x.view(3, 2, 40)), atol=0, rtol=0)
+        y, res = norm(x, r)
+        torch.testing.assert_close(res, x + r, atol=0, rtol=0)
+        torch.testing.assert_close(y, hf(x + r), atol=0, rtol=0)

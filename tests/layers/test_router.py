@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparrow.layers.router import Gemma4Router, HashRouter, Router, select_experts
+from sparrow.kernels.router import select_experts
+from sparrow.layers.router import Gemma4Router, HashRouter, Router
 
 
 def _hf(name: str):
