@@ -47,7 +47,7 @@ def _bool(name: str, default: bool, doc: str) -> bool:
 
 OVERLAP: bool = _bool(
     "SPARROW_OVERLAP", True,
-    "queue the next greedy decode step before reading this one's tokens (sparrow.engine.engine)")
+    "queue the next greedy decode step before reading this one's tokens (the scheduler's queue_next plans)")
 """H200, gemma4-26b-a4b FP8: 382.5 / 6,409.9 tok/s at batch 1 / 64 with it, 337.2 / 5,839.1 without
 (benchmarks/README.md)."""
 
@@ -56,6 +56,11 @@ PDL: bool = _bool(
     "launch the decode-path Triton kernels with programmatic dependent launch on Hopper (sparrow.kernels.use_pdl)")
 """H200, gemma4-26b-a4b bf16 decode with CUDA graphs: 309.4 / 1,032.8 tok/s at batch 1 / 8 with it,
 294.7 / 961.4 without (benchmarks/README.md)."""
+
+DUAL_STREAM: bool = _bool(
+    "SPARROW_DUAL_STREAM", True,
+    "Gemma 4 decode graphs run the dense MLP branch on a second stream beside the router + MoE chain")
+"""Read when a graph is captured (sparrow.models.gemma4.side_stream); eager steps always run one stream."""
 
 TRITON_INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
 """Triton's own variable, read here as Triton parses it (1 / true / on): Triton runs its kernels in its CPU

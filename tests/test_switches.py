@@ -13,11 +13,10 @@ from sparrow import switches
 
 ROOT = Path(__file__).resolve().parents[1]
 ALLOWED = {"sparrow/switches.py", "sparrow/cache.py"}
-PENDING = {"sparrow/engine/engine.py"}  # SPARROW_OVERLAP: engine.py moves to switches.OVERLAP (issue 22, lead)
 
 
 def test_table_lists_each_switch_with_type_default_and_doc():
-    assert set(switches.SWITCHES) == {"SPARROW_OVERLAP", "SPARROW_PDL", "TRITON_INTERPRET"}
+    assert set(switches.SWITCHES) == {"SPARROW_OVERLAP", "SPARROW_PDL", "SPARROW_DUAL_STREAM", "TRITON_INTERPRET"}
     for s in switches.SWITCHES.values():
         assert s.type is bool and isinstance(s.default, bool) and s.doc
     assert switches.SWITCHES["SPARROW_PDL"].default is True and switches.SWITCHES["SPARROW_OVERLAP"].default is True
@@ -62,6 +61,6 @@ def test_no_environment_read_outside_switches():
     found = {}
     for path in sorted((ROOT / "sparrow").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel not in ALLOWED | PENDING and (lines := _environment_reads(path)):
+        if rel not in ALLOWED and (lines := _environment_reads(path)):
             found[rel] = lines
     assert found == {}

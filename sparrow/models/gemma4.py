@@ -11,7 +11,8 @@ Each chain of norms between two matmuls is one kernel (Gemma4DecoderLayer.forwar
 Decode overlap (design §2): while a CUDA graph is being captured, the dense branch d runs on a second CUDA
 stream, concurrent with router + experts on the capturing stream, and joins before the sum; the graph
 keeps the fork/join, so every replay overlaps them. Eager steps (prefill) run the branches in order.
-``DUAL_STREAM = False`` turns the overlap off (set it before the LLM captures its graphs).
+``SPARROW_DUAL_STREAM=0`` (``sparrow.switches.DUAL_STREAM``) turns the overlap off (read when the LLM captures
+its graphs).
 Attention (layers/attention.py): q/k norms, scale-free v_norm, scale 1.0; full layers have their own
 head dim / KV heads, "proportional" RoPE, and with ``attention_k_eq_v`` no v_proj. Norms multiply by w
 (Gemma4RMSNorm), not 1 + w. The embedding is scaled by sqrt(H); final logits are soft-capped.
@@ -24,6 +25,7 @@ import contextlib
 import torch
 from torch import nn
 
+from sparrow import switches
 from sparrow.kernels import split_k
 from sparrow.layers.attention import SelfAttention
 from sparrow.layers.mlp import GatedMLP
@@ -31,7 +33,6 @@ from sparrow.layers.norm import RMSNorm
 from sparrow.layers.router import Gemma4Router
 from sparrow.models.base import CausalLM, make_experts
 
-DUAL_STREAM = True
 """Overlap the dense MLP with the MoE branch on a side stream inside captured decode graphs."""
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -39,7 +40,7 @@ _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 def side_stream(x: torch.Tensor) -> "torch.cuda.Stream | None":
     """The side stream of x's device when the dense branch should overlap (CUDA, capturing, enabled)."""
-    if not (DUAL_STREAM and x.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not (switches.DUAL_STREAM and x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     stream = _SIDE_STREAMS.get(x.device)
     if stream is None:

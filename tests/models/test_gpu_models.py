@@ -71,6 +71,7 @@ def test_bf16_matches_transformers_bf16(case):
 def test_gemma4_dual_stream_decode_equals_single_stream(tmp_path, monkeypatch):
     """The dense branch on a side stream inside the captured decode graphs (models/gemma4.py) computes
     the same kernels on the same inputs, so ids and logprobs equal the one-stream graphs (bf16)."""
+    from sparrow import switches
     from sparrow.models import gemma4
 
     path = tmp_path / "gemma4"
@@ -79,7 +80,7 @@ def test_gemma4_dual_stream_decode_equals_single_stream(tmp_path, monkeypatch):
     gemma4._SIDE_STREAMS.clear()
     overlapped = _run(path, ps, "bfloat16")
     assert gemma4._SIDE_STREAMS, "no side stream was used during graph capture"
-    monkeypatch.setattr(gemma4, "DUAL_STREAM", False)
+    monkeypatch.setattr(switches, "DUAL_STREAM", False)
     single = _run(path, ps, "bfloat16")
     for a, b in zip(overlapped, single):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
