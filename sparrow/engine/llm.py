@@ -58,8 +58,9 @@ class LLM:
     model: an HF folder (config.json + safetensors), a ``.gguf`` file, or None for the packaged default
     (Gemma 3 270M Q4_K_M). device: 'auto' | 'cpu' | 'cuda'. dtype: 'auto' | 'float32' | 'bfloat16' |
     'float16'. max_model_len: longest prompt + output (default: the model's, capped at 8192).
-    quantization: None | 'fp8' (quantize a float checkpoint's linear layers to block-scaled FP8 at load; an
-    FP8 checkpoint, declared by config.json's quantization_config, loads as FP8 either way).
+    quantization: None or a registered weight format (``sparrow.quant.supported_quantization()``; 'fp8':
+    quantize a float checkpoint's linear layers and experts to block-scaled FP8 at load); a quantized
+    checkpoint, declared by config.json's quantization_config, loads in its format either way.
     quantize_lm_head: with FP8 linears, compute the logits on a block-scaled FP8 copy of the LM head too (off by
     default, as in vLLM: it halves the LM head's bytes and rounds the logits; see ``CausalLM.quantize_lm_head``).
     tokenizer: a transformers tokenizer to use instead of the model's; skip_tokenizer_init=True runs without one.
@@ -72,12 +73,10 @@ class LLM:
                  tokenizer=None, skip_tokenizer_init: bool = False, quantize_lm_head: bool = False):
         from sparrow.default_model import default_model_path
         from sparrow.loader.model_loader import load_model
-        from sparrow.quant.fp8 import SUPPORTED_QUANTIZATION
+        from sparrow.quant import check_quantization
         from sparrow.tokenizer import load_tokenizer
 
-        if quantization is not None and quantization not in SUPPORTED_QUANTIZATION:
-            raise InvalidRequestError(f"quantization={quantization!r} is not supported "
-                                      f"(supported: None, {', '.join(map(repr, SUPPORTED_QUANTIZATION))})")
+        check_quantization(quantization)  # InvalidRequestError naming the registered formats
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise InvalidRequestError(f"model={model!r} must be a path (str) or None for the packaged default")
         for name, val in (("max_model_len", max_model_len), ("block_size", block_size), ("max_num_seqs", max_num_seqs),
