@@ -33,6 +33,12 @@ def register_quantization(cls: type[QuantizationConfig]) -> type[QuantizationCon
     return cls
 
 
+def unregister_quantization(name: str) -> None:
+    """Remove the format named ``name`` (a test's stand-in format); KeyError when none is registered."""
+    del _FORMATS[name]
+    moe_config_name.cache_clear()
+
+
 def _load_formats() -> None:
     """Import every module of ``sparrow.quant`` once (each format registers itself on import)."""
     global _LOADED
