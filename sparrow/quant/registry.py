@@ -1,13 +1,14 @@
 """The weight-format registry: name (a checkpoint's ``quantization_config.quant_method``, the ``quantization=``
 argument) -> ``QuantizationConfig`` subclass. A format is one module of ``sparrow.quant`` that decorates its
-config class with ``@register_quantization``; every module of the package is imported on the first lookup,
-so adding a format touches nothing else. The loader, the CLI choices, ``LLM(quantization=...)``, the
+config class with ``@register_quantization``; every module of the package is imported on the first lookup
+(one whose optional third-party package is missing is skipped), so adding a format touches nothing else. The loader, the CLI choices, ``LLM(quantization=...)``, the
 weight-name table's unused-tensor message and the MoE tile-config file names all read from here.
 """
 from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import pkgutil
 
 import torch
@@ -15,6 +16,7 @@ import torch
 from sparrow.errors import InvalidRequestError, ModelLoadError
 from sparrow.quant.base import UNQUANTIZED, QuantizationConfig
 
+log = logging.getLogger(__name__)
 _FORMATS: dict[str, type[QuantizationConfig]] = {}
 _LOADED = False
 _NOT_FORMATS = {"base", "registry"}
@@ -48,8 +50,14 @@ def _load_formats() -> None:
     import sparrow.quant as package
 
     for info in pkgutil.iter_modules(package.__path__):
-        if info.name not in _NOT_FORMATS and not info.name.startswith("_"):
+        if info.name in _NOT_FORMATS or info.name.startswith("_"):
+            continue
+        try:
             importlib.import_module(f"{package.__name__}.{info.name}")
+        except ModuleNotFoundError as e:  # an optional third-party package of that module is not installed
+            if (e.name or "").partition(".")[0] == "sparrow":
+                raise
+            log.debug("sparrow.quant.%s not loaded: %s", info.name, e)
 
 
 def formats() -> tuple[type[QuantizationConfig], ...]:
