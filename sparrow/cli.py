@@ -35,11 +35,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=EngineConfig.max_model_len,
                    help=f"longest prompt + output in tokens (default: the model's, at most "
                         f"{DEFAULT_MAX_MODEL_LEN_CAP})")
-    p.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="fp8: quantize the linear layers to block-scaled FP8 at load (FP8 checkpoints load as FP8 "
-                        "without it)")
+    from sparrow.quant import get_quantization, supported_quantization
+
+    names = supported_quantization()
+    p.add_argument("--quantization", default=None, choices=names,
+                   help="; ".join(get_quantization(n).help or n for n in names))
     p.add_argument("--quantize-lm-head", action="store_true",
-                   help="with FP8 linears: the LM head in block-scaled FP8 too (half its bytes; rounds the logits)")
+                   help="with quantized linears (e.g. --quantization fp8 or an FP8 checkpoint): the LM head in the "
+                        "format too (FP8: half its bytes; rounds the logits)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

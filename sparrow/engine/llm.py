@@ -56,8 +56,9 @@ class LLM:
     model's, capped at 8192). block_size, num_kv_blocks, enable_prefix_caching, max_num_seqs,
     max_num_batched_tokens, enforce_eager: the engine settings (defaults and meaning: the fields of
     ``CacheConfig``, ``SchedulerConfig``, ``EngineConfig``; every value is checked before the weights load).
-    quantization: None | 'fp8' (quantize a float checkpoint's linear layers to block-scaled FP8 at load; an
-    FP8 checkpoint, declared by config.json's quantization_config, loads as FP8 either way).
+    quantization: None or a registered weight format (``sparrow.quant.supported_quantization()``; 'fp8':
+    quantize a float checkpoint's linear layers and experts to block-scaled FP8 at load); a quantized
+    checkpoint, declared by config.json's quantization_config, loads in its format either way.
     quantize_lm_head: with FP8 linears, compute the logits on a block-scaled FP8 copy of the LM head too (off by
     default, as in vLLM: it halves the LM head's bytes and rounds the logits; see ``CausalLM.quantize_lm_head``).
     tokenizer: a transformers tokenizer to use instead of the model's; skip_tokenizer_init=True runs without one.
@@ -73,12 +74,10 @@ class LLM:
                  seed: int = 0, tokenizer=None, skip_tokenizer_init: bool = False, quantize_lm_head: bool = False):
         from sparrow.default_model import default_model_path
         from sparrow.loader.model_loader import load_model, read_model_config
-        from sparrow.quant.fp8 import SUPPORTED_QUANTIZATION
+        from sparrow.quant import check_quantization
         from sparrow.tokenizer import load_tokenizer
 
-        if quantization is not None and quantization not in SUPPORTED_QUANTIZATION:
-            raise InvalidRequestError(f"quantization={quantization!r} is not supported "
-                                      f"(supported: None, {', '.join(map(repr, SUPPORTED_QUANTIZATION))})")
+        check_quantization(quantization)  # InvalidRequestError naming the registered formats
         if isinstance(model, torch.nn.Module):
             raise InvalidRequestError("model is a built torch module: use LLM.from_model(model, ...) for it")
         if model is not None and not isinstance(model, (str, os.PathLike)):

@@ -4,29 +4,24 @@ Shapes: R = rows, K = in_features, N = out_features. Weights are stored [N, K] a
 A packed linear (``qkv_proj``, ``gate_up_proj``) concatenates several checkpoint tensors along N; the
 loader fills each shard through ``weight_loader(param, tensor, shard_id, name)``.
 
-Choosing the weight format (design.md 4): model code builds every Linear without naming a format; the
-loader builds the model inside ``with quant_config_scope(cfg):`` and each Linear created there takes
-``cfg.get_quant_method()`` (e.g. ``sparrow.quant.fp8.Fp8Config``). A Linear does not know its own name
-while it is built, so after construction ``bind_quant_config(model, cfg)`` walks ``named_modules()``,
-stores each Linear's ``prefix`` and switches the ones the config leaves unquantized (``cfg.quantizes(name)``
-False: routers, ignored layers) back to float weights (their uninitialized FP8 tensors are dropped before
-any checkpoint tensor is read). A context variable rather than a constructor argument keeps the model
-files and the shared blocks (attention, MLP) free of quantization plumbing. Routers (``nn.Linear``), norms,
-embeddings and the LM head are not ``Linear`` and stay in the model dtype.
+Choosing the weight format (design.md 4): model code builds every Linear without naming a format; a Linear
+built inside ``sparrow.quant.quant_config_scope(cfg)`` takes ``cfg.get_linear_method(None)`` and
+``sparrow.quant.bind_quant_config`` later gives it the method for its name (see ``sparrow.quant.base``).
+Routers (``nn.Linear``), norms, embeddings and the LM head are not ``Linear`` and stay in the model dtype.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sparrow.errors import ModelLoadError
+from sparrow.quant.base import LinearMethodBase, current_quant_config
 
 
-class UnquantizedLinearMethod:
+class UnquantizedLinearMethod(LinearMethodBase):
     """Plain float weights ([N, K] in the model dtype); apply is ``x @ W.T + b``."""
 
     def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None:
@@ -39,39 +34,13 @@ class UnquantizedLinearMethod:
         return F.linear(x, layer.weight, layer.bias)
 
 
-_QUANT_CONFIG = None  # the config of the model being built (quant_config_scope)
-
-
-@contextlib.contextmanager
-def quant_config_scope(config) -> Iterator[None]:
-    """Linears built inside the block take their method from ``config.get_quant_method()`` (None: float)."""
-    global _QUANT_CONFIG
-    previous, _QUANT_CONFIG = _QUANT_CONFIG, config
-    try:
-        yield
-    finally:
-        _QUANT_CONFIG = previous
-
-
-def bind_quant_config(model: nn.Module, config) -> None:
-    """Name every Linear of ``model`` (``layer.prefix``) and give the ones ``config`` leaves unquantized
-    float weights. Call after construction, before loading; ``config`` None only names the layers."""
-    for name, module in model.named_modules():
-        if not isinstance(module, Linear):
-            continue
-        module.prefix = name
-        if config is None:
-            continue
-        method = config.get_quant_method(name)
-        if method is None and not isinstance(module.quant_method, UnquantizedLinearMethod):
-            module.set_quant_method(UnquantizedLinearMethod())
-
-
 class Linear(nn.Module):
     """y [R, N] = x [R, K] @ W.T (+ bias), computed by ``quant_method``.
 
     ``output_sizes`` splits N into shards for packed projections (e.g. [q, k, v] sizes); each shard is
     loaded from its own checkpoint tensor by index."""
+
+    quant_kind = "linear"
 
     def __init__(
         self,
@@ -80,7 +49,7 @@ class Linear(nn.Module):
         bias: bool = False,
         output_sizes: list[int] | None = None,
         dtype: torch.dtype = torch.float32,
-        quant_method: UnquantizedLinearMethod | None = None,
+        quant_method: LinearMethodBase | None = None,
     ):
         super().__init__()
         self.output_sizes = list(output_sizes) if output_sizes else [out_features]
@@ -89,9 +58,7 @@ class Linear(nn.Module):
         self.params_dtype = dtype
         self.prefix = ""
         self.bias = None
-        if quant_method is None and _QUANT_CONFIG is not None:
-            quant_method = _QUANT_CONFIG.get_quant_method(None)
-        self.set_quant_method(quant_method or UnquantizedLinearMethod())
+        self.set_quant_method(quant_method or current_quant_config().get_linear_method(None))
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader

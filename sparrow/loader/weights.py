@@ -2,8 +2,10 @@
 
 The model maps each checkpoint name to (parameter name, shard id) with ``resolve_weight`` (packed
 projections, stacked experts); the parameter's ``weight_loader(param, tensor, shard_id, name)`` copies it.
-Loading fails loudly, naming the tensor, on unused checkpoint tensors, misshaped tensors, FP8 block scales
-that are not finite, e4m3 weights with NaN bytes, and parameters left unfilled (style.md 5). A whole-tensor
+Loading fails loudly, naming the tensor, on unused checkpoint tensors (a quantized format's scale named as
+such, ``sparrow.quant.registry.describe_checkpoint_tensor``), misshaped tensors, a packed (float8 / integer)
+tensor for a float parameter, and parameters left unfilled (style.md 5); a format's own loaders check its
+tensors (FP8: finite scales, no NaN bytes). A whole-tensor
 load (shard id None) completes a parameter whatever its shards (e.g. transformers 5's fused 3-D
 ``experts.gate_up_proj`` fills the stacked experts in one go).
 
@@ -25,6 +27,11 @@ log = logging.getLogger(__name__)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def _packed(t: torch.Tensor) -> bool:
+    """A tensor in a quantized storage dtype (float8, or integer codes) that no cast to a float dtype reads."""
+    return t.dtype in _FP8_DTYPES or not (t.is_floating_point() or t.is_complex())
+
+
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id, name: str) -> None:
     """Copy a whole tensor into ``param`` (cast to its dtype); ModelLoadError on a shape mismatch."""
     if tuple(loaded.shape) != tuple(param.shape):
@@ -33,9 +40,6 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id, n
 
 
 def _expert_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id, name: str) -> None:
-    if (param.dtype == torch.float8_e4m3fn) != (loaded.dtype == torch.float8_e4m3fn):
-        raise ModelLoadError(f"tensor {name!r} is {loaded.dtype}, but the FP8 checkpoint's experts need "
-                             f"{param.dtype} (weights e4m3 with fp32 weight_scale_inv)")
     if shard_id is None:
         return default_weight_loader(param, loaded, None, name)
     expert, block = shard_id
@@ -79,27 +83,24 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
             continue
         pname, shard = target
         if pname not in params:
-            if name.endswith("_scale_inv"):
+            from sparrow.quant.registry import describe_checkpoint_tensor
+
+            known = describe_checkpoint_tensor(name)
+            if known is not None:
+                title, kind = known
                 raise ModelLoadError(
-                    f"checkpoint tensor {name!r} is an FP8 block scale, but {type(model).__name__} has no FP8 "
-                    f"parameter {pname!r}: config.json lacks an FP8 quantization_config, or the module is one "
+                    f"checkpoint tensor {name!r} is {kind}, but {type(model).__name__} has no {title} "
+                    f"parameter {pname!r}: config.json lacks an {title} quantization_config, or the module is one "
                     "sparrow keeps in float (embeddings, LM head, norms, routers)")
             raise ModelLoadError(
                 f"checkpoint tensor {name!r} is not used by {type(model).__name__} (no parameter {pname!r})"
             )
         param = params[pname]
-        if tensor.dtype in _FP8_DTYPES and param.dtype not in _FP8_DTYPES:  # never cast an FP8 weight silently
+        if _packed(tensor) and param.is_floating_point() and param.dtype != tensor.dtype:  # never cast silently
             raise ModelLoadError(
-                f"checkpoint tensor {name!r} is {tensor.dtype}, but {pname!r} is {param.dtype}: an FP8 weight "
-                "needs its weight_scale_inv and an FP8 quantization_config in config.json (and sparrow keeps "
+                f"checkpoint tensor {name!r} is {tensor.dtype}, but {pname!r} is {param.dtype}: a quantized weight "
+                "needs its scales and the checkpoint's quantization_config in config.json (and sparrow keeps "
                 "embeddings, the LM head, norms and routers in float)")
-        if name.endswith("_scale_inv") and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise ModelLoadError(  # a NaN / inf block scale would turn every output it touches into NaN
-                f"checkpoint tensor {name!r} (FP8 block scales) holds non-finite values (nan or inf): the checkpoint "
-                "is corrupt")
-        if tensor.dtype == torch.float8_e4m3fn and bool(((tensor.view(torch.uint8) & 0x7F) == 0x7F).any()):
-            raise ModelLoadError(  # e4m3fn has no inf; S.1111.111 is its NaN, which no quantizer writes
-                f"checkpoint tensor {name!r} (float8_e4m3fn) holds NaN bytes (0x7f / 0xff): the checkpoint is corrupt")
         if shard is not None and shard not in expected_shards(param):
             raise ModelLoadError(
                 f"checkpoint tensor {name!r} is not used by {type(model).__name__} "

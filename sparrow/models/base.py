@@ -2,9 +2,11 @@
 
 A model file supplies its decoder layer class; this module holds the rest and the weight-name table
 (style.md 5): checkpoint names stay HF's, packed projections are declared in ``packed_modules``, per-expert
-tensors (``experts.N.gate_proj.weight`` / Mixtral's ``w1``/``w3``/``w2``) map onto the stacked
+tensors (``experts.N.gate_proj.<suffix>`` / Mixtral's ``w1``/``w3``/``w2``) map onto the stacked
 ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I] by ``EXPERT_TENSORS`` (a fused 3-D
-checkpoint tensor of the same name loads whole), and ``renames`` maps older module names.
+checkpoint tensor of the same name loads whole), and ``renames`` maps older module names. Which suffixes an
+expert layer takes (``weight``, a format's scales) and the parameters they fill come from the layer's weight
+format (``FusedMoE.quant_method.checkpoint_tensors``).
 Shapes: R = rows of the step, H = hidden, V = vocab, S' = rows whose logits are computed.
 """
 from __future__ import annotations
@@ -17,32 +19,25 @@ from torch import nn
 from sparrow.config import ModelConfig
 from sparrow.layers.embedding import VocabEmbedding
 from sparrow.layers.forward_batch import ForwardBatch
-from sparrow.layers.logits import LogitsProcessor
+from sparrow.layers.logits import LogitsProcessor, UnquantizedLMHeadMethod
 from sparrow.layers.mlp import GatedMLP
 from sparrow.layers.moe import FusedMoE, MoEBlock
 from sparrow.layers.router import Router
 from sparrow.layers.norm import RMSNorm
-from sparrow.loader.weights import bind_expert_loaders
 
 # per-expert checkpoint tensor ``experts.N.<name>.weight`` -> (stacked parameter, row block)
 EXPERT_TENSORS: dict[str, tuple[str, int]] = {
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
     "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", 0),  # Mixtral / MiniMax names
 }
-# FP8 checkpoints: the block scales of a stacked parameter (``.weight_scale_inv`` per expert, or the fused
-# ``experts.<param>_scale_inv`` of transformers 5) -> FusedMoE's scale parameter
-EXPERT_SCALES = {"gate_up_proj": "w13_scale", "down_proj": "w2_scale"}
-_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale_inv)$")
-_FUSED_SCALE = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)_scale_inv$")
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(\w+)$")  # experts.N.<tensor>.<suffix>
+_FUSED_EXTRA = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)(_\w+)$")  # experts.<stacked><suffix>
 
 
 def make_experts(config: ModelConfig, dtype: torch.dtype) -> FusedMoE:
-    """The stacked routed experts of one layer, with loaders for fused 3-D and per-expert tensors."""
-    experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size, config.hidden_act,
-                       pair_threshold=config.moe_pair_threshold, params_dtype=dtype)
-    bind_expert_loaders(experts.gate_up_proj, 2)
-    bind_expert_loaders(experts.down_proj, 1)
-    return experts
+    """The stacked routed experts of one layer (their weight format loads fused 3-D and per-expert tensors)."""
+    return FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size, config.hidden_act,
+                    pair_threshold=config.moe_pair_threshold, params_dtype=dtype)
 
 
 def make_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
@@ -113,6 +108,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = nn.Parameter(
                 torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
         self.logits_processor = LogitsProcessor(config.final_logit_softcapping)
+        self.lm_head_method = UnquantizedLMHeadMethod()
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)
@@ -122,27 +118,25 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = getattr(self, "lm_head_fp8", None)
-        return self.logits_processor(hidden, self.lm_weight if head is None else None, head)
+        return self.logits_processor(self.lm_head_method.apply(self, hidden))
 
-    def quantize_lm_head(self) -> None:
-        """Compute the logits with a block-scaled FP8 copy of the LM weight (``lm_head_fp8``, a Linear with
-        ``Fp8LinearMethod``: 128 x 128 blocks, activations quantized per 128-group, the kernels of the other
-        FP8 linears) instead of the model-dtype weight: half the bytes of the largest matrix read every decode
-        step (Gemma 4: V 262,144 x H 2,816), at the cost of FP8 rounding in the logits. A tied weight stays (it
-        is the embedding), so there the copy adds V x H bytes plus its scales; an untied ``lm_head`` is dropped
-        (``lm_weight`` then raises AttributeError)."""
-        from sparrow.layers.linear import Linear
-        from sparrow.quant.fp8 import Fp8LinearMethod
+    def quantize_lm_head(self, method) -> None:
+        """Compute the logits with ``method`` (a format's LM head method, ``QuantizationConfig.get_lm_head_method``)
+        from now on; it builds what it needs from the loaded LM weight (``process_weights_after_loading``)."""
+        method.process_weights_after_loading(self)
+        self.lm_head_method = method
 
-        w = self.lm_weight
-        with torch.device(w.device):
-            head = Linear(w.shape[1], w.shape[0], dtype=w.dtype, quant_method=Fp8LinearMethod(from_checkpoint=False))
-        head.weight.weight_loader(head.weight, w.data, None, "lm_head.weight")
-        head.quant_method.process_weights_after_loading(head)
-        self.lm_head_fp8 = head.eval()
-        if not self.config.tie_word_embeddings:
-            del self.lm_head
+    def _expert_tensor(self, experts: str, suffix: str, stacked: str, fused: bool) -> str | None:
+        """The parameter of expert layer ``experts`` that a checkpoint tensor with ``suffix`` (per expert) or
+        fused suffix (``fused``) of ``stacked`` fills, by the layer's weight format; None when it takes none."""
+        try:
+            table = self.get_submodule(experts).quant_method.checkpoint_tensors
+        except AttributeError:  # no such module, or not an expert layer
+            return None
+        for per_expert, fused_suffix, stacked_name, param in table:
+            if stacked_name == stacked and (fused_suffix if fused else per_expert) == suffix:
+                return param
+        return None
 
     def resolve_weight(self, name: str) -> tuple[str, object] | None:
         """(parameter name, shard id) for a checkpoint tensor name; None for tensors outside the text
@@ -159,13 +153,13 @@ class CausalLM(nn.Module):
             name = name.replace(src, dst)
         m = _PER_EXPERT.match(name)
         if m and m.group(3) in EXPERT_TENSORS:  # experts.N.gate_proj.weight -> experts.gate_up_proj[N, :I]
-            param, block = EXPERT_TENSORS[m.group(3)]
-            if m.group(4) == "weight_scale_inv":
-                param = EXPERT_SCALES[param]
-            return f"{m.group(1)}.{param}", (int(m.group(2)), block)
-        m = _FUSED_SCALE.match(name)
+            stacked, block = EXPERT_TENSORS[m.group(3)]
+            param = self._expert_tensor(m.group(1), m.group(4), stacked, fused=False)
+            return (f"{m.group(1)}.{param}", (int(m.group(2)), block)) if param else (name, None)
+        m = _FUSED_EXTRA.match(name)  # e.g. experts.gate_up_proj_scale_inv -> experts.w13_scale
         if m:
-            return f"{m.group(1)}.{EXPERT_SCALES[m.group(2)]}", None
+            param = self._expert_tensor(m.group(1), m.group(3), m.group(2), fused=True)
+            return (f"{m.group(1)}.{param}", None) if param else (name, None)
         parts = name.split(".")
         for i, part in enumerate(parts):
             if part in self.packed_modules:
@@ -190,8 +184,8 @@ class CausalLM(nn.Module):
         if hasattr(param, "expert_blocks"):  # stacked experts: name the per-expert tensor and the fused one
             expert, block = shard
             rows = param.shape[1] // param.expert_blocks
-            scale = leaf in EXPERT_SCALES.values()
-            stacked = next((k for k, v in EXPERT_SCALES.items() if v == leaf), leaf)  # gate_up_proj / down_proj
+            table = self.get_submodule(module_name).quant_method.checkpoint_tensors
+            suffix, fused_suffix, stacked = next((t[:3] for t in table if t[3] == leaf), ("weight", "", leaf))
             hf_module = self.checkpoint_name(module_name, checkpoint_names) + "."
             for src, dst in self.renames:  # back to the checkpoint's module names (Mixtral's block_sparse_moe)
                 hf_module = hf_module.replace(dst, src)
@@ -199,8 +193,7 @@ class CausalLM(nn.Module):
             w_names = any("block_sparse_moe" in src for src, _ in self.renames)  # Mixtral / MiniMax: w1 / w3 / w2
             part = {("gate_up_proj", 0): "w1" if w_names else "gate_proj", ("gate_up_proj", 1): "w3" if w_names
                     else "up_proj", ("down_proj", 0): "w2" if w_names else "down_proj"}.get((stacked, block), stacked)
-            suffix = "weight_scale_inv" if scale else "weight"
-            fused = f"{hf_module}.{stacked}{'_scale_inv' if scale else ''}"
+            fused = f"{hf_module}.{stacked}{fused_suffix}"
             return (f"{hf_module + f'.{expert}.{part}.{suffix}'!r} (or the fused {fused!r} {tuple(param.shape)})",
                     (rows, param.shape[2]))
         module = self.get_submodule(module_name)
@@ -208,8 +201,7 @@ class CausalLM(nn.Module):
         packed = [src for src, (dst, idx) in self.packed_modules.items() if module_name.endswith(dst) and idx == shard]
         if sizes is not None and packed:
             base = self.checkpoint_name(module_name[: -len(module_name.rpartition(".")[2])], checkpoint_names)
-            rows = -(-sizes[shard] // 128) if leaf == "weight_scale_inv" else sizes[shard]  # 128 x 128 scale blocks
-            shape = (rows,) + tuple(param.shape[1:])
+            shape = module.quant_method.shard_shape(module, leaf, sizes[shard])
             return repr(f"{base}{packed[0]}.{leaf}"), shape
         return f"{self.checkpoint_name(pname, checkpoint_names)!r} shard {shard!r}", tuple(param.shape)
 

@@ -10,8 +10,11 @@ scale = max(amax(|w| over the tile or row), 1e-10) / 448, q = clamp(w / scale, +
 even e4m3. Round trip: |w - dequant(q)| <= 2^-4 * |w| for |w| >= 2^-6 * scale (3 mantissa bits), and
 <= 2^-10 * scale below that (e4m3 subnormal step 2^-9 halved).
 
-``Fp8Config`` is the per-model quantization config: ``get_quant_method(prefix)`` gives the Linear method
-of a layer (None = stay unquantized). ``Fp8LinearMethod`` is the method object on a Linear (style.md 6):
+``Fp8Config`` is the format (registered as "fp8", ``sparrow.quant.registry``) and the per-model config: it
+gives ``Fp8LinearMethod`` to each quantized Linear (``UnquantizedLinearMethod`` to routers and ignored
+layers), ``sparrow.quant.fp8_moe.Fp8MoEMethod`` to the routed experts and, for ``quantize_lm_head``, an LM
+head computed by an on-load ``Fp8LinearMethod`` copy of the LM weight. ``Fp8LinearMethod`` is the method
+object on a Linear (style.md 6):
 - checkpoint mode (FP8 checkpoint): parameters ``weight`` e4m3 [N, K] and ``weight_scale_inv`` fp32
   [NB, KB], each loaded shard by shard for packed layers; a shard must start on a 128-row boundary
   (else its scale rows would mix two checkpoint tensors) or loading raises ModelLoadError;
@@ -42,6 +45,8 @@ import torch
 from torch import nn
 
 from sparrow.errors import ModelLoadError
+from sparrow.quant.base import LinearMethodBase, QuantizationConfig, QuantizedLMHeadMethod
+from sparrow.quant.registry import register_quantization
 from sparrow.kernels.fp8 import (
     AMAX_EPS,
     FP8_DTYPE,
@@ -69,11 +74,8 @@ def scaled_mm_min_rows(layer: nn.Module) -> int:
 
 __all__ = [
     "quantize_fp8_block", "dequantize_fp8_block", "quantize_fp8_channel", "dequantize_fp8_channel",
-    "Fp8Config", "Fp8LinearMethod", "SUPPORTED_QUANTIZATION",
+    "Fp8Config", "Fp8LinearMethod", "check_fp8_tensor",
 ]
-
-SUPPORTED_QUANTIZATION = ("fp8",)
-"""Values accepted by ``LLM(quantization=...)`` / ``--quantization``."""
 
 # Linear layers that stay in the model dtype whatever the config says: MoE routers and gates
 # (a router's top-k is sensitive to small errors; vLLM / DeepSeek / Qwen FP8 checkpoints keep them bf16).
@@ -99,9 +101,30 @@ def dequantize_fp8_channel(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return q.float() * scale.float().reshape(-1, 1)
 
 
+def check_fp8_tensor(name: str, tensor: torch.Tensor) -> None:
+    """Raise ModelLoadError naming checkpoint tensor ``name`` when it is a block scale (``*_scale_inv``) with a
+    NaN / inf (it would turn every output it touches into NaN) or e4m3 with NaN bytes (S.1111.111: e4m3fn has
+    no inf, and no quantizer writes NaN): a corrupt checkpoint."""
+    if name.endswith("_scale_inv") and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise ModelLoadError(f"checkpoint tensor {name!r} (FP8 block scales) holds non-finite values (nan or inf): "
+                             "the checkpoint is corrupt")
+    if tensor.dtype == FP8_DTYPE and bool(((tensor.view(torch.uint8) & 0x7F) == 0x7F).any()):
+        raise ModelLoadError(f"checkpoint tensor {name!r} (float8_e4m3fn) holds NaN bytes (0x7f / 0xff): the "
+                             "checkpoint is corrupt")
+
+
+@register_quantization
 @dataclasses.dataclass(frozen=True)
-class Fp8Config:
-    """FP8 block-scaled quantization of a model's Linear layers."""
+class Fp8Config(QuantizationConfig):
+    """FP8 block-scaled quantization of a model's Linear layers and routed experts."""
+
+    name = "fp8"
+    title = "FP8"
+    help = ("fp8: quantize the linear layers and routed experts to block-scaled FP8 at load (FP8 checkpoints "
+            "load as FP8 without it)")
+    moe_config_name = "fp8"
+    moe_weight_dtype = FP8_DTYPE
+    checkpoint_tensor_kinds = {"_scale_inv": "an FP8 block scale"}
 
     from_checkpoint: bool
     """True: the checkpoint holds e4m3 ``weight`` + ``weight_scale_inv``; False: quantize float weights at load."""
@@ -117,9 +140,11 @@ class Fp8Config:
         if not isinstance(qc, dict):
             raise ModelLoadError(f"checkpoint quantization_config must be an object (a dict), got {qc!r}")
         method = qc.get("quant_method")
-        if method != "fp8":
+        if method != cls.name:
+            from sparrow.quant.registry import supported_quantization
+
             raise ModelLoadError(f"checkpoint quantization_config.quant_method={method!r} is not supported "
-                                 f"(supported: {', '.join(SUPPORTED_QUANTIZATION)})")
+                                 f"(supported: {', '.join(supported_quantization())})")
         block = qc.get("weight_block_size")
         try:
             block_ok = block is not None and [int(b) for b in block] == [GROUP, GROUP]
@@ -139,6 +164,11 @@ class Fp8Config:
                                      f"got {names!r}")
             ignored += names
         return cls(from_checkpoint=True, weight_block_size=(GROUP, GROUP), ignored_layers=tuple(ignored))
+
+    @classmethod
+    def for_quantization(cls) -> "Fp8Config":
+        """``quantization="fp8"``: quantize a float checkpoint's weights while loading."""
+        return cls(from_checkpoint=False)
 
     def for_model(self, model: nn.Module) -> "Fp8Config":
         """This config with ``ignored_layers`` also in ``model``'s module names. Checkpoint configs name HF
@@ -177,14 +207,33 @@ class Fp8Config:
         dotted = f".{prefix}."
         return not any(frag and f".{frag}." in dotted for frag in self.ignored_layers)
 
-    def get_quant_method(self, prefix: str | None = None) -> "Fp8LinearMethod | None":
-        """The method object for the Linear named ``prefix`` (None: not known yet, quantize); None = unquantized."""
+    def get_linear_method(self, prefix: str | None = None) -> LinearMethodBase:
+        """The method of the Linear named ``prefix`` (None: not known yet, FP8)."""
         if prefix is not None and not self.quantizes(prefix):
-            return None
+            from sparrow.layers.linear import UnquantizedLinearMethod
+
+            return UnquantizedLinearMethod()
         return Fp8LinearMethod(self.from_checkpoint)
 
+    def get_moe_method(self, prefix: str | None = None):
+        """The method of the FusedMoE named ``prefix`` (None: not known yet, FP8)."""
+        if prefix is not None and not self.quantizes(prefix):
+            from sparrow.layers.moe import UnquantizedFusedMoEMethod
 
-class Fp8LinearMethod:
+            return UnquantizedFusedMoEMethod()
+        from sparrow.quant.fp8_moe import Fp8MoEMethod
+
+        return Fp8MoEMethod(self.from_checkpoint)
+
+    def get_lm_head_method(self) -> QuantizedLMHeadMethod:
+        """An FP8 copy of the LM weight (``Fp8LinearMethod``: 128 x 128 blocks, activations quantized per
+        128-group, the kernels of the other FP8 linears) instead of the model-dtype weight: half the bytes of
+        the largest matrix read every decode step (Gemma 4: V 262,144 x H 2,816), at the cost of FP8 rounding
+        in the logits."""
+        return QuantizedLMHeadMethod(Fp8LinearMethod(from_checkpoint=False))
+
+
+class Fp8LinearMethod(LinearMethodBase):
     """Block-scaled FP8 weights on a ``sparrow.layers.linear.Linear``; see the module doc."""
 
     def __init__(self, from_checkpoint: bool = True):
@@ -219,6 +268,7 @@ class Fp8LinearMethod:
     def _checkpoint_loader(self, layer: nn.Module):
         def load(param: nn.Parameter, loaded: torch.Tensor, shard_id, name: str) -> None:
             start, rows = self._shard_rows(layer, shard_id)
+            check_fp8_tensor(name, loaded)
             if param is layer.weight:
                 if loaded.dtype != FP8_DTYPE:
                     raise ModelLoadError(f"tensor {name!r} is {loaded.dtype}, but the FP8 checkpoint layout needs "
@@ -287,6 +337,12 @@ class Fp8LinearMethod:
         scale_mm = (scaled_mm_weight_scale(layer.weight_scale_inv.data)
                     if scaled_mm_fits(layer.in_features, layer.out_features) else None)
         layer.register_buffer("scaled_mm_scale", scale_mm, persistent=False)
+
+    def shard_shape(self, layer: nn.Module, param_name: str, rows: int) -> tuple[int, ...]:
+        """A shard's checkpoint tensor: ``weight`` [rows, K], ``weight_scale_inv`` [ceil(rows / 128), KB]."""
+        if param_name == "weight_scale_inv":
+            return (-(-rows // GROUP),) + tuple(layer.weight_scale_inv.shape[1:])
+        return super().shard_shape(layer, param_name, rows)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         """The weight as fp32 [N, K] (tests, debugging)."""

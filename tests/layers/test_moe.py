@@ -10,6 +10,7 @@ from sparrow.kernels.act import ACTIVATIONS, gelu_and_mul_ref, gelu_tanh_and_mul
 from sparrow.kernels.moe_ref import fused_moe_grouped_ref, fused_moe_per_pair_ref
 from sparrow.layers.moe import FusedMoE, MoEBlock, SharedExpert
 from sparrow.layers.router import Gemma4Router, HashRouter, Router
+from sparrow.quant.fp8_moe import quantize_experts
 
 
 def _hf(name: str):
@@ -75,7 +76,7 @@ def test_unreduced_pairs_reduce_to_the_output(rows, threshold, fp8):
             moe.gate_up_proj.normal_(0, 0.1)
             moe.down_proj.normal_(0, 0.1)
         moe.pair_threshold = threshold
-        moe.quantize_fp8()
+        quantize_experts(moe)
     x = torch.randn(rows, moe.hidden_size)
     w, ids = _routing(rows, 8, 3)
     pairs = moe(x, w, ids, reduce=False)

@@ -17,7 +17,8 @@ import torch
 from sparrow.errors import InvalidRequestError, ModelLoadError
 from sparrow.kernels import backend
 from sparrow.kernels.gemv import FP8_MAX_ROWS, W8A8_MAX_ROWS
-from sparrow.layers.linear import Linear, UnquantizedLinearMethod, bind_quant_config, quant_config_scope
+from sparrow.layers.linear import Linear, UnquantizedLinearMethod
+from sparrow.quant import bind_quant_config, quant_config_scope
 from sparrow.quant.fp8 import (
     Fp8Config,
     Fp8LinearMethod,
@@ -434,11 +435,11 @@ def test_fp8_lm_head_logits_and_greedy_agreement(tiny_dir, capsys):
     head = LLM(str(tiny_dir), device="cpu", dtype="float32", skip_tokenizer_init=True, quantization="fp8",
                quantize_lm_head=True)
     model = head.engine.runner.model
-    assert getattr(fp8.engine.runner.model, "lm_head_fp8", None) is None
+    assert getattr(fp8.engine.runner.model, "lm_head_quantized", None) is None
     assert not hasattr(model, "lm_head")  # untied (LlamaConfig's default): the fp32 LM head is dropped
     q, s = quantize_fp8_block(fp8.engine.runner.model.lm_weight.float())
-    assert torch.equal(model.lm_head_fp8.weight.view(torch.uint8), q.view(torch.uint8))
-    assert torch.equal(model.lm_head_fp8.weight_scale_inv, s)
+    assert torch.equal(model.lm_head_quantized.weight.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(model.lm_head_quantized.weight_scale_inv, s)
     g = torch.Generator().manual_seed(3)
     for rows in (1, 17, 33, 80):
         h = torch.randn(rows, TINY["hidden_size"], generator=g)

@@ -14,6 +14,7 @@ from sparrow.kernels import backend
 from sparrow.kernels.fp8 import dequantize_fp8_block_ref
 from sparrow.kernels.moe import fused_moe_fp8_ref
 from sparrow.layers.moe import FusedMoE
+from sparrow.quant.fp8_moe import Fp8MoEMethod, quantize_experts
 from tests.helpers import make_llm
 from tests.quant.test_fp8 import greedy_agreement
 
@@ -76,7 +77,7 @@ def test_expert_params_are_fp8_with_block_scales(llms):
             for k in range(e):
                 dq = dequantize_fp8_block_ref(q[k], s[k])
                 assert torch.all((dq - w[k]).abs() <= w[k].abs() * 2 ** -4 + s[k].max() * 2 ** -9), name
-    assert all(m.w13_scale is None and m.gate_up_proj.dtype == torch.float32 for _, m in _experts(base))
+    assert all(getattr(m, "w13_scale", None) is None and m.gate_up_proj.dtype == torch.float32 for _, m in _experts(base))
     # the shared-nothing parts stay as the dense FP8 path left them: router float, attention e4m3
     layer0 = fp8.engine.runner.model.model.layers[0]
     assert layer0.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
@@ -107,12 +108,12 @@ def test_triton_layer_matches_torch_path(llms, rows):
 
 def test_greedy_agreement_with_unquantized(moe_dir, llms, capsys):
     """Teacher-forced per-step greedy agreement with the fp32 model: the whole FP8 model (attention, dense
-    and expert linears), and the experts alone (FusedMoE.quantize_fp8 on an otherwise fp32 model)."""
+    and expert linears), and the experts alone (quantize_experts on an otherwise fp32 model)."""
     base, fp8 = llms
     experts_only = make_llm(moe_dir, max_model_len=128)
     for name, m in _experts(experts_only):
-        m.quantize_fp8(name)
-        assert m.is_fp8
+        quantize_experts(m)
+        assert isinstance(m.quant_method, Fp8MoEMethod)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 5, 9, 17, 30, 12)]
     per_step, prefix = greedy_agreement(base, fp8, prompts, steps=24)
@@ -153,7 +154,7 @@ def test_unaligned_expert_width_quantizes_with_partial_blocks(tmp_path):
     e = TINY_MOE["num_experts"]
     x, w, ids = _routing(5, seed=3)
     for name, m in _experts(llm):
-        assert m.is_fp8 and m.gate_up_proj.dtype == torch.float8_e4m3fn
+        assert isinstance(m.quant_method, Fp8MoEMethod) and m.gate_up_proj.dtype == torch.float8_e4m3fn
         assert tuple(m.w13_scale.shape) == (e, 2, 1) and tuple(m.w2_scale.shape) == (e, 1, 1)
         for k in range(e):
             dq = dequantize_fp8_block_ref(m.gate_up_proj[k], m.w13_scale[k])
@@ -216,7 +217,7 @@ def test_fp8_checkpoint_equals_on_load_quantization(aligned_dir, tmp_path, layou
         assert p.dtype == want[name].dtype, name
         assert torch.equal(p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p,
                            want[name].view(torch.uint8) if p.dtype == torch.float8_e4m3fn else want[name]), name
-    assert all(m.is_fp8 for _, m in _experts(loaded))
+    assert all(isinstance(m.quant_method, Fp8MoEMethod) for _, m in _experts(loaded))
     prompts = [{"prompt_token_ids": [5, 9, 17, 33]}, {"prompt_token_ids": list(range(3, 40))}]
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
     for a, b in zip(loaded.generate(prompts, sp), on_load.generate(prompts, sp)):
@@ -257,7 +258,7 @@ def test_mixtral_float_experts_named_as_hf_names_them(tmp_path, monkeypatch):
         make_llm(t.write_fp8_checkpoint(src, tmp_path / "no_list"), max_model_len=64)
     llm = make_llm(t.write_fp8_checkpoint(src, tmp_path / "listed", not_convert=experts), max_model_len=64)
     model = llm.engine.runner.model
-    assert all(not m.is_fp8 and m.gate_up_proj.dtype == torch.float32 for _, m in _experts(llm))
+    assert all(not isinstance(m.quant_method, Fp8MoEMethod) and m.gate_up_proj.dtype == torch.float32 for _, m in _experts(llm))
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 2

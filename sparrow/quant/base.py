@@ -1,0 +1,225 @@
+"""What a weight format is (design.md 4, style.md 6 / 18): a ``QuantizationConfig`` (one per model) that gives
+a method object for each dense ``Linear``, each routed-expert layer (``FusedMoE``) and the LM head. A method
+owns its layer's weight parameters: ``create_weights`` allocates them (with their checkpoint loaders),
+``process_weights_after_loading`` finishes them once every tensor is in (on-load quantization, kernel
+layouts), ``apply`` computes the layer. Model code calls the layer; the layer calls its method; nothing
+outside ``sparrow.quant`` names a format. The unquantized path is a method object too (``UnquantizedConfig``).
+
+Choosing the methods: the loader builds the model inside ``with quant_config_scope(cfg):``; each Linear /
+FusedMoE created there takes ``cfg.get_method(kind, None)``. A layer does not know its own name while it is
+built, so afterwards ``bind_quant_config(model, cfg)`` walks ``named_modules()``, stores each layer's
+``prefix`` and gives the layers the config treats differently by name (routers, ignored layers) their own
+method, before any checkpoint tensor is read. A context variable rather than a constructor argument keeps the
+model files and the shared blocks (attention, MLP) free of quantization plumbing.
+
+Shapes: R = rows, K = in features, N = out features, H = hidden, E = experts, I = expert width, V = vocab.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import ClassVar, Iterator
+
+import torch
+from torch import nn
+
+from sparrow.errors import InvalidRequestError
+
+LAYER_KINDS = ("linear", "moe")
+"""``quant_kind`` of the layers that hold a method: ``sparrow.layers.linear.Linear``, ``layers.moe.FusedMoE``."""
+
+
+class LinearMethodBase:
+    """Weights and compute of a ``Linear`` (y [R, N] = x [R, K] @ W.T + b). ``dtype`` of create_weights is the
+    model dtype (activations, bias). Loaders: each parameter's ``weight_loader(param, tensor, shard_id, name)``
+    (the Linear's generic one unless the method binds its own)."""
+
+    def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x's dtype (+ bias)."""
+        raise NotImplementedError
+
+    def shard_shape(self, layer: nn.Module, param_name: str, rows: int) -> tuple[int, ...]:
+        """Shape of the checkpoint tensor that fills ``rows`` output rows of ``param_name`` (one shard of a
+        packed layer), for the missing-tensor message."""
+        return (rows,) + tuple(getattr(layer, param_name).shape[1:])
+
+
+class FusedMoEMethodBase:
+    """Weights and compute of a ``FusedMoE`` (stacked experts, gate|up [E, 2I, H], down [E, H, I]).
+
+    ``checkpoint_tensors``: (per-expert suffix, fused suffix, stacked name, layer parameter) for each tensor a
+    checkpoint holds: ``experts.N.gate_proj.<per-expert suffix>`` fills rows of ``<layer parameter>`` of
+    ``<stacked name>`` ``gate_up_proj``, and the fused ``experts.gate_up_proj<fused suffix>`` fills all of it.
+    The weight-name table (``sparrow.models.base``) reads it."""
+
+    checkpoint_tensors: ClassVar[tuple[tuple[str, str, str, str], ...]] = (
+        ("weight", "", "gate_up_proj", "gate_up_proj"), ("weight", "", "down_proj", "down_proj"))
+
+    def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              reduce: bool = True) -> torch.Tensor:
+        """x [R, H], topk_weights / topk_ids [R, K'] -> [R, H] in x's dtype, or the unweighted per-pair outputs
+        [R K', H] with ``reduce=False`` (see ``FusedMoE``)."""
+        raise NotImplementedError
+
+
+class LMHeadMethodBase:
+    """How a ``CausalLM`` turns hidden [S, H] into logits [S, V] (fp32 or the compute dtype; the logits
+    processor casts to fp32). Methods take the model: the LM weight may be the tied embedding."""
+
+    def create_weights(self, model: nn.Module, dtype: torch.dtype) -> None:
+        pass
+
+    def process_weights_after_loading(self, model: nn.Module) -> None:
+        pass
+
+    def apply(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class QuantizedLMHeadMethod(LMHeadMethodBase):
+    """The logits from a copy of the loaded LM weight [V, H] in the format of ``linear_method`` (a Linear
+    ``model.lm_head_quantized`` made after loading). A tied weight stays (it is the embedding), so there the
+    copy adds its bytes; an untied ``lm_head`` is dropped (``model.lm_weight`` then raises AttributeError)."""
+
+    def __init__(self, linear_method: LinearMethodBase):
+        self.linear_method = linear_method
+
+    def process_weights_after_loading(self, model: nn.Module) -> None:
+        from sparrow.layers.linear import Linear
+
+        w = model.lm_weight
+        with torch.device(w.device):
+            head = Linear(w.shape[1], w.shape[0], dtype=w.dtype, quant_method=self.linear_method)
+        head.weight.weight_loader(head.weight, w.data, None, "lm_head.weight")
+        head.quant_method.process_weights_after_loading(head)
+        model.lm_head_quantized = head.eval()
+        if not model.config.tie_word_embeddings:
+            del model.lm_head
+
+    def apply(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        return model.lm_head_quantized(hidden)
+
+
+class QuantizationConfig:
+    """A weight format and its per-model settings. Subclasses register themselves with
+    ``sparrow.quant.registry.register_quantization`` under ``name``, the checkpoint's
+    ``quantization_config.quant_method`` and the ``quantization=`` value."""
+
+    name: ClassVar[str] = ""
+    """Registry name: HF ``quant_method`` and ``LLM(quantization=...)`` / ``--quantization`` value."""
+    title: ClassVar[str] = ""
+    """How messages name the format (e.g. "FP8")."""
+    help: ClassVar[str] = ""
+    """One line for ``--quantization``'s help: what ``quantization=name`` does."""
+    moe_config_name: ClassVar[str | None] = None
+    """Tag of the fused-MoE tile-config files of this format's expert kernels
+    (``E{E}_H{H}_I{I}_{tag}_{device}.json``, ``sparrow.kernels.moe_configs``); None: no MoE kernel of its own."""
+    moe_weight_dtype: ClassVar[torch.dtype | None] = None
+    """The element dtype of the expert weights those kernels stream."""
+    checkpoint_tensor_kinds: ClassVar[dict[str, str]] = {}
+    """Checkpoint tensor-name suffix -> what it is ("an FP8 block scale"), for the unused-tensor message."""
+
+    @classmethod
+    def from_hf(cls, qc: dict) -> "QuantizationConfig":
+        """From config.json's ``quantization_config``. Raises ModelLoadError for settings the format lacks."""
+        raise NotImplementedError
+
+    @classmethod
+    def for_quantization(cls) -> "QuantizationConfig":
+        """The config of ``quantization=name`` on a float checkpoint (quantize while loading). Raises
+        InvalidRequestError where the format cannot quantize at load."""
+        raise InvalidRequestError(f"quantization={cls.name!r}: {cls.title or cls.name} weights load from "
+                                  "checkpoints only (sparrow cannot quantize to it at load)")
+
+    def for_model(self, model: nn.Module) -> "QuantizationConfig":
+        """This config with module names resolved against ``model`` (called once it is built)."""
+        return self
+
+    def get_linear_method(self, prefix: str | None) -> LinearMethodBase:
+        """The method of the Linear named ``prefix`` (None: not known yet)."""
+        raise NotImplementedError
+
+    def get_moe_method(self, prefix: str | None) -> FusedMoEMethodBase:
+        """The method of the FusedMoE named ``prefix`` (None: not known yet)."""
+        raise NotImplementedError
+
+    def get_lm_head_method(self) -> LMHeadMethodBase:
+        """The LM head method of ``quantize_lm_head=True``. Raises InvalidRequestError where the format has none."""
+        from sparrow.quant.registry import lm_head_formats
+
+        formats = lm_head_formats()
+        titles = " or ".join(f.title for f in formats) or "quantized"
+        how = " or ".join(f"quantization={f.name!r} (--quantization {f.name})" for f in formats)
+        raise InvalidRequestError(f"quantize_lm_head needs {titles} linear layers: pass {how or 'a quantization'} "
+                                  f"or load an {titles} checkpoint")
+
+    def get_method(self, kind: str, prefix: str | None):
+        """``get_linear_method`` / ``get_moe_method`` by the layer's ``quant_kind``."""
+        if kind not in LAYER_KINDS:
+            raise ValueError(f"unknown layer kind {kind!r} (known: {LAYER_KINDS})")
+        return getattr(self, f"get_{kind}_method")(prefix)
+
+
+class UnquantizedConfig(QuantizationConfig):
+    """Weights in the model dtype (``quantization=None`` on a float checkpoint; GGUF, dequantized at load)."""
+
+    title = "float"
+    moe_config_name = "bf16"  # the tile configs of the float expert kernels (bf16 / fp16 / fp32 weights)
+
+    def get_linear_method(self, prefix: str | None) -> LinearMethodBase:
+        from sparrow.layers.linear import UnquantizedLinearMethod
+
+        return UnquantizedLinearMethod()
+
+    def get_moe_method(self, prefix: str | None) -> FusedMoEMethodBase:
+        from sparrow.layers.moe import UnquantizedFusedMoEMethod
+
+        return UnquantizedFusedMoEMethod()
+
+
+UNQUANTIZED = UnquantizedConfig()
+
+_QUANT_CONFIG: QuantizationConfig = UNQUANTIZED  # the config of the model being built (quant_config_scope)
+
+
+def current_quant_config() -> QuantizationConfig:
+    """The config of the innermost ``quant_config_scope`` (``UNQUANTIZED`` outside any)."""
+    return _QUANT_CONFIG
+
+
+@contextlib.contextmanager
+def quant_config_scope(config: QuantizationConfig | None) -> Iterator[None]:
+    """Linears and FusedMoEs built inside the block take their method from ``config`` (None: unquantized)."""
+    global _QUANT_CONFIG
+    previous, _QUANT_CONFIG = _QUANT_CONFIG, config if config is not None else UNQUANTIZED
+    try:
+        yield
+    finally:
+        _QUANT_CONFIG = previous
+
+
+def bind_quant_config(model: nn.Module, config: QuantizationConfig | None) -> None:
+    """Name every method-holding layer of ``model`` (``layer.prefix``) and give it ``config``'s method for that
+    name where it differs in type from the one it was built with (e.g. a router or an ignored layer back to
+    float weights). Call after construction, before loading; ``config`` None only names the layers."""
+    for name, module in model.named_modules():
+        kind = getattr(module, "quant_kind", None)
+        if kind is None:
+            continue
+        module.prefix = name
+        if config is None:
+            continue
+        method = config.get_method(kind, name)
+        if type(method) is not type(module.quant_method):
+            module.set_quant_method(method)

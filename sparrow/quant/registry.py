@@ -1,0 +1,134 @@
+"""The weight-format registry: name (a checkpoint's ``quantization_config.quant_method``, the ``quantization=``
+argument) -> ``QuantizationConfig`` subclass. A format is one module of ``sparrow.quant`` that decorates its
+config class with ``@register_quantization``; every module of the package is imported on the first lookup
+(one whose optional third-party package is missing is skipped), so adding a format touches nothing else. The loader, the CLI choices, ``LLM(quantization=...)``, the
+weight-name table's unused-tensor message and the MoE tile-config file names all read from here.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import pkgutil
+
+import torch
+
+from sparrow.errors import InvalidRequestError, ModelLoadError
+from sparrow.quant.base import UNQUANTIZED, QuantizationConfig
+
+log = logging.getLogger(__name__)
+_FORMATS: dict[str, type[QuantizationConfig]] = {}
+_LOADED = False
+_NOT_FORMATS = {"base", "registry"}
+
+
+def register_quantization(cls: type[QuantizationConfig]) -> type[QuantizationConfig]:
+    """Class decorator: make ``cls`` the format named ``cls.name``. Raises ValueError for an empty name or
+    one another class already holds."""
+    if not cls.name:
+        raise ValueError(f"{cls.__qualname__}: a registered format needs a name")
+    held = _FORMATS.get(cls.name)
+    if held is not None and held.__qualname__ != cls.__qualname__:
+        raise ValueError(f"quantization format {cls.name!r} is already registered by {held.__qualname__}")
+    _FORMATS[cls.name] = cls
+    moe_config_name.cache_clear()
+    return cls
+
+
+def unregister_quantization(name: str) -> None:
+    """Remove the format named ``name`` (a test's stand-in format); KeyError when none is registered."""
+    del _FORMATS[name]
+    moe_config_name.cache_clear()
+
+
+def _load_formats() -> None:
+    """Import every module of ``sparrow.quant`` once (each format registers itself on import)."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    import sparrow.quant as package
+
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name in _NOT_FORMATS or info.name.startswith("_"):
+            continue
+        try:
+            importlib.import_module(f"{package.__name__}.{info.name}")
+        except ModuleNotFoundError as e:  # an optional third-party package of that module is not installed
+            if (e.name or "").partition(".")[0] == "sparrow":
+                raise
+            log.debug("sparrow.quant.%s not loaded: %s", info.name, e)
+
+
+def formats() -> tuple[type[QuantizationConfig], ...]:
+    """Every registered format, in registration order."""
+    _load_formats()
+    return tuple(_FORMATS.values())
+
+
+def supported_quantization() -> tuple[str, ...]:
+    """Values accepted by ``LLM(quantization=...)`` / ``--quantization`` (besides None)."""
+    _load_formats()
+    return tuple(_FORMATS)
+
+
+def _supported_text() -> str:
+    return ", ".join(["None", *map(repr, supported_quantization())])
+
+
+def get_quantization(name: str) -> type[QuantizationConfig]:
+    """The format registered as ``name``. Raises InvalidRequestError naming it and the supported ones."""
+    _load_formats()
+    if not isinstance(name, str) or name not in _FORMATS:
+        raise InvalidRequestError(f"quantization={name!r} is not supported (supported: {_supported_text()})")
+    return _FORMATS[name]
+
+
+def check_quantization(name: str | None) -> None:
+    """Raise InvalidRequestError unless ``name`` is None or a registered format."""
+    if name is not None:
+        get_quantization(name)
+
+
+def config_for_quantization(name: str | None) -> QuantizationConfig:
+    """The config of ``quantization=name`` on a float checkpoint: ``UNQUANTIZED`` for None."""
+    return UNQUANTIZED if name is None else get_quantization(name).for_quantization()
+
+
+def config_from_hf(qc) -> QuantizationConfig:
+    """The config of a checkpoint's ``quantization_config``, by its ``quant_method``. Raises ModelLoadError
+    for a non-object config or an unregistered method, naming the supported ones."""
+    if not isinstance(qc, dict):
+        raise ModelLoadError(f"checkpoint quantization_config must be an object (a dict), got {qc!r}")
+    _load_formats()
+    method = qc.get("quant_method")
+    if not isinstance(method, str) or method not in _FORMATS:
+        raise ModelLoadError(f"checkpoint quantization_config.quant_method={method!r} is not supported "
+                             f"(supported: {', '.join(supported_quantization())})")
+    return _FORMATS[method].from_hf(qc)
+
+
+def lm_head_formats() -> tuple[type[QuantizationConfig], ...]:
+    """The formats with a quantized LM head (``get_lm_head_method`` of their own)."""
+    return tuple(f for f in formats() if f.get_lm_head_method is not QuantizationConfig.get_lm_head_method)
+
+
+def describe_checkpoint_tensor(name: str) -> tuple[str, str] | None:
+    """(format title, what the tensor is) for a checkpoint tensor name one format's suffixes claim, else None."""
+    for fmt in formats():
+        for suffix, kind in fmt.checkpoint_tensor_kinds.items():
+            if name.endswith(suffix):
+                return fmt.title, kind
+    return None
+
+
+@functools.lru_cache(maxsize=None)  # called per MoE launch (tile-config lookup); cleared by register_quantization
+def moe_config_name(fp8_weights: bool) -> str:
+    """The tile-config file tag of the fused-MoE kernels for e4m3 expert weights (``fp8_weights``) or for
+    float ones: the ``moe_config_name`` of the format whose experts those kernels stream. Raises ValueError
+    when no registered format has such expert kernels."""
+    dtype = torch.float8_e4m3fn if fp8_weights else None
+    for fmt in (UNQUANTIZED.__class__, *formats()):
+        if fmt.moe_config_name and fmt.moe_weight_dtype == dtype:
+            return fmt.moe_config_name
+    raise ValueError(f"no registered format has MoE kernels with {dtype or 'float'} weights")
