@@ -42,11 +42,9 @@ def sparrow_from_hf(hf_model, full_cfg: dict, s: Settings, engine_kw: dict):
     from sparrow.models.registry import get_model_class
 
     mcfg = ModelConfig.from_hf(full_cfg)
-    quant_config = None
-    if s.quantization:  # on-load quantization of the random bf16 weights (the CLI allows only "fp8")
-        from sparrow.quant.fp8 import Fp8Config
+    from sparrow.quant import config_for_quantization
 
-        quant_config = Fp8Config(from_checkpoint=False)
+    quant_config = config_for_quantization(s.quantization)  # on-load quantization of the random bf16 weights
     model = build_model(get_model_class(mcfg.architecture), mcfg, _DTYPES[s.dtype], s.device, quant_config)
     load_weights(model, hf_model.state_dict().items())
     finish_loading(model, quant_config, s.quantize_lm_head)

@@ -5,9 +5,9 @@ Shapes: R = rows, E = experts, H = hidden, I = expert width, P = R * K pairs.
 A ``MoeConfig`` holds BLOCK_M (sorted pairs per program of the grouped path, also the alignment padding;
 the small-batch path ignores it) and one ``Tile`` per GEMM (gate|up, down). ``pick_config`` returns, in
 order: the config forced by ``forced_config`` (tests, tuning); the entry with the nearest row count in
-``configs/E{E}_H{H}_I{I}_{format}_{device}.json`` (format = the tile-config tag of the weight format whose
-experts the kernels stream, ``sparrow.quant.registry.moe_config_name``: ``bf16`` for float weights, ``fp8``
-for e4m3; device = ``torch.cuda.get_device_name()`` with spaces as underscores), written by
+``configs/E{E}_H{H}_I{I}_{kind}_{device}.json`` (kind = the element type of the expert weights the kernels
+stream: ``bf16`` for float weights, ``fp8`` for e4m3; a format with expert kernels of its own brings its own
+configs; device = ``torch.cuda.get_device_name()`` with spaces as underscores), written by
 ``benchmarks/moe_layer.py --tune``; else ``default_config``.
 """
 from __future__ import annotations
@@ -87,9 +87,7 @@ def default_config(rows: int, pairs: int, num_experts: int, small: bool, fp8: bo
 
 def config_file(num_experts: int, hidden: int, width: int, fp8: bool, device_name: str) -> pathlib.Path:
     """The tuned-config data file of this shape, expert-weight kind (``fp8``: e4m3) and device."""
-    from sparrow.quant.registry import moe_config_name
-
-    kind = moe_config_name(fp8)
+    kind = "fp8" if fp8 else "bf16"  # the kernels' expert-weight element type (float weights of any width: bf16)
     return CONFIG_DIR / f"E{num_experts}_H{hidden}_I{width}_{kind}_{device_name.replace(' ', '_')}.json"
 
 

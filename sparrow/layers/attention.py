@@ -87,7 +87,7 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         r = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x, batch)
         if self.k_eq_v:
             q, k = qkv.split([self.hq * self.d, self.hkv * self.d], dim=-1)
             v = k
@@ -105,7 +105,7 @@ class SelfAttention(nn.Module):
                 v = self.v_norm(v)
             q, k = self.rotary(batch.positions, q, k)
             out = self.attn(q, k, v, batch)
-        return self.o_proj(out.reshape(r, self.hq * self.d))
+        return self.o_proj(out.reshape(r, self.hq * self.d), batch)
 
     def _fused_norm_rope_write(self, q, k, v, batch: ForwardBatch) -> torch.Tensor:
         """Triton path: per-head q/k norm, RoPE, v-norm and the K/V cache write in one kernel, then attention.

@@ -18,20 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparrow.errors import ModelLoadError
-from sparrow.quant.base import LinearMethodBase, current_quant_config
-
-
-class UnquantizedLinearMethod(LinearMethodBase):
-    """Plain float weights ([N, K] in the model dtype); apply is ``x @ W.T + b``."""
-
-    def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None:
-        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype), requires_grad=False)
-
-    def process_weights_after_loading(self, layer: "Linear") -> None:
-        pass
-
-    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.weight, layer.bias)
+from sparrow.quant.base import LinearMethodBase
+from sparrow.quant.scope import current_quant_config
 
 
 class Linear(nn.Module):
@@ -96,5 +84,7 @@ class Linear(nn.Module):
             )
         target.copy_(loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
+        """x [R, K] -> [R, N]. ``batch``: the step's ForwardBatch (per-row facts such as adapter ids), when the
+        caller runs inside a model step."""
         return self.quant_method.apply(self, x)

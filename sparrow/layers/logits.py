@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparrow.quant.base import LMHeadMethodBase
+from sparrow.quant.base import LinearMethodBase, LMHeadMethodBase
 
 
 class UnquantizedLMHeadMethod(LMHeadMethodBase):
@@ -16,6 +16,30 @@ class UnquantizedLMHeadMethod(LMHeadMethodBase):
 
     def apply(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, model.lm_weight)
+
+
+class QuantizedLMHeadMethod(LMHeadMethodBase):
+    """The logits from a copy of the loaded LM weight [V, H] in the format of ``linear_method`` (a Linear
+    ``model.lm_head_quantized`` made after loading). A tied weight stays (it is the embedding), so there the
+    copy adds its bytes; an untied ``lm_head`` is dropped (``model.lm_weight`` then raises AttributeError)."""
+
+    def __init__(self, linear_method: LinearMethodBase):
+        self.linear_method = linear_method
+
+    def process_weights_after_loading(self, model: nn.Module) -> None:
+        from sparrow.layers.linear import Linear
+
+        w = model.lm_weight
+        with torch.device(w.device):
+            head = Linear(w.shape[1], w.shape[0], dtype=w.dtype, quant_method=self.linear_method)
+        head.weight.weight_loader(head.weight, w.data, None, "lm_head.weight")
+        head.quant_method.process_weights_after_loading(head)
+        model.lm_head_quantized = head.eval()
+        if not model.config.tie_word_embeddings:
+            del model.lm_head
+
+    def apply(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        return model.lm_head_quantized(hidden)
 
 
 class LogitsProcessor(nn.Module):

@@ -22,6 +22,7 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
         self.act_name = act
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(act_and_mul(self.act_name, self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
+        """x [R, H] -> [R, H]; ``batch``: the step's ForwardBatch, handed to the projections."""
+        return self.down_proj(act_and_mul(self.act_name, self.gate_up_proj(x, batch)), batch)
 

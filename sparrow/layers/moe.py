@@ -12,7 +12,7 @@ On the GPU the experts run ``sparrow.kernels.moe.fused_moe`` (Triton); on CPU it
 (P <= threshold, decode / speculative verify), matmuls in x's dtype, fp32 weighted reduce.
 
 Weight formats: the layer's ``quant_method`` (style.md 6) creates the expert parameters, finishes them after
-loading and computes the layer; ``UnquantizedFusedMoEMethod`` (below) holds them in the model dtype and runs
+loading and computes the layer; ``sparrow.quant.unquantized.UnquantizedFusedMoEMethod`` holds them in the model dtype and runs
 the Triton kernels or the torch paths above; quantized formats live in ``sparrow.quant`` (FP8:
 ``sparrow.quant.fp8_moe``). A FusedMoE built inside ``sparrow.quant.quant_config_scope`` takes the config's
 method, as a ``Linear`` does.
@@ -26,45 +26,11 @@ import torch
 from torch import nn
 
 from sparrow.kernels.act import get_activation
-from sparrow.kernels.moe_ref import fused_moe_grouped_ref, fused_moe_per_pair_ref, gate_up_act
-from sparrow.quant.base import FusedMoEMethodBase, current_quant_config
+from sparrow.kernels.moe_ref import gate_up_act
+from sparrow.quant.base import FusedMoEMethodBase
+from sparrow.quant.scope import current_quant_config
 
 log = logging.getLogger(__name__)
-
-
-def stacked_expert_param(layer: nn.Module, rows: int, cols: int, blocks: int, dtype: torch.dtype) -> nn.Parameter:
-    """An uninitialized stacked expert parameter [E, rows, cols] of ``dtype``, loadable from per-expert tensors
-    [rows / blocks, cols] (shard id (expert, block)) or one fused tensor (``loader.weights.bind_expert_loaders``)."""
-    from sparrow.loader.weights import bind_expert_loaders
-
-    param = nn.Parameter(torch.empty(layer.num_experts, rows, cols, dtype=dtype), requires_grad=False)
-    bind_expert_loaders(param, blocks)
-    return param
-
-
-class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
-    """Expert weights in the model dtype: ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]. apply: the Triton
-    grouped GEMM / per-expert GEMV (``sparrow.kernels.moe.fused_moe``) where Triton runs, else the torch path
-    chosen by P vs ``pair_threshold``."""
-
-    def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
-        h, i = layer.hidden_size, layer.intermediate_size
-        layer.gate_up_proj = stacked_expert_param(layer, 2 * i, h, 2, dtype)
-        layer.down_proj = stacked_expert_param(layer, h, i, 1, dtype)
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              reduce: bool = True) -> torch.Tensor:
-        from sparrow.kernels import use_triton
-
-        if use_triton(x):  # Triton grouped GEMM / per-expert GEMV (sparrow/kernels/moe.py)
-            from sparrow.kernels.moe import fused_moe
-
-            return fused_moe(x, layer.gate_up_proj, layer.down_proj, topk_weights, topk_ids, layer.activation,
-                             w13_scale=None, w2_scale=None,
-                             pair_threshold=layer.pair_threshold, swiglu_limit=layer.swiglu_limit, reduce=reduce)
-        path = fused_moe_grouped_ref if topk_ids.numel() > layer.pair_threshold else fused_moe_per_pair_ref
-        return path(x, layer.gate_up_proj, layer.down_proj, topk_weights, topk_ids, layer.activation,
-                    layer.swiglu_limit, reduce=reduce)
 
 
 class FusedMoE(nn.Module):
@@ -114,7 +80,8 @@ class FusedMoE(nn.Module):
         self._quant_param_names = [n for n in self._parameters if n not in before]
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                reduce: bool = True) -> torch.Tensor:
+                reduce: bool = True, batch=None) -> torch.Tensor:
+        """``batch``: the step's ForwardBatch (per-row facts), when called inside a model step."""
         return self.quant_method.apply(self, x, topk_weights, topk_ids, reduce)
 
     def extra_repr(self) -> str:
@@ -139,7 +106,7 @@ class SharedExpert(nn.Module):
         for p in self.parameters():
             p.requires_grad_(False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         h = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)  # [R, 2I]
         return self.down_proj(gate_up_act(h, self.activation, self.swiglu_limit))
 
@@ -167,11 +134,12 @@ class MoEBlock(nn.Module):
             self.shared_expert_gate.weight.requires_grad_(False)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None,
-                expert_input: torch.Tensor | None = None) -> torch.Tensor:
+                expert_input: torch.Tensor | None = None, batch=None) -> torch.Tensor:
+        """``batch``: the step's ForwardBatch, handed to the experts and the shared expert."""
         topk_weights, topk_ids = self.gate(x) if input_ids is None else self.gate(x, input_ids)
-        out = self.experts(x if expert_input is None else expert_input, topk_weights, topk_ids)
+        out = self.experts(x if expert_input is None else expert_input, topk_weights, topk_ids, batch=batch)
         if self.shared_expert is not None:
-            shared = self.shared_expert(x)
+            shared = self.shared_expert(x, batch)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared

@@ -97,7 +97,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
                 continue
             yield name, t
 
-    load_weights(model, filtered())
+    from sparrow.quant.registry import describe_checkpoint_tensor
+
+    load_weights(model, filtered(), describe_checkpoint_tensor)
     if rope_freqs:
         for mod in model.modules():
             if hasattr(mod, "set_freq_factors"):
@@ -123,11 +125,20 @@ def build_model(cls, config, dtype: torch.dtype, device, quant_config) -> torch.
 def check_quantize_lm_head(quantize_lm_head: bool, quant_config):
     """The LM head method of ``quant_config`` when ``quantize_lm_head`` is on (else None). Raises
     InvalidRequestError when the format has no quantized LM head (float weights included)."""
+    from sparrow.errors import InvalidRequestError
     from sparrow.quant import UNQUANTIZED
+    from sparrow.quant.registry import lm_head_formats
 
     if not quantize_lm_head:
         return None
-    return (quant_config if quant_config is not None else UNQUANTIZED).get_lm_head_method()
+    method = (quant_config if quant_config is not None else UNQUANTIZED).get_lm_head_method()
+    if method is None:
+        formats = lm_head_formats()
+        titles = " or ".join(f.title for f in formats) or "quantized"
+        how = " or ".join(f"quantization={f.name!r} (--quantization {f.name})" for f in formats)
+        raise InvalidRequestError(f"quantize_lm_head needs {titles} linear layers: pass {how or 'a quantization'} "
+                                  f"or load an {titles} checkpoint")
+    return method
 
 
 def finish_loading(model: torch.nn.Module, quant_config, quantize_lm_head: bool = False) -> None:

@@ -3,7 +3,7 @@
 The model maps each checkpoint name to (parameter name, shard id) with ``resolve_weight`` (packed
 projections, stacked experts); the parameter's ``weight_loader(param, tensor, shard_id, name)`` copies it.
 Loading fails loudly, naming the tensor, on unused checkpoint tensors (a quantized format's scale named as
-such, ``sparrow.quant.registry.describe_checkpoint_tensor``), misshaped tensors, a packed (float8 / integer)
+such, ``describe``), misshaped tensors, a packed (float8 / integer)
 tensor for a float parameter, and parameters left unfilled (style.md 5); a format's own loaders check its
 tensors (FP8: finite scales, no NaN bytes). A whole-tensor
 load (shard id None) completes a parameter whatever its shards (e.g. transformers 5's fused 3-D
@@ -16,7 +16,7 @@ block*I:(block+1)*I of expert e), or whole from a fused 3-D tensor; no second st
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -68,8 +68,11 @@ def expected_shards(param: nn.Parameter) -> list:
     return [None] if n == 1 else list(range(n))
 
 
-def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Fill every parameter of ``model`` from ``tensors``. Raises ModelLoadError naming the first unused
+def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
+                 describe: Callable[[str], tuple[str, str] | None] | None = None) -> None:
+    """Fill every parameter of ``model`` from ``tensors``. ``describe(name)``: (format title, what the tensor is)
+    for a tensor name a weight format claims (``sparrow.quant.registry.describe_checkpoint_tensor``), so an unused
+    one is named as such. Raises ModelLoadError naming the first unused
     tensor, misshaped tensor, or missing parameter (with its expected shape)."""
     params = dict(model.named_parameters())
     loaded: dict[str, set] = {}
@@ -83,9 +86,7 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
             continue
         pname, shard = target
         if pname not in params:
-            from sparrow.quant.registry import describe_checkpoint_tensor
-
-            known = describe_checkpoint_tensor(name)
+            known = describe(name) if describe is not None else None
             if known is not None:
                 title, kind = known
                 raise ModelLoadError(

@@ -31,7 +31,7 @@ class Gemma3DecoderLayer(nn.Module):
         chain between two matmuls is one kernel on the Triton path (RMSNorm.norm_add)."""
         h, pre = self.post_attention_layernorm.norm_add(self.self_attn(normed, batch), x,
                                                         next_norms=(self.pre_feedforward_layernorm,))
-        return self.post_feedforward_layernorm.norm_add(self.mlp(pre), h, next_norms=(next_norm,))
+        return self.post_feedforward_layernorm.norm_add(self.mlp(pre, batch), h, next_norms=(next_norm,))
 
 
 class Gemma3ForCausalLM(CausalLM):

@@ -86,7 +86,7 @@ class Gemma4DecoderLayer(nn.Module):
         attn = self.self_attn(normed, batch)
         if not self.moe:
             h, pre = self.post_attention_layernorm.norm_add(attn, x, next_norms=(self.pre_feedforward_layernorm,))
-            return self.post_feedforward_layernorm.norm_add(self.mlp(pre), h, self.layer_scalar,
+            return self.post_feedforward_layernorm.norm_add(self.mlp(pre, batch), h, self.layer_scalar,
                                                             next_norms=(next_norm,))
         h, pre, pre2 = self.post_attention_layernorm.norm_add(
             attn, x, next_norms=(self.pre_feedforward_layernorm, self.pre_feedforward_layernorm_2))
@@ -94,9 +94,9 @@ class Gemma4DecoderLayer(nn.Module):
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(h.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            dense = self.mlp(pre)
+            dense = self.mlp(pre, batch)
         weights, ids = self.router(h)  # the router reads the raw residual
-        moe = self.experts(pre2, weights, ids, reduce=False)  # [R K, H]: the reduce is fused below
+        moe = self.experts(pre2, weights, ids, reduce=False, batch=batch)  # [R K, H]: the reduce is fused below
         if stream is not None:
             torch.cuda.current_stream(h.device).wait_stream(stream)
         # (h + post_feedforward_layernorm(post_feedforward_layernorm_1(dense) + post_feedforward_layernorm_2(

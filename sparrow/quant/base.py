@@ -87,30 +87,6 @@ class LMHeadMethodBase:
         raise NotImplementedError
 
 
-class QuantizedLMHeadMethod(LMHeadMethodBase):
-    """The logits from a copy of the loaded LM weight [V, H] in the format of ``linear_method`` (a Linear
-    ``model.lm_head_quantized`` made after loading). A tied weight stays (it is the embedding), so there the
-    copy adds its bytes; an untied ``lm_head`` is dropped (``model.lm_weight`` then raises AttributeError)."""
-
-    def __init__(self, linear_method: LinearMethodBase):
-        self.linear_method = linear_method
-
-    def process_weights_after_loading(self, model: nn.Module) -> None:
-        from sparrow.layers.linear import Linear
-
-        w = model.lm_weight
-        with torch.device(w.device):
-            head = Linear(w.shape[1], w.shape[0], dtype=w.dtype, quant_method=self.linear_method)
-        head.weight.weight_loader(head.weight, w.data, None, "lm_head.weight")
-        head.quant_method.process_weights_after_loading(head)
-        model.lm_head_quantized = head.eval()
-        if not model.config.tie_word_embeddings:
-            del model.lm_head
-
-    def apply(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        return model.lm_head_quantized(hidden)
-
-
 class QuantizationConfig:
     """A weight format and its per-model settings. Subclasses register themselves with
     ``sparrow.quant.registry.register_quantization`` under ``name``, the checkpoint's
@@ -122,11 +98,6 @@ class QuantizationConfig:
     """How messages name the format (e.g. "FP8")."""
     help: ClassVar[str] = ""
     """One line for ``--quantization``'s help: what ``quantization=name`` does."""
-    moe_config_name: ClassVar[str | None] = None
-    """Tag of the fused-MoE tile-config files of this format's expert kernels
-    (``E{E}_H{H}_I{I}_{tag}_{device}.json``, ``sparrow.kernels.moe_configs``); None: no MoE kernel of its own."""
-    moe_weight_dtype: ClassVar[torch.dtype | None] = None
-    """The element dtype of the expert weights those kernels stream."""
     checkpoint_tensor_kinds: ClassVar[dict[str, str]] = {}
     """Checkpoint tensor-name suffix -> what it is ("an FP8 block scale"), for the unused-tensor message."""
 
@@ -154,72 +125,13 @@ class QuantizationConfig:
         """The method of the FusedMoE named ``prefix`` (None: not known yet)."""
         raise NotImplementedError
 
-    def get_lm_head_method(self) -> LMHeadMethodBase:
-        """The LM head method of ``quantize_lm_head=True``. Raises InvalidRequestError where the format has none."""
-        from sparrow.quant.registry import lm_head_formats
-
-        formats = lm_head_formats()
-        titles = " or ".join(f.title for f in formats) or "quantized"
-        how = " or ".join(f"quantization={f.name!r} (--quantization {f.name})" for f in formats)
-        raise InvalidRequestError(f"quantize_lm_head needs {titles} linear layers: pass {how or 'a quantization'} "
-                                  f"or load an {titles} checkpoint")
+    def get_lm_head_method(self) -> LMHeadMethodBase | None:
+        """The LM head method of ``quantize_lm_head=True``; None where the format has none (the loader then names
+        the formats that have one)."""
+        return None
 
     def get_method(self, kind: str, prefix: str | None):
         """``get_linear_method`` / ``get_moe_method`` by the layer's ``quant_kind``."""
         if kind not in LAYER_KINDS:
             raise ValueError(f"unknown layer kind {kind!r} (known: {LAYER_KINDS})")
         return getattr(self, f"get_{kind}_method")(prefix)
-
-
-class UnquantizedConfig(QuantizationConfig):
-    """Weights in the model dtype (``quantization=None`` on a float checkpoint; GGUF, dequantized at load)."""
-
-    title = "float"
-    moe_config_name = "bf16"  # the tile configs of the float expert kernels (bf16 / fp16 / fp32 weights)
-
-    def get_linear_method(self, prefix: str | None) -> LinearMethodBase:
-        from sparrow.layers.linear import UnquantizedLinearMethod
-
-        return UnquantizedLinearMethod()
-
-    def get_moe_method(self, prefix: str | None) -> FusedMoEMethodBase:
-        from sparrow.layers.moe import UnquantizedFusedMoEMethod
-
-        return UnquantizedFusedMoEMethod()
-
-
-UNQUANTIZED = UnquantizedConfig()
-
-_QUANT_CONFIG: QuantizationConfig = UNQUANTIZED  # the config of the model being built (quant_config_scope)
-
-
-def current_quant_config() -> QuantizationConfig:
-    """The config of the innermost ``quant_config_scope`` (``UNQUANTIZED`` outside any)."""
-    return _QUANT_CONFIG
-
-
-@contextlib.contextmanager
-def quant_config_scope(config: QuantizationConfig | None) -> Iterator[None]:
-    """Linears and FusedMoEs built inside the block take their method from ``config`` (None: unquantized)."""
-    global _QUANT_CONFIG
-    previous, _QUANT_CONFIG = _QUANT_CONFIG, config if config is not None else UNQUANTIZED
-    try:
-        yield
-    finally:
-        _QUANT_CONFIG = previous
-
-
-def bind_quant_config(model: nn.Module, config: QuantizationConfig | None) -> None:
-    """Name every method-holding layer of ``model`` (``layer.prefix``) and give it ``config``'s method for that
-    name where it differs in type from the one it was built with (e.g. a router or an ignored layer back to
-    float weights). Call after construction, before loading; ``config`` None only names the layers."""
-    for name, module in model.named_modules():
-        kind = getattr(module, "quant_kind", None)
-        if kind is None:
-            continue
-        module.prefix = name
-        if config is None:
-            continue
-        method = config.get_method(kind, name)
-        if type(method) is not type(module.quant_method):
-            module.set_quant_method(method)

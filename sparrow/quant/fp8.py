@@ -45,7 +45,10 @@ import torch
 from torch import nn
 
 from sparrow.errors import ModelLoadError
-from sparrow.quant.base import LinearMethodBase, QuantizationConfig, QuantizedLMHeadMethod
+from sparrow.layers.logits import QuantizedLMHeadMethod
+from sparrow.quant.base import LinearMethodBase, QuantizationConfig
+from sparrow.quant.fp8_moe import Fp8MoEMethod, check_fp8_tensor
+from sparrow.quant.unquantized import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
 from sparrow.quant.registry import register_quantization
 from sparrow.kernels.fp8 import (
     AMAX_EPS,
@@ -101,18 +104,6 @@ def dequantize_fp8_channel(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return q.float() * scale.float().reshape(-1, 1)
 
 
-def check_fp8_tensor(name: str, tensor: torch.Tensor) -> None:
-    """Raise ModelLoadError naming checkpoint tensor ``name`` when it is a block scale (``*_scale_inv``) with a
-    NaN / inf (it would turn every output it touches into NaN) or e4m3 with NaN bytes (S.1111.111: e4m3fn has
-    no inf, and no quantizer writes NaN): a corrupt checkpoint."""
-    if name.endswith("_scale_inv") and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-        raise ModelLoadError(f"checkpoint tensor {name!r} (FP8 block scales) holds non-finite values (nan or inf): "
-                             "the checkpoint is corrupt")
-    if tensor.dtype == FP8_DTYPE and bool(((tensor.view(torch.uint8) & 0x7F) == 0x7F).any()):
-        raise ModelLoadError(f"checkpoint tensor {name!r} (float8_e4m3fn) holds NaN bytes (0x7f / 0xff): the "
-                             "checkpoint is corrupt")
-
-
 @register_quantization
 @dataclasses.dataclass(frozen=True)
 class Fp8Config(QuantizationConfig):
@@ -122,8 +113,6 @@ class Fp8Config(QuantizationConfig):
     title = "FP8"
     help = ("fp8: quantize the linear layers and routed experts to block-scaled FP8 at load (FP8 checkpoints "
             "load as FP8 without it)")
-    moe_config_name = "fp8"
-    moe_weight_dtype = FP8_DTYPE
     checkpoint_tensor_kinds = {"_scale_inv": "an FP8 block scale"}
 
     from_checkpoint: bool
@@ -210,19 +199,13 @@ class Fp8Config(QuantizationConfig):
     def get_linear_method(self, prefix: str | None = None) -> LinearMethodBase:
         """The method of the Linear named ``prefix`` (None: not known yet, FP8)."""
         if prefix is not None and not self.quantizes(prefix):
-            from sparrow.layers.linear import UnquantizedLinearMethod
-
             return UnquantizedLinearMethod()
         return Fp8LinearMethod(self.from_checkpoint)
 
     def get_moe_method(self, prefix: str | None = None):
         """The method of the FusedMoE named ``prefix`` (None: not known yet, FP8)."""
         if prefix is not None and not self.quantizes(prefix):
-            from sparrow.layers.moe import UnquantizedFusedMoEMethod
-
             return UnquantizedFusedMoEMethod()
-        from sparrow.quant.fp8_moe import Fp8MoEMethod
-
         return Fp8MoEMethod(self.from_checkpoint)
 
     def get_lm_head_method(self) -> QuantizedLMHeadMethod:

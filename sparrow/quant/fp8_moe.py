@@ -26,7 +26,7 @@ from torch import nn
 
 from sparrow.errors import ModelLoadError
 from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, quantize_fp8_block_ref
-from sparrow.layers.moe import UnquantizedFusedMoEMethod, stacked_expert_param
+from sparrow.quant.unquantized import UnquantizedFusedMoEMethod, stacked_expert_param
 from sparrow.quant.base import FusedMoEMethodBase
 
 
@@ -34,6 +34,19 @@ def fp8_checkpoint_aligned(layer: nn.Module) -> bool:
     """Whether 128 x 128 block scales tile each per-expert checkpoint tensor of ``layer`` exactly (H and I
     multiples of 128). On-load quantization has no such need: it scales the packed [2I, H] / [H, I] weights."""
     return layer.hidden_size % GROUP == 0 and layer.intermediate_size % GROUP == 0
+
+
+def check_fp8_tensor(name: str, tensor: torch.Tensor) -> None:
+    """Raise ModelLoadError naming checkpoint tensor ``name`` when it is a block scale (``*_scale_inv``) with a
+    NaN / inf (it would turn every output it touches into NaN) or e4m3 with NaN bytes (S.1111.111: e4m3fn has
+    no inf, and no quantizer writes NaN): a corrupt checkpoint."""
+    if name.endswith("_scale_inv") and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise ModelLoadError(f"checkpoint tensor {name!r} (FP8 block scales) holds non-finite values (nan or inf): "
+                             "the checkpoint is corrupt")
+    if tensor.dtype == FP8_DTYPE and bool(((tensor.view(torch.uint8) & 0x7F) == 0x7F).any()):
+        raise ModelLoadError(f"checkpoint tensor {name!r} (float8_e4m3fn) holds NaN bytes (0x7f / 0xff): the "
+                             "checkpoint is corrupt")
+
 
 
 class Fp8MoEMethod(FusedMoEMethodBase):
@@ -63,8 +76,6 @@ class Fp8MoEMethod(FusedMoEMethodBase):
     @staticmethod
     def _checkpoint_loader(layer: nn.Module, expert_loader):
         def load(param: nn.Parameter, loaded: torch.Tensor, shard_id, name: str) -> None:
-            from sparrow.quant.fp8 import check_fp8_tensor
-
             if not fp8_checkpoint_aligned(layer):
                 raise ModelLoadError(
                     f"tensor {name!r}: FP8 checkpoint routed experts with hidden size {layer.hidden_size} and expert "

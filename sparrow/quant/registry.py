@@ -6,20 +6,17 @@ weight-name table's unused-tensor message and the MoE tile-config file names all
 """
 from __future__ import annotations
 
-import functools
 import importlib
-import logging
+import pathlib
 import pkgutil
 
-import torch
-
 from sparrow.errors import InvalidRequestError, ModelLoadError
-from sparrow.quant.base import UNQUANTIZED, QuantizationConfig
+from sparrow.quant.base import QuantizationConfig
+from sparrow.quant.unquantized import UNQUANTIZED
 
-log = logging.getLogger(__name__)
 _FORMATS: dict[str, type[QuantizationConfig]] = {}
 _LOADED = False
-_NOT_FORMATS = {"base", "registry"}
+_NOT_FORMATS = {"base", "registry", "scope", "unquantized"}
 
 
 def register_quantization(cls: type[QuantizationConfig]) -> type[QuantizationConfig]:
@@ -31,14 +28,12 @@ def register_quantization(cls: type[QuantizationConfig]) -> type[QuantizationCon
     if held is not None and held.__qualname__ != cls.__qualname__:
         raise ValueError(f"quantization format {cls.name!r} is already registered by {held.__qualname__}")
     _FORMATS[cls.name] = cls
-    moe_config_name.cache_clear()
     return cls
 
 
 def unregister_quantization(name: str) -> None:
     """Remove the format named ``name`` (a test's stand-in format); KeyError when none is registered."""
     del _FORMATS[name]
-    moe_config_name.cache_clear()
 
 
 def _load_formats() -> None:
@@ -47,17 +42,10 @@ def _load_formats() -> None:
     if _LOADED:
         return
     _LOADED = True
-    import sparrow.quant as package
-
-    for info in pkgutil.iter_modules(package.__path__):
+    for info in pkgutil.iter_modules([str(pathlib.Path(__file__).parent)]):
         if info.name in _NOT_FORMATS or info.name.startswith("_"):
             continue
-        try:
-            importlib.import_module(f"{package.__name__}.{info.name}")
-        except ModuleNotFoundError as e:  # an optional third-party package of that module is not installed
-            if (e.name or "").partition(".")[0] == "sparrow":
-                raise
-            log.debug("sparrow.quant.%s not loaded: %s", info.name, e)
+        importlib.import_module(f"sparrow.quant.{info.name}")
 
 
 def formats() -> tuple[type[QuantizationConfig], ...]:
@@ -120,15 +108,3 @@ def describe_checkpoint_tensor(name: str) -> tuple[str, str] | None:
             if name.endswith(suffix):
                 return fmt.title, kind
     return None
-
-
-@functools.lru_cache(maxsize=None)  # called per MoE launch (tile-config lookup); cleared by register_quantization
-def moe_config_name(fp8_weights: bool) -> str:
-    """The tile-config file tag of the fused-MoE kernels for e4m3 expert weights (``fp8_weights``) or for
-    float ones: the ``moe_config_name`` of the format whose experts those kernels stream. Raises ValueError
-    when no registered format has such expert kernels."""
-    dtype = torch.float8_e4m3fn if fp8_weights else None
-    for fmt in (UNQUANTIZED.__class__, *formats()):
-        if fmt.moe_config_name and fmt.moe_weight_dtype == dtype:
-            return fmt.moe_config_name
-    raise ValueError(f"no registered format has MoE kernels with {dtype or 'float'} weights")

@@ -99,7 +99,7 @@ def test_paths_agree_activations_and_clamp(activation, swiglu_limit):
 
 
 def test_dispatch_by_pair_threshold(monkeypatch):
-    import sparrow.layers.moe as moe_mod
+    import sparrow.quant.unquantized as moe_mod  # the unquantized method picks the torch path
 
     calls = []
     for name in ("fused_moe_grouped_ref", "fused_moe_per_pair_ref"):

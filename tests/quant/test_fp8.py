@@ -17,7 +17,8 @@ import torch
 from sparrow.errors import InvalidRequestError, ModelLoadError
 from sparrow.kernels import backend
 from sparrow.kernels.gemv import FP8_MAX_ROWS, W8A8_MAX_ROWS
-from sparrow.layers.linear import Linear, UnquantizedLinearMethod
+from sparrow.layers.linear import Linear
+from sparrow.quant.unquantized import UnquantizedLinearMethod
 from sparrow.quant import bind_quant_config, quant_config_scope
 from sparrow.quant.fp8 import (
     Fp8Config,

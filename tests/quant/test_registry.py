@@ -23,10 +23,10 @@ from sparrow.quant import (
     FusedMoEMethodBase,
     LinearMethodBase,
     QuantizationConfig,
-    QuantizedLMHeadMethod,
     register_quantization,
     supported_quantization,
 )
+from sparrow.layers.logits import QuantizedLMHeadMethod
 from sparrow.quant.registry import unregister_quantization
 from tests.helpers import make_llm
 from tests.models._hf_tiny import FAMILIES, build, prompts
@@ -84,7 +84,7 @@ class Int8MoEMethod(FusedMoEMethodBase):
         self.from_checkpoint = from_checkpoint
 
     def create_weights(self, layer, dtype):
-        from sparrow.layers.moe import stacked_expert_param
+        from sparrow.quant.unquantized import stacked_expert_param
 
         h, i = layer.hidden_size, layer.intermediate_size
         wdt = torch.int8 if self.from_checkpoint else dtype
@@ -103,7 +103,7 @@ class Int8MoEMethod(FusedMoEMethodBase):
             setattr(layer, sname, nn.Parameter(s, requires_grad=False))
 
     def apply(self, layer, x, topk_weights, topk_ids, reduce=True):
-        from sparrow.layers.moe import fused_moe_grouped_ref
+        from sparrow.kernels.moe_ref import fused_moe_grouped_ref
 
         return fused_moe_grouped_ref(x, dequantize(layer.gate_up_proj, layer.w13_weight_scale).to(x.dtype),
                                      dequantize(layer.down_proj, layer.w2_weight_scale).to(x.dtype), topk_weights,
@@ -129,7 +129,7 @@ class Int8TestConfig(QuantizationConfig):
 
     def get_linear_method(self, prefix):
         if prefix is not None and prefix.rpartition(".")[2] in self._ALWAYS_FLOAT:
-            from sparrow.layers.linear import UnquantizedLinearMethod
+            from sparrow.quant.unquantized import UnquantizedLinearMethod
 
             return UnquantizedLinearMethod()
         return Int8LinearMethod(self.from_checkpoint)
