@@ -13,7 +13,7 @@
 # in .whl (see ../.library/device/README.md).
 # Stage `ab`: the same `sparrow bench` (AB_ARGS, default gemma4-26b-a4b FP8 at batch 1 and 8) on this tree and on an
 # older one, alternating, AB_REPEATS rounds, on one machine (runs of one tree on one machine spread by up to ~5 %:
-# benchmarks/README.md, ninth session). Make the older tree first, here: `mkdir -p .ab/old && git archive REV sparrow | tar -x -C .ab/old`,
+# benchmarks/README.md, "Running an A/B"). Make the older tree first, here: `mkdir -p .ab/old && git archive REV sparrow | tar -x -C .ab/old`,
 # and carry `.ab` (ignored) beside `.whl`. AB_ENV_NEW / AB_ENV_OLD: environment assignments for one side, and
 # AB_ARGS_OLD: the old side's bench flags (default AB_ARGS); with .ab/old a copy of this tree, an A/B of a switch
 # (e.g. AB_ENV_OLD=SPARROW_PDL=0, or AB_ARGS_OLD without --quantize-lm-head). AB_TAG names the logs
