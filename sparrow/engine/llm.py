@@ -8,7 +8,7 @@ from typing import Iterator, Sequence as Seq
 import torch
 
 from sparrow.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from sparrow.devices import TORCH_DTYPES, cpu_has_native_bf16, resolve_device, resolve_dtype  # noqa: F401
+from sparrow.devices import TORCH_DTYPES
 from sparrow.engine.engine import Engine
 from sparrow.errors import InvalidRequestError
 from sparrow.outputs import RequestOutput

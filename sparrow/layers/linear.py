@@ -11,14 +11,12 @@ Routers (``nn.Linear``), norms, embeddings and the LM head are not ``Linear`` an
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sparrow.errors import ModelLoadError
-from sparrow.quant.base import LinearMethodBase
+from sparrow.quant.base import LinearMethodBase, set_layer_method
 from sparrow.quant.scope import current_quant_config
 
 
@@ -55,15 +53,7 @@ class Linear(nn.Module):
     def set_quant_method(self, method) -> None:
         """(Re)create the weights with ``method``: drops the previous method's parameters (bias stays),
         allocates the new ones on the same device, binds loaders (a method's own loaders win)."""
-        device = self.bias.device if self.bias is not None else None
-        for name in getattr(self, "_quant_param_names", ()):
-            param = self._parameters.pop(name)
-            device = device or param.device
-        before = set(self._parameters)
-        self.quant_method = method
-        with torch.device(device) if device is not None else contextlib.nullcontext():
-            method.create_weights(self, self.params_dtype)
-        self._quant_param_names = [n for n in self._parameters if n not in before]
+        set_layer_method(self, method, self.bias.device if self.bias is not None else None)
         for p in self.parameters(recurse=False):
             if not hasattr(p, "weight_loader"):
                 p.weight_loader = self.weight_loader

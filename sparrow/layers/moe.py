@@ -19,7 +19,6 @@ method, as a ``Linear`` does.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
@@ -27,7 +26,7 @@ from torch import nn
 
 from sparrow.kernels.act import get_activation
 from sparrow.kernels.moe_ref import gate_up_act
-from sparrow.quant.base import FusedMoEMethodBase
+from sparrow.quant.base import FusedMoEMethodBase, set_layer_method
 from sparrow.quant.scope import current_quant_config
 
 log = logging.getLogger(__name__)
@@ -69,15 +68,7 @@ class FusedMoE(nn.Module):
 
     def set_quant_method(self, method: FusedMoEMethodBase) -> None:
         """(Re)create the expert parameters with ``method`` on the device of the previous ones (dropped)."""
-        device = None
-        for name in getattr(self, "_quant_param_names", ()):
-            param = self._parameters.pop(name)
-            device = device or param.device
-        before = set(self._parameters)
-        self.quant_method = method
-        with torch.device(device) if device is not None else contextlib.nullcontext():
-            method.create_weights(self, self.params_dtype)
-        self._quant_param_names = [n for n in self._parameters if n not in before]
+        set_layer_method(self, method)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 reduce: bool = True, batch=None) -> torch.Tensor:

@@ -125,7 +125,6 @@ def build_model(cls, config, dtype: torch.dtype, device, quant_config) -> torch.
 def check_quantize_lm_head(quantize_lm_head: bool, quant_config):
     """The LM head method of ``quant_config`` when ``quantize_lm_head`` is on (else None). Raises
     InvalidRequestError when the format has no quantized LM head (float weights included)."""
-    from sparrow.errors import InvalidRequestError
     from sparrow.quant import UNQUANTIZED
     from sparrow.quant.registry import lm_head_formats
 

@@ -17,7 +17,7 @@ Shapes: R = rows, K = in features, N = out features, H = hidden, E = experts, I 
 from __future__ import annotations
 
 import contextlib
-from typing import ClassVar, Iterator
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -26,6 +26,20 @@ from sparrow.errors import InvalidRequestError
 
 LAYER_KINDS = ("linear", "moe")
 """``quant_kind`` of the layers that hold a method: ``sparrow.layers.linear.Linear``, ``layers.moe.FusedMoE``."""
+
+
+def set_layer_method(layer: nn.Module, method, device: torch.device | None = None) -> None:
+    """Give ``layer`` (a Linear or FusedMoE) the weight method ``method``: drop the parameters its previous method
+    created (named in ``layer._quant_param_names``), then let ``method`` create its own in ``layer.params_dtype`` on
+    ``device`` (default: the device of the dropped ones; the current default device when there were none)."""
+    for name in getattr(layer, "_quant_param_names", ()):
+        param = layer._parameters.pop(name)
+        device = device or param.device
+    before = set(layer._parameters)
+    layer.quant_method = method
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        method.create_weights(layer, layer.params_dtype)
+    layer._quant_param_names = [n for n in layer._parameters if n not in before]
 
 
 class LinearMethodBase:

@@ -64,7 +64,7 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         if not self.from_checkpoint:  # float experts until process_weights_after_loading
             UnquantizedFusedMoEMethod().create_weights(layer, dtype)
             return
-        e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_size
+        h, i = layer.hidden_size, layer.intermediate_size
         nb = lambda n: -(-n // GROUP)  # noqa: E731  (scale blocks of n rows / columns)
         for pname, rows, cols, blocks, dt in (("gate_up_proj", 2 * i, h, 2, FP8_DTYPE), ("down_proj", h, i, 1, FP8_DTYPE),
                                               ("w13_scale", nb(2 * i), nb(h), 2, torch.float32),
