@@ -10,7 +10,10 @@ neighbours (SentencePiece spaces, byte runs) exactly as ``tokenizer.decode`` ren
 Byte-fallback tokenizers (SentencePiece ``<0xNN>`` tokens, e.g. Gemma, Llama) decode a run of byte
 tokens all or nothing: one invalid byte turns the whole run into U+FFFD. So text is also held back while
 the last token is a byte token, and released when the run ends: a character spelled in bytes arrives one
-token later, and the streamed text always equals ``decode`` of all tokens.
+token later, and the streamed text always equals ``decode`` of all tokens. A skipped special token (e.g.
+``<bos>`` with skip_special_tokens) does not end a run: it is dropped before the byte decoder, so the bytes on
+both sides of it form one run (transformers' ``decode`` gives U+FFFD for every byte of a run that is not valid
+UTF-8 as a whole, so a character complete inside a run cannot be released before the run ends).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ PROMPT_CONTEXT = 5
 
 _REPLACEMENT = "\ufffd"
 _BYTE_TOKENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_RENDERS_EMPTY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def byte_token_ids(tokenizer) -> frozenset[int]:
@@ -59,6 +63,8 @@ class IncrementalDetokenizer:
         self._prefix_text: str | None = None      # decode(ids[prefix:read]), cached
         self._text = ""
         self._byte_ids = byte_token_ids(tokenizer)
+        self._in_byte_run = bool(context) and context[-1] in self._byte_ids
+        self._renders_empty: dict[int, bool] = _RENDERS_EMPTY.setdefault(tokenizer, {})
         self.output_token_ids: list[int] = []
         """Every id passed to ``add``."""
 
@@ -92,8 +98,19 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         self.output_token_ids.append(token_id)
         if token_id in self._byte_ids:   # a byte run renders only once it ends
+            self._in_byte_run = True
             return ""
+        if self._in_byte_run and self._skipped(token_id):
+            return ""                    # decode drops it first: the run goes on through it
+        self._in_byte_run = False
         return self._emit(allow_partial=False)
+
+    def _skipped(self, token_id: int) -> bool:
+        """Whether ``token_id`` renders as nothing on its own (a skipped special token), cached per tokenizer."""
+        empty = self._renders_empty.get(token_id)
+        if empty is None:
+            empty = self._renders_empty[token_id] = self._decode([token_id]) == ""
+        return empty
 
     def flush(self) -> str:
         """At the end of the sequence: returns what is still held back, an incomplete character
