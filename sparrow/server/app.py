@@ -1,0 +1,197 @@
+"""The OpenAI-compatible HTTP server (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health,
+/version, /tokenize, /detokenize, /metrics.
+
+Handlers tokenize, check the request and hand it to the EngineLoop (one thread owning the engine); they read
+its updates from an asyncio queue. A stream's client closing the connection cancels its generator, whose
+cleanup aborts the request (blocks freed before the next step); a non-stream handler polls for a disconnect
+while it waits. Every error is answered in OpenAI's shape (``ApiError.body``), with no traceback.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import sparrow
+from sparrow.errors import SparrowError
+from sparrow.server.engine_loop import EngineLoop, StreamError
+from sparrow.server.metrics import ServerMetrics
+from sparrow.server.protocol import DetokenizeRequest, TokenizeRequest
+from sparrow.server.routes import add_generation_routes
+from sparrow.server.serving import ApiError
+
+log = logging.getLogger(__name__)
+access_log = logging.getLogger("sparrow.server.access")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message, param) of pydantic's first error: the field's dotted path and what it must be."""
+    err = exc.errors()[0]
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    if err.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {err.get('msg')}", None
+    param = ".".join(loc) or None
+    msg = err.get("msg", "invalid value")
+    return (f"{param}: {msg}" if param else f"request body: {msg}"), param
+
+
+class _Server:
+    """What the handlers share: the engine loop, tokenizer, served name, limits."""
+
+    def __init__(self, llm, served_model_name: str | None, api_key: str | None):
+        self.llm = llm
+        self.tokenizer = llm.tokenizer
+        self.max_model_len = llm.config.max_model_len
+        self.model_name = served_model_name or (llm.model_path or "sparrow-model")
+        self.api_key = api_key
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(llm.engine, self.model_name)
+        self.loop = EngineLoop(llm.engine, self.metrics)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist (this server serves {self.model_name!r})",
+                           "model", "model_not_found")
+
+    def encode(self, text: str) -> list[int]:
+        from sparrow.tokenizer import encode_prompt
+
+        return encode_prompt(self.tokenizer, text)
+
+    def decode_token(self, tid: int) -> str:
+        return self.tokenizer.decode([tid])
+
+    def chat_prompt(self, messages) -> str:
+        from sparrow.tokenizer import apply_chat_template
+
+        return apply_chat_template(self.tokenizer, [m.as_template_dict() for m in messages])
+
+    async def updates(self, queue: asyncio.Queue, streams, raw: Request | None = None):
+        """Yield (stream position, Update) until every stream ended. Raises ApiError for a StreamError. With
+        ``raw``, returns early when the client disconnected. Unfinished requests are aborted on exit."""
+        pos = {s.request_id: k for k, s in enumerate(streams)}
+        live = set(pos)
+        try:
+            while live:
+                try:
+                    rid, item = await asyncio.wait_for(queue.get(), 1.0) if raw is not None else await queue.get()
+                except asyncio.TimeoutError:
+                    if await raw.is_disconnected():
+                        return
+                    continue
+                if item is None:
+                    live.discard(rid)
+                    self._log_access(streams[pos[rid]])
+                elif isinstance(item, StreamError):
+                    live.discard(rid)
+                    raise ApiError(400 if item.invalid_request else 500, item.message)
+                else:
+                    yield pos[rid], item
+        finally:
+            for rid in live:
+                self.loop.abort(rid)
+                access_log.info("%s aborted", rid)
+
+    @staticmethod
+    def _log_access(s) -> None:
+        end = time.monotonic()
+        ttft = f"{s.first_token - s.arrival:.3f}s" if s.first_token is not None else "-"
+        access_log.info("%s prompt_tokens=%d generated_tokens=%d ttft=%s total=%.3fs finish=%s", s.request_id,
+                        len(s.prompt["prompt_token_ids"]), s.num_generated, ttft, end - s.arrival,
+                        ",".join(r or "-" for r in s.finish_reasons))
+
+
+def build_app(llm, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving ``llm`` (a sparrow LLM with a tokenizer; the app's engine loop owns its engine
+    from startup to shutdown: do not call the LLM meanwhile). api_key: required as ``Authorization: Bearer KEY``
+    on /v1 routes when set. Raises SparrowError when the LLM has no tokenizer."""
+    if llm.tokenizer is None:
+        raise SparrowError("the server needs a tokenizer (this LLM was built with skip_tokenizer_init)")
+    server = _Server(llm, served_model_name, api_key)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        server.loop.start()
+        yield
+        server.loop.stop()
+
+    app = FastAPI(title="sparrow", version=sparrow.__version__, lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(SparrowError)
+    async def _sparrow_error(request, exc: SparrowError):
+        return JSONResponse(ApiError(400, " ".join(str(exc).split())).body(), status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request, exc: RequestValidationError):
+        msg, param = _validation_message(exc)
+        return JSONResponse(ApiError(400, msg, param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc: StarletteHTTPException):
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request, exc: Exception):
+        log.exception("internal error on %s", request.url.path)
+        return JSONResponse(ApiError(500, "internal server error").body(), status_code=500)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if server.api_key is not None and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization", "") != f"Bearer {server.api_key}":
+                err = ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)", None,
+                               "invalid_api_key")
+                return JSONResponse(err.body(), status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": sparrow.__version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": server.model_name, "object": "model", "created": server.created, "owned_by": "sparrow",
+            "root": llm.model_path, "max_model_len": server.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        server.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give exactly one of prompt and messages", "prompt")
+        text = body.prompt if body.messages is None else server.chat_prompt(body.messages)
+        if body.add_special_tokens and text:
+            ids = server.encode(text)
+        else:
+            ids = server.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        server.check_model(body.model)
+        vocab = llm.config.model.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise ApiError(400, f"tokens: ids must be in [0, {vocab})", "tokens")
+        return {"prompt": server.tokenizer.decode(body.tokens)}
+
+    add_generation_routes(app, server)
+    return app

@@ -1,0 +1,70 @@
+"""The server's Prometheus metrics: vLLM's metric names with a ``sparrow:`` prefix (prometheus-client renders
+the text format; counters get their ``_total`` suffix from it).
+
+One ``ServerMetrics`` per engine, in its own CollectorRegistry (two servers in one process do not collide).
+Gauges read the scheduler and block manager when scraped; counters and histograms are fed by the engine loop
+thread once per request output (prometheus-client's metrics are thread-safe).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0)
+"""Seconds (vLLM's time_to_first_token buckets, extended to long CPU requests)."""
+
+
+def kv_cache_usage(engine) -> float:
+    """Fraction in [0, 1] of the engine's KV blocks held by a live sequence (cached free blocks count as free)."""
+    bm = engine.block_manager
+    return 1.0 - bm.num_free_blocks / bm.num_blocks if bm.num_blocks else 0.0
+
+
+class ServerMetrics:
+    def __init__(self, engine, model_name: str):
+        self.registry = r = CollectorRegistry()
+        labels = {"model_name": model_name}
+        sched = engine.scheduler
+
+        def gauge(name, doc, fn):
+            g = Gauge(f"sparrow:{name}", doc, list(labels), registry=r)
+            g.labels(**labels).set_function(fn)
+
+        gauge("num_requests_running", "Sequences in the running batch.", lambda: len(sched.running))
+        gauge("num_requests_waiting", "Sequences waiting to be scheduled.", lambda: len(sched.waiting))
+        gauge("kv_cache_usage_perc", "KV-cache usage: 1 means every block is in use.", lambda: kv_cache_usage(engine))
+
+        def counter(name, doc):
+            return Counter(f"sparrow:{name}", doc, list(labels), registry=r).labels(**labels)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens of admitted requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.num_preemptions = counter("num_preemptions", "Sequences preempted (blocks freed, recomputed later).")
+        self.request_success = Counter("sparrow:request_success", "Finished requests by finish reason.",
+                                       [*labels, "finished_reason"], registry=r)
+        self._labels = labels
+
+        def hist(name, doc):
+            return Histogram(f"sparrow:{name}", doc, list(labels), buckets=_LATENCY_BUCKETS,
+                             registry=r).labels(**labels)
+
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to the first generated token.")
+        self.itl = hist("inter_token_latency_seconds", "Time between two outputs of a request, per token.")
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to the last token.")
+        self.queue_time = hist("request_queue_time_seconds", "Arrival to the engine loop taking the request in.")
+        self._preemptions_seen = sched.num_preemptions
+        self._sched = sched
+
+    def finished(self, reason: str) -> None:
+        self.request_success.labels(**self._labels, finished_reason=reason).inc()
+
+    def after_step(self) -> None:
+        """Carry the scheduler's preemption count over (once per engine step)."""
+        n = self._sched.num_preemptions
+        if n > self._preemptions_seen:
+            self.num_preemptions.inc(n - self._preemptions_seen)
+            self._preemptions_seen = n
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

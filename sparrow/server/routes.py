@@ -1,0 +1,194 @@
+"""POST /v1/completions and /v1/chat/completions: request -> engine prompts and SamplingParams -> the engine
+loop -> an OpenAI body (non-stream) or ``*.chunk`` SSE events ending in ``data: [DONE]`` (stream).
+
+A completion's choices are numbered prompt-major (``prompt_index * n + i``, as OpenAI's and vLLM's servers).
+``echo`` with ``max_tokens`` 0 runs one step for the prompt's logprobs and drops the sampled token (the
+log-likelihood request lm-eval sends). An error after a stream started ends it with an ``{"error": ...}``
+event and ``[DONE]``.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from fastapi.sse import format_sse_event
+
+from sparrow.server.protocol import ChatCompletionRequest, CompletionRequest
+from sparrow.server.serving import ApiError, Choice, LegacyLogprobs, chat_logprobs, check_context, usage
+
+
+def _sse(obj) -> bytes:
+    return format_sse_event(data_str=obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False))
+
+
+def _completion_prompts(server, prompt) -> list[dict]:
+    """Engine prompts of a completions ``prompt``: a string, strings, token ids, or lists of token ids."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise ApiError(400, "prompt: give at least one prompt", "prompt")
+    if isinstance(prompt[0], int):
+        prompt = [prompt]
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            out.append({"prompt_token_ids": server.encode(p), "prompt": p})
+        else:
+            vocab = server.llm.config.model.vocab_size
+            if not p or any(not 0 <= t < vocab for t in p):
+                raise ApiError(400, f"prompt: token ids must be a non-empty list of ids in [0, {vocab})", "prompt")
+            out.append({"prompt_token_ids": list(p), "prompt": server.tokenizer.decode(p)})
+    return out
+
+
+def add_generation_routes(app: FastAPI, server) -> None:
+    """Register the two generation routes on ``app``; ``server``: the app's shared state (app._Server)."""
+
+    def base(kind: str, rid: str) -> dict:
+        return {"id": rid, "object": kind, "created": int(time.time()), "model": server.model_name}
+
+    async def sse(events, final_usage):
+        """Frame an async iterator of chunk dicts as SSE, then the usage chunk (when asked) and [DONE]."""
+        try:
+            async with contextlib.aclosing(events) as it:
+                async for chunk in it:
+                    yield _sse(chunk)
+            if final_usage is not None:
+                yield _sse(final_usage())
+        except ApiError as e:
+            yield _sse(e.body())
+        yield _sse("[DONE]")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        server.check_model(body.model)
+        if body.suffix:
+            raise ApiError(400, "suffix is not supported", "suffix")
+        if body.max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens: must be >= 1 (0 only with echo, for the prompt's logprobs)",
+                           "max_tokens")
+        prompts = _completion_prompts(server, body.prompt)
+        echo_lp = body.echo and body.logprobs is not None
+        params = []
+        for p in prompts:
+            mt = check_context(len(p["prompt_token_ids"]), body.max_tokens, server.max_model_len, "prompt")
+            params.append(body._params(max(mt, 1), body.logprobs, body.logprobs if echo_lp else None))
+        drop = body.max_tokens == 0  # one token sampled for the prompt's logprobs, not returned
+        queue: asyncio.Queue = asyncio.Queue()
+        streams = [server.loop.add(p, sp, queue, "cmpl") for p, sp in zip(prompts, params)]
+        rid, n = f"cmpl-{uuid.uuid4().hex}", body.n
+        n_prompt = sum(len(p["prompt_token_ids"]) for p in prompts)
+
+        def legacy(k):
+            return LegacyLogprobs(body.logprobs, server.decode_token) if body.logprobs is not None else None
+
+        if body.stream:
+            lps = [legacy(k) for k in range(len(prompts) * n)]
+            generated = [0]
+
+            async def events():
+                started = set()
+                async with contextlib.aclosing(server.updates(queue, streams)) as it:
+                    async for k, upd in it:
+                        for d in upd.deltas:
+                            idx = k * n + d.index
+                            text, tids = ("", []) if drop else (d.text, d.token_ids)
+                            if body.echo and idx not in started:
+                                text = prompts[k]["prompt"] + text
+                            started.add(idx)
+                            generated[0] += len(tids)
+                            lp = None
+                            if lps[idx] is not None:
+                                for t, dd in zip(tids, d.logprobs or []):
+                                    lps[idx].add(t, dd)
+                                lp = lps[idx].take()
+                            if text or d.finish_reason is not None or (lp is not None and tids):
+                                yield {**base("text_completion", rid), "choices": [{
+                                    "index": idx, "text": text, "logprobs": lp, "finish_reason": d.finish_reason,
+                                    "stop_reason": d.stop_reason}], "usage": None}
+
+            final = (lambda: {**base("text_completion", rid), "choices": [], "usage": usage(
+                n_prompt, generated[0])}) if body.include_usage else None
+            return StreamingResponse(sse(events(), final), media_type="text/event-stream")
+
+        choices = [Choice(i) for i in range(len(prompts) * n)]
+        prompt_lps: dict[int, list] = {}
+        async with contextlib.aclosing(server.updates(queue, streams, raw)) as it:
+            async for k, upd in it:
+                for d in upd.deltas:
+                    choices[k * n + d.index].add(d)
+                if upd.finished:
+                    prompt_lps[k] = upd.prompt_logprobs
+        out, generated = [], 0
+        for idx, c in enumerate(choices):
+            k = idx // n
+            p = prompts[k]
+            tids, text, glps = (([], "", []) if drop else (c.token_ids, c.text, c.logprobs))
+            generated += len(tids)
+            lp = legacy(k)
+            if body.echo:
+                if lp is not None:
+                    pl = prompt_lps.get(k) or [None] * len(p["prompt_token_ids"])
+                    for t, dd in zip(p["prompt_token_ids"], pl):
+                        lp.add(t, dd)
+                text = p["prompt"] + text
+            if lp is not None:
+                for t, dd in zip(tids, glps):
+                    lp.add(t, dd)
+            out.append({"index": idx, "text": text, "logprobs": lp.body() if lp is not None else None,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {**base("text_completion", rid), "choices": out, "usage": usage(n_prompt, generated)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        server.check_model(body.model)
+        text = server.chat_prompt(body.messages)
+        ids = server.encode(text)
+        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        mt = check_context(len(ids), asked, server.max_model_len, "messages")
+        k_top = body.top_logprobs or 0
+        if body.top_logprobs and not body.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
+        params = body._params(mt, k_top if body.logprobs else None)
+        queue: asyncio.Queue = asyncio.Queue()
+        streams = [server.loop.add({"prompt_token_ids": ids, "prompt": text}, params, queue, "chat")]
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+
+        if body.stream:
+            generated = [0]
+
+            async def events():
+                for i in range(body.n):
+                    yield {**base("chat.completion.chunk", rid), "choices": [{
+                        "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}]}
+                async with contextlib.aclosing(server.updates(queue, streams)) as it:
+                    async for _, upd in it:
+                        for d in upd.deltas:
+                            generated[0] += len(d.token_ids)
+                            if not (d.text or d.finish_reason is not None or (body.logprobs and d.token_ids)):
+                                continue  # a token held back (part of a character, or a stop string)
+                            lp = chat_logprobs(d.token_ids, d.logprobs, k_top) if body.logprobs else None
+                            yield {**base("chat.completion.chunk", rid), "choices": [{
+                                "index": d.index, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
+                                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]}
+
+            final = (lambda: {**base("chat.completion.chunk", rid), "choices": [],
+                              "usage": usage(len(ids), generated[0])}) if body.include_usage else None
+            return StreamingResponse(sse(events(), final), media_type="text/event-stream")
+
+        choices = [Choice(i) for i in range(body.n)]
+        async with contextlib.aclosing(server.updates(queue, streams, raw)) as it:
+            async for _, upd in it:
+                for d in upd.deltas:
+                    choices[d.index].add(d)
+        out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c.token_ids, c.logprobs, k_top) if body.logprobs else None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices]
+        return {**base("chat.completion", rid), "choices": out,
+                "usage": usage(len(ids), sum(len(c.token_ids) for c in choices))}
