@@ -1,4 +1,4 @@
-"""Command line: ``sparrow generate | chat | bench`` (also ``python -m sparrow``).
+"""Command line: ``sparrow generate | chat | serve | bench`` (also ``python -m sparrow``).
 
 Errors a user can cause (missing model, bad prompt, bad sampling value, ...) print one line naming the
 problem and exit with status 2, without a traceback."""
@@ -129,6 +129,12 @@ def cmd_chat(args) -> int:
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+def cmd_serve(args) -> int:
+    from sparrow.server.main import run_server
+
+    return run_server(args)
+
+
 def cmd_bench(args) -> int:
     from sparrow.bench import run_bench
 
@@ -157,6 +163,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(c)
     _add_sampling_args(c, 512)
     c.set_defaults(func=cmd_chat)
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=_positive_int, default=8000, help="port (default 8000)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    s.add_argument("--served-model-name", default=None, help="the model's name in the API (default: its path)")
+    s.add_argument("--max-num-seqs", type=_positive_int, default=None, help="most sequences in one batch")
+    s.add_argument("--num-kv-blocks", type=_positive_int, default=None,
+                   help="KV-cache blocks (default: sized from free memory)")
+    s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    s.set_defaults(func=cmd_serve)
     b = sub.add_parser("bench", help="prefill / decode tok/s of sparrow and of HF transformers on the same weights")
     _add_model_args(b)
     b.add_argument("--batch-sizes", default=None, help="comma-separated batch sizes (default 1,8,64 on GPU, 1,8 on CPU)")
