@@ -72,7 +72,12 @@ class LegacyLogprobs:
         s = _token_str(lp, tid) if lp is not None else self.decode(tid)
         self.tokens.append(s)
         self.token_logprobs.append(lp.logprob if lp is not None else None)
-        self.top_logprobs.append(None if d is None else {_token_str(v, t): v.logprob for t, v in _top(d, self.k)})
+        top = None
+        if d is not None:  # keyed by text (the legacy layout): tokens that render alike keep the likeliest
+            top = {}
+            for t, v in _top(d, self.k):
+                top.setdefault(_token_str(v, t), v.logprob)
+        self.top_logprobs.append(top)
         self.text_offset.append(self.offset)
         self.offset += len(s)
 
