@@ -19,6 +19,10 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self.block_hash: dict[int, int] = {}
+        self.prefix_cache_queries = 0
+        """Prompt tokens looked up in the prefix cache on admission (vLLM's prefix_cache_queries)."""
+        self.prefix_cache_hits = 0
+        """Of those, tokens found cached (vLLM's prefix_cache_hits)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -63,6 +67,8 @@ class BlockManager:
             self.ref_counts[block] += 1
             seq.block_table.append(block)
             cached += self.block_size
+        self.prefix_cache_queries += seq.num_prompt_tokens
+        self.prefix_cache_hits += cached
         return cached
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:

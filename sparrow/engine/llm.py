@@ -129,6 +129,8 @@ class LLM:
         self._watched: dict[str, RequestOutput | None] = {}
         """Latest output of each request a ``generate`` or ``stream`` call is waiting on (None before its first):
         whichever call steps the engine records them, so interleaved calls lose nothing."""
+        self._finished_counts = {"prompt_tokens": 0, "generation_tokens": 0}
+        self._request_success: dict[str, int] = {}
 
     @property
     def config(self) -> EngineConfig:
@@ -163,6 +165,33 @@ class LLM:
         for out in self.engine.step():
             if out.request_id in self._watched:
                 self._watched[out.request_id] = out
+            if out.finished:
+                self._count_finished(out)
+
+    def _count_finished(self, out: RequestOutput) -> None:
+        self._finished_counts["prompt_tokens"] += len(out.prompt_token_ids)
+        for c in out.outputs:
+            self._finished_counts["generation_tokens"] += len(c.token_ids)
+            self._request_success[c.finish_reason] = self._request_success.get(c.finish_reason, 0) + 1
+
+    def get_metrics(self) -> dict:
+        """The engine's counters under the server's metric names (vLLM's, ``sparrow:`` prefix): gauges
+        num_requests_running / num_requests_waiting (sequences), kv_cache_usage_perc (fraction of blocks held,
+        in [0, 1]); counters since construction: num_preemptions, prefix_cache_queries / prefix_cache_hits
+        (prompt tokens), and over the requests finished through this LLM: prompt_tokens, generation_tokens,
+        request_success ({finish_reason: completions}). A snapshot: later steps do not change it."""
+        e = self.engine
+        bm = e.block_manager
+        return {
+            "sparrow:num_requests_running": len(e.scheduler.running),
+            "sparrow:num_requests_waiting": len(e.scheduler.waiting),
+            "sparrow:kv_cache_usage_perc": 1.0 - bm.num_free_blocks / bm.num_blocks if bm.num_blocks else 0.0,
+            "sparrow:num_preemptions": e.scheduler.num_preemptions,
+            "sparrow:prefix_cache_queries": bm.prefix_cache_queries,
+            "sparrow:prefix_cache_hits": bm.prefix_cache_hits,
+            **{f"sparrow:{k}": v for k, v in self._finished_counts.items()},
+            "sparrow:request_success": dict(self._request_success),
+        }
 
     def _aborted(self, rid: str) -> bool:
         """Whether ``rid`` left the engine without finishing (aborted by the engine: a step it was in raised)."""

@@ -40,6 +40,8 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prefill tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.num_preemptions = counter("num_preemptions", "Sequences preempted (blocks freed, recomputed later).")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.request_success = Counter("sparrow:request_success", "Finished requests by finish reason.",
                                        [*labels, "finished_reason"], registry=r)
         self._labels = labels
@@ -52,18 +54,23 @@ class ServerMetrics:
         self.itl = hist("inter_token_latency_seconds", "Time between two outputs of a request, per token.")
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to the last token.")
         self.queue_time = hist("request_queue_time_seconds", "Arrival to the engine loop taking the request in.")
-        self._preemptions_seen = sched.num_preemptions
-        self._sched = sched
+        self._sched, self._bm = sched, engine.block_manager
+        self._seen = self._engine_counts()
 
     def finished(self, reason: str) -> None:
         self.request_success.labels(**self._labels, finished_reason=reason).inc()
 
+    def _engine_counts(self) -> tuple[int, int, int]:
+        return self._sched.num_preemptions, self._bm.prefix_cache_queries, self._bm.prefix_cache_hits
+
     def after_step(self) -> None:
-        """Carry the scheduler's preemption count over (once per engine step)."""
-        n = self._sched.num_preemptions
-        if n > self._preemptions_seen:
-            self.num_preemptions.inc(n - self._preemptions_seen)
-            self._preemptions_seen = n
+        """Carry the engine's own counts (preemptions, prefix-cache lookups) over (once per engine step)."""
+        now = self._engine_counts()
+        for counter, new, old in zip((self.num_preemptions, self.prefix_cache_queries, self.prefix_cache_hits),
+                                     now, self._seen):
+            if new > old:
+                counter.inc(new - old)
+        self._seen = now
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -360,6 +360,7 @@ def test_metrics(tiny_server, client):
     assert after["sparrow:request_success_total"] - before.get("sparrow:request_success_total", 0) == 1
     assert after["sparrow:time_to_first_token_seconds_count"] > before.get("sparrow:time_to_first_token_seconds_count", 0)
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total",
                  "e2e_request_latency_seconds_count", "inter_token_latency_seconds_count",
                  "request_queue_time_seconds_count"):
         assert "sparrow:" + name in after
