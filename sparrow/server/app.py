@@ -41,6 +41,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {msg}" if param else f"request body: {msg}"), param
 
 
+async def _wait_disconnect(raw: Request) -> None:
+    """Return when the client of ``raw`` (a request whose body was read) disconnects."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
 class _Server:
     """What the handlers share: the engine loop, tokenizer, served name, limits."""
 
@@ -74,17 +80,23 @@ class _Server:
 
     async def updates(self, queue: asyncio.Queue, streams, raw: Request | None = None):
         """Yield (stream position, Update) until every stream ended. Raises ApiError for a StreamError. With
-        ``raw``, returns early when the client disconnected. Unfinished requests are aborted on exit."""
+        ``raw`` (a non-stream request), returns early when its client disconnects. Unfinished requests are aborted on exit."""
         pos = {s.request_id: k for k, s in enumerate(streams)}
         live = set(pos)
+        gone = asyncio.ensure_future(_wait_disconnect(raw)) if raw is not None else None
         try:
             while live:
-                try:
-                    rid, item = await asyncio.wait_for(queue.get(), 1.0) if raw is not None else await queue.get()
-                except asyncio.TimeoutError:
-                    if await raw.is_disconnected():
+                if gone is None:
+                    rid, item = await queue.get()
+                elif not queue.empty():
+                    rid, item = queue.get_nowait()
+                else:
+                    get = asyncio.ensure_future(queue.get())
+                    await asyncio.wait((get, gone), return_when=asyncio.FIRST_COMPLETED)
+                    if not get.done():
+                        get.cancel()
                         return
-                    continue
+                    rid, item = get.result()
                 if item is None:
                     live.discard(rid)
                     self._log_access(streams[pos[rid]])
@@ -94,6 +106,8 @@ class _Server:
                 else:
                     yield pos[rid], item
         finally:
+            if gone is not None:
+                gone.cancel()
             for rid in live:
                 self.loop.abort(rid)
                 access_log.info("%s aborted", rid)

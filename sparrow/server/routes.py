@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 
@@ -20,6 +21,8 @@ from fastapi.sse import format_sse_event
 
 from sparrow.server.protocol import ChatCompletionRequest, CompletionRequest
 from sparrow.server.serving import ApiError, Choice, LegacyLogprobs, chat_logprobs, check_context, usage
+
+log = logging.getLogger(__name__)
 
 
 def _sse(obj) -> bytes:
@@ -46,6 +49,23 @@ def _completion_prompts(server, prompt) -> list[dict]:
     return out
 
 
+class _AbortingStream(StreamingResponse):
+    """An SSE response that aborts its requests when it ends for any reason: a client that disconnects before
+    the first chunk cancels the response before its generator starts, so the generator's own cleanup would
+    never run (aborting a finished request is a no-op)."""
+
+    def __init__(self, content, request_ids: list[str], loop):
+        super().__init__(content, media_type="text/event-stream")
+        self._request_ids, self._loop = request_ids, loop
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for rid in self._request_ids:
+                self._loop.abort(rid)
+
+
 def add_generation_routes(app: FastAPI, server) -> None:
     """Register the two generation routes on ``app``; ``server``: the app's shared state (app._Server)."""
 
@@ -53,7 +73,8 @@ def add_generation_routes(app: FastAPI, server) -> None:
         return {"id": rid, "object": kind, "created": int(time.time()), "model": server.model_name}
 
     async def sse(events, final_usage):
-        """Frame an async iterator of chunk dicts as SSE, then the usage chunk (when asked) and [DONE]."""
+        """Frame an async iterator of chunk dicts as SSE, then the usage chunk (when asked) and [DONE]; an error
+        becomes an error event before [DONE] (the status line is sent already)."""
         try:
             async with contextlib.aclosing(events) as it:
                 async for chunk in it:
@@ -62,7 +83,13 @@ def add_generation_routes(app: FastAPI, server) -> None:
                 yield _sse(final_usage())
         except ApiError as e:
             yield _sse(e.body())
+        except Exception:
+            log.exception("stream failed")
+            yield _sse(ApiError(500, "internal server error").body())
         yield _sse("[DONE]")
+
+    def stream_response(events, final_usage, streams) -> StreamingResponse:
+        return _AbortingStream(sse(events, final_usage), [s.request_id for s in streams], server.loop)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
@@ -114,7 +141,7 @@ def add_generation_routes(app: FastAPI, server) -> None:
 
             final = (lambda: {**base("text_completion", rid), "choices": [], "usage": usage(
                 n_prompt, generated[0])}) if body.include_usage else None
-            return StreamingResponse(sse(events(), final), media_type="text/event-stream")
+            return stream_response(events(), final, streams)
 
         choices = [Choice(i) for i in range(len(prompts) * n)]
         prompt_lps: dict[int, list] = {}
@@ -180,7 +207,7 @@ def add_generation_routes(app: FastAPI, server) -> None:
 
             final = (lambda: {**base("chat.completion.chunk", rid), "choices": [],
                               "usage": usage(len(ids), generated[0])}) if body.include_usage else None
-            return StreamingResponse(sse(events(), final), media_type="text/event-stream")
+            return stream_response(events(), final, streams)
 
         choices = [Choice(i) for i in range(body.n)]
         async with contextlib.aclosing(server.updates(queue, streams, raw)) as it:

@@ -228,6 +228,20 @@ def test_cancelled_streams_free_blocks(tiny_server, client):
     assert out.usage.completion_tokens == 4
 
 
+def test_non_stream_disconnect_aborts(tiny_server, client):
+    """A non-stream client that gives up (read timeout: the connection closes) gets its request aborted."""
+    before = _metrics(tiny_server.url).get("sparrow:request_success_total", 0)
+    body = {"model": MODEL_NAME, "prompt": "slow", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
+    engine = tiny_server.llm.engine
+    with pytest.raises(httpx.ReadTimeout):
+        with httpx.Client(timeout=httpx.Timeout(5.0, read=0.05)) as http:
+            http.post(tiny_server.base_url + "/completions", json=body, headers=AUTH)
+    _wait_idle(tiny_server)
+    assert _metrics(tiny_server.url).get("sparrow:request_success_total", 0) == before  # aborted, not finished
+    assert not engine.requests
+    assert client.completions.create(model=MODEL_NAME, prompt="next", max_tokens=2).usage.completion_tokens == 2
+
+
 BAD_BODIES = [
     ("completions", {"prompt": "x", "temperature": -1}, "temperature"),
     ("completions", {"prompt": "x", "temperature": 2.5}, "temperature"),
