@@ -80,7 +80,8 @@ class _Server:
 
     async def updates(self, queue: asyncio.Queue, streams, raw: Request | None = None):
         """Yield (stream position, Update) until every stream ended. Raises ApiError for a StreamError. With
-        ``raw`` (a non-stream request), returns early when its client disconnects. Unfinished requests are aborted on exit."""
+        ``raw`` (a non-stream request), returns early when its client disconnects. Unfinished requests are
+        aborted on exit."""
         pos = {s.request_id: k for k, s in enumerate(streams)}
         live = set(pos)
         gone = asyncio.ensure_future(_wait_disconnect(raw)) if raw is not None else None

@@ -67,9 +67,24 @@ class RequestStream:
     num_generated: int = 0
     finish_reasons: list[str | None] = field(default_factory=list)
 
-    def _put(self, item) -> None:
+    def _put(self, item, outbox: list) -> None:
+        outbox.append((self, item))
+
+
+def _put_all(items: list) -> None:
+    """On the event loop: hand each (stream, item) to its stream's queue."""
+    for stream, item in items:
+        stream.queue.put_nowait((stream.request_id, item))
+
+
+def _send(outbox: list) -> None:
+    """Hand the items of one loop iteration over, one wake-up of each event loop (not one per item)."""
+    by_loop: dict = {}
+    for stream, item in outbox:
+        by_loop.setdefault(stream.loop, []).append((stream, item))
+    for loop, items in by_loop.items():
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.request_id, item))
+            loop.call_soon_threadsafe(_put_all, items)
         except RuntimeError:  # the event loop closed (server shutting down)
             pass
 
@@ -134,44 +149,50 @@ class EngineLoop:
                     return
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
+            outbox: list = []
             for s in adds:
-                self._admit(s)
+                self._admit(s, outbox)
             for rid in aborts:
                 if self._live.pop(rid, None) is not None:
                     engine.abort(rid)
-            if not engine.has_unfinished_requests():
-                continue
-            try:
-                outputs = engine.step()
-            except Exception:  # the engine aborted the step's requests; every other one goes on
-                log.exception("engine step failed")
-                for rid in [r for r in self._live if r not in engine.requests]:
-                    self._live.pop(rid)._put(StreamError("the engine failed while running this request", False))
-                continue
-            now = time.monotonic()
-            for out in outputs:
-                s = self._live.get(out.request_id)
-                if s is not None:
-                    self._deliver(s, out, now)
-            if self.metrics is not None:
-                self.metrics.after_step()
+            if engine.has_unfinished_requests():
+                self._step(outbox)
+            _send(outbox)
 
-    def _admit(self, s: RequestStream) -> None:
+    def _step(self, outbox: list) -> None:
+        engine = self.engine
+        try:
+            outputs = engine.step()
+        except Exception:  # the engine aborted the step's requests; every other one goes on
+            log.exception("engine step failed")
+            failed = StreamError("the engine failed while running this request", False)
+            for rid in [r for r in self._live if r not in engine.requests]:
+                self._live.pop(rid)._put(failed, outbox)
+            return
+        now = time.monotonic()
+        for out in outputs:
+            s = self._live.get(out.request_id)
+            if s is not None:
+                self._deliver(s, out, now, outbox)
+        if self.metrics is not None:
+            self.metrics.after_step()
+
+    def _admit(self, s: RequestStream, outbox: list) -> None:
         try:
             self.engine.add_request(s.prompt, s.params, request_id=s.request_id)
         except SparrowError as e:
-            s._put(StreamError(str(e), True))
+            s._put(StreamError(str(e), True), outbox)
             return
         except Exception:
             log.exception("adding request %s failed", s.request_id)
-            s._put(StreamError("the engine could not take this request", False))
+            s._put(StreamError("the engine could not take this request", False), outbox)
             return
         self._live[s.request_id] = s
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(s.prompt["prompt_token_ids"]))
             self.metrics.queue_time.observe(time.monotonic() - s.arrival)
 
-    def _deliver(self, s: RequestStream, out: RequestOutput, now: float) -> None:
+    def _deliver(self, s: RequestStream, out: RequestOutput, now: float, outbox: list) -> None:
         update = _snapshot(out)
         n = sum(len(d.token_ids) for d in update.deltas)
         m = self.metrics
@@ -186,7 +207,7 @@ class EngineLoop:
             s.num_generated += n
             if m is not None:
                 m.generation_tokens.inc(n)
-        s._put(update)
+        s._put(update, outbox)
         if out.finished:
             del self._live[s.request_id]
             s.finish_reasons = [c.finish_reason for c in out.outputs]
@@ -194,4 +215,4 @@ class EngineLoop:
                 m.e2e.observe(now - s.arrival)
                 for reason in s.finish_reasons:
                     m.finished(reason or "abort")
-            s._put(None)
+            s._put(None, outbox)
