@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 
 from fastapi import FastAPI, Request
@@ -22,7 +23,7 @@ import sparrow
 from sparrow.errors import SparrowError
 from sparrow.server.engine_loop import EngineLoop, StreamError
 from sparrow.server.metrics import ServerMetrics
-from sparrow.server.protocol import DetokenizeRequest, TokenizeRequest
+from sparrow.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from sparrow.server.routes import add_generation_routes
 from sparrow.server.serving import ApiError
 
@@ -30,14 +31,43 @@ log = logging.getLogger(__name__)
 access_log = logging.getLogger("sparrow.server.access")
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """(message, param) of pydantic's first error: the field's dotted path and what it must be."""
+_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+
+
+def _allowed_range(model, name: str) -> str | None:
+    """A field's declared bounds as an interval ('[0.0, 2.0]', '(0.0, 1.0]', '>= 1'), None without bounds."""
+    field = model.model_fields.get(name) if model is not None else None
+    if field is None:
+        return None
+    lo = hi = None
+    for m in field.metadata:
+        for attr, side in (("ge", "["), ("gt", "("), ("le", "]"), ("lt", ")")):
+            if getattr(m, attr, None) is not None:
+                if side in "[(":
+                    lo = (side, getattr(m, attr))
+                else:
+                    hi = (side, getattr(m, attr))
+    if lo and hi:
+        return f"{lo[0]}{lo[1]}, {hi[1]}{hi[0]}"
+    if lo:
+        return f"{'>=' if lo[0] == '[' else '>'} {lo[1]}"
+    if hi:
+        return f"{'<=' if hi[0] == ']' else '<'} {hi[1]}"
+    return None
+
+
+def _validation_message(exc: RequestValidationError, path: str) -> tuple[str, str | None]:
+    """(message, param) of pydantic's first error: the field's dotted path, what it must be, and the field's
+    allowed range when it declares one."""
     err = exc.errors()[0]
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     if err.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {err.get('msg')}", None
     param = ".".join(loc) or None
     msg = err.get("msg", "invalid value")
+    allowed = _allowed_range(_BODIES.get(path), loc[0]) if len(loc) == 1 else None
+    if allowed:
+        msg += f" (allowed: {allowed})"
     return (f"{param}: {msg}" if param else f"request body: {msg}"), param
 
 
@@ -145,11 +175,13 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
 
     @app.exception_handler(SparrowError)
     async def _sparrow_error(request, exc: SparrowError):
-        return JSONResponse(ApiError(400, " ".join(str(exc).split())).body(), status_code=400)
+        msg = " ".join(str(exc).split())
+        named = re.match(r"invalid SamplingParams\.(\w+)=", msg)  # SamplingParams names the field it refuses
+        return JSONResponse(ApiError(400, msg, named.group(1) if named else None).body(), status_code=400)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, exc: RequestValidationError):
-        msg, param = _validation_message(exc)
+        msg, param = _validation_message(exc, request.url.path)
         return JSONResponse(ApiError(400, msg, param).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

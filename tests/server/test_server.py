@@ -304,6 +304,20 @@ def test_bad_requests_give_4xx_and_server_answers(tiny_server, client):
     assert client.completions.create(model=MODEL_NAME, prompt="still here", max_tokens=3).usage.completion_tokens == 3
 
 
+def test_error_messages_name_field_and_range(tiny_server):
+    with httpx.Client(base_url=tiny_server.base_url, headers=AUTH, timeout=30) as http:
+        err = http.post("/completions", json={"prompt": "x", "temperature": 9}).json()["error"]
+        assert err["param"] == "temperature" and "allowed: [0.0, 2.0]" in err["message"]
+        err = http.post("/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                   "top_p": 0}).json()["error"]
+        assert err["param"] == "top_p" and "allowed: (0.0, 1.0]" in err["message"]
+        err = http.post("/completions", json={"prompt": "x", "min_tokens": 9, "max_tokens": 2}).json()["error"]
+        assert err["param"] == "min_tokens" and "max_tokens" in err["message"]
+        err = http.post("/completions", json={"prompt": "x" * 250, "max_tokens": 10}).json()["error"]
+        prompt_len = len(tiny_server.llm.tokenizer("x" * 250)["input_ids"])
+        assert err["param"] == "max_tokens" and f"{prompt_len} tokens" in err["message"] and "10 more" in err["message"]
+
+
 def test_fuzzed_bodies_never_5xx(tiny_server):
     """Random JSON values in every field (a bounded hypothesis run): always a 4xx or a 200, never a 5xx."""
     from hypothesis import HealthCheck, given, settings, strategies as st
