@@ -82,7 +82,7 @@ class LLM:
             raise InvalidRequestError("model is a built torch module: use LLM.from_model(model, ...) for it")
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise InvalidRequestError(f"model={model!r} must be a path (str) or None for the packaged default")
-        path = os.fspath(model) if model is not None else default_model_path()
+        path = os.fspath(model if model is not None else default_model_path())
         # every engine argument is checked against the model's config (read without the weights) before loading
         config = engine_config(
             read_model_config(path)[0], device=device, dtype=dtype, max_model_len=max_model_len,

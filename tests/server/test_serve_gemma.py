@@ -25,7 +25,7 @@ def gemma_server():
 
     llm = LLM(device="cpu", max_model_len=512, num_kv_blocks=64)
     refs = [o.outputs[0] for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))]
-    srv = start_server(llm, served_model_name="gemma")
+    srv = start_server(llm)  # no served name: the packaged model's path names it
     yield srv, refs
     stop_server(srv)
 
@@ -33,11 +33,13 @@ def gemma_server():
 def test_gemma_served_text_equals_generate(gemma_server):
     srv, refs = gemma_server
     client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0)
+    (model,) = [m.id for m in client.models.list().data]
+    assert model == srv.llm.model_path and model.endswith(".gguf")
     for prompt, ref in zip(PROMPTS, refs):
-        out = client.completions.create(model="gemma", prompt=prompt, max_tokens=12, temperature=0)
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
         assert out.choices[0].text == ref.text
         assert out.usage.completion_tokens == len(ref.token_ids)
-        stream = client.completions.create(model="gemma", prompt=prompt, max_tokens=12, temperature=0, stream=True)
+        stream = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in stream) == ref.text
         assert ref.text == srv.llm.tokenizer.decode(ref.token_ids, skip_special_tokens=True)
 
