@@ -13,7 +13,7 @@ from typing import Any
 
 from sparrow.devices import TORCH_DTYPES  # noqa: F401  (re-exported: EngineConfig.dtype name -> torch dtype)
 from sparrow.errors import InvalidRequestError, ModelLoadError
-from sparrow.loader.hf_config import check_gemma4, gemma4_layer_shape, moe_fields
+from sparrow.loader.hf_config import check_fields, check_gemma4, gemma4_layer_shape, moe_fields
 
 
 def _rope_for(cfg: dict, layer_type: str | None) -> dict:
@@ -168,14 +168,17 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
-        """Normalize an HF config.json dict. Raises UnsupportedArchitectureError / ModelLoadError."""
+        """Normalize an HF config.json dict. Raises UnsupportedArchitectureError / ModelLoadError (a value of
+        the wrong type or out of range names the field: ``sparrow.loader.hf_config.check_fields``)."""
         from sparrow.models.registry import resolve_architecture
 
+        check_fields(cfg)
         cfg = dict(cfg)
         if "text_config" in cfg and isinstance(cfg["text_config"], dict) and "hidden_size" not in cfg:
             text = dict(cfg["text_config"])
             text.setdefault("architectures", cfg.get("architectures"))
             text["_multimodal"] = True
+            check_fields(text)
             cfg = text
         arch = resolve_architecture(cfg)
         try:

@@ -154,6 +154,92 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: set[str] | None 
     return cfg
 
 
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+"""GGUF metadata value type -> bytes (gguf.md: uint8 .. float64; 8 = string, 9 = array are variable)."""
+
+
+def check_extents(path: Path) -> None:
+    """Walk a GGUF file's header (gguf.md: magic, version, tensor and KV counts, the KV pairs, the tensor
+    index) without decoding values, and check that the header and every tensor's data (offset + ggml size of
+    its dims, after the ``general.alignment``-aligned data start) lie inside the file. Raises ModelLoadError
+    naming the file, what is cut and where; a file that is not GGUF at all is left to the full parser."""
+    import mmap
+    import struct
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size < 24 or f.read(4) != b"GGUF":
+            return
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    pos = 4
+
+    def take(fmt: str):
+        nonlocal pos
+        n = struct.calcsize(fmt)
+        if pos + n > size:
+            raise ModelLoadError(f"GGUF file {path} is truncated: its header (metadata and tensor index) runs past "
+                                 f"the end of the file ({size} bytes)")
+        pos += n
+        return struct.unpack_from(fmt, buf, pos - n)
+
+    def skip_value(vtype: int) -> None:
+        nonlocal pos
+        if vtype == 8:
+            (n,) = take("<Q")
+            pos += n
+        elif vtype == 9:
+            etype, count = take("<IQ")
+            if etype in _SCALAR_SIZES:
+                pos += count * _SCALAR_SIZES[etype]
+            else:
+                for _ in range(count):
+                    skip_value(etype)
+        elif vtype in _SCALAR_SIZES:
+            pos += _SCALAR_SIZES[vtype]
+        else:
+            raise ModelLoadError(f"GGUF file {path} has a metadata value of unknown type {vtype} at byte {pos}")
+
+    try:
+        _version, n_tensors, n_kv = take("<IQQ")
+        alignment = 32
+        for _ in range(n_kv):
+            (n,) = take("<Q")
+            key = bytes(buf[pos:pos + n]).decode("utf-8", "replace")
+            pos += n
+            (vtype,) = take("<I")
+            if key == "general.alignment" and vtype == 4:
+                (alignment,) = take("<I")
+            else:
+                skip_value(vtype)
+        infos = []
+        for _ in range(n_tensors):
+            (n,) = take("<Q")
+            name = bytes(buf[pos:pos + n]).decode("utf-8", "replace")
+            pos += n
+            (n_dims,) = take("<I")
+            dims = take(f"<{n_dims}Q")
+            ttype, offset = take("<IQ")
+            infos.append((name, dims, ttype, offset))
+        take("<0s")  # the index itself ends inside the file
+        start = (pos + alignment - 1) // alignment * alignment
+        for name, dims, ttype, offset in infos:
+            try:
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+            except (ValueError, KeyError):
+                continue  # an unknown type: the dequantizer names it
+            count = 1
+            for d in dims:
+                count *= d
+            end = start + offset + count // block * type_size
+            if end > size:
+                raise ModelLoadError(f"GGUF file {path} is truncated: tensor {name!r} data ends at byte {end}, "
+                                     f"file has {size}")
+    finally:
+        buf.close()
+
+
 @dataclass
 class TensorInfo:
     """Where one tensor's bytes lie in the file."""
@@ -190,6 +276,7 @@ class GGUFCheckpoint:
             except (OSError, json.JSONDecodeError):
                 index = None
         if index is None:
+            check_extents(self.path)  # a truncated file is named in a second, not after parsing it all
             index = self._parse()
             try:
                 cache.parent.mkdir(parents=True, exist_ok=True)
