@@ -29,7 +29,7 @@ def _int_at_least(low: int):
 _positive_int = _int_at_least(1)
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, kv_cache: bool = True) -> None:
     from sparrow.config import DEFAULT_MAX_MODEL_LEN_CAP, CacheConfig, EngineConfig  # the defaults are the config's
 
     p.add_argument("--model", default=None,
@@ -41,9 +41,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=_int_at_least(2), default=EngineConfig.max_model_len,
                    help=f"longest prompt + output in tokens, at least 2 (default: the model's, at most "
                         f"{DEFAULT_MAX_MODEL_LEN_CAP})")
-    p.add_argument("--num-kv-blocks", type=_positive_int, default=CacheConfig.num_blocks,
-                   help=f"KV cache size in blocks of {CacheConfig.block_size} tokens (default: what max-model-len "
-                        "x the request's completions need, up to 1 GiB on CPU; free memory on GPU)")
+    if kv_cache:
+        p.add_argument("--num-kv-blocks", type=_positive_int, default=CacheConfig.num_blocks,
+                       help=f"KV cache size in blocks of {CacheConfig.block_size} tokens (default: what "
+                            "max-model-len x the request's completions need, up to 1 GiB on CPU; free memory on GPU)")
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="CPU threads of torch's ops (default: OMP_NUM_THREADS when set, else 1 on a machine with "
                         "<= 2 cores, else half the cores)")
@@ -70,7 +71,9 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, full: bool =
                    + " (default 1 = off)")
     p.add_argument("--presence-penalty", type=float, default=0.0, help=doc.get("presence_penalty", ""))
     p.add_argument("--frequency-penalty", type=float, default=0.0, help=doc.get("frequency_penalty", ""))
-    p.add_argument("--seed", type=int, default=None, help=doc.get("seed", "") + " (default: unseeded)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the request's own random generator (fp32: the same tokens whatever the batch; "
+                        "bf16: see SamplingParams.seed; default: unseeded)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help=doc.get("stop", "") + " (repeat for several)")
     p.add_argument("--min-tokens", type=int, default=0, help=doc.get("min_tokens", ""))
@@ -289,8 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(c)
     _add_sampling_args(c, 512)
     c.set_defaults(func=cmd_chat)
-    b = sub.add_parser("bench", parents=[verbose], help="prefill / decode tok/s of sparrow and of HF transformers on the same weights")
-    _add_model_args(b)
+    b = sub.add_parser("bench", parents=[verbose],
+                       help="prefill / decode tok/s of sparrow and of HF transformers on the same weights")
+    _add_model_args(b, kv_cache=False)
     b.add_argument("--batch-sizes", default=None, help="comma-separated batch sizes (default 1,8,64 on GPU, 1,8 on CPU)")
     b.add_argument("--prompt-len", "--prompt-lens", dest="prompt_len", default=None,
                    help="comma-separated prompt lengths in tokens (default 128,2048 on GPU, 128 on CPU)")
