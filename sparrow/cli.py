@@ -46,8 +46,9 @@ def _add_model_args(p: argparse.ArgumentParser, kv_cache: bool = True) -> None:
                        help=f"KV cache size in blocks of {CacheConfig.block_size} tokens (default: what "
                             "max-model-len x the request's completions need, up to 1 GiB on CPU; free memory on GPU)")
     p.add_argument("--threads", type=_positive_int, default=None,
-                   help="CPU threads of torch's ops (default: OMP_NUM_THREADS when set, else 1 on a machine with "
-                        "<= 2 cores, else half the cores)")
+                   help="CPU threads of torch's ops (generate, chat: default 1 on a machine with <= 2 cores, else "
+                        "half the cores, whatever OMP_NUM_THREADS says; bench: default torch's, i.e. "
+                        "OMP_NUM_THREADS or the cores)")
     from sparrow.quant import get_quantization, supported_quantization
 
     names = supported_quantization()
@@ -327,10 +328,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    if getattr(args, "threads", None) is not None or "OMP_NUM_THREADS" not in os.environ:
+    threads = getattr(args, "threads", None)
+    if threads is not None or args.command in ("generate", "chat"):  # bench keeps torch's count unless told
         import torch
 
-        torch.set_num_threads(getattr(args, "threads", None) or default_threads())
+        torch.set_num_threads(threads or default_threads())
     try:
         return args.func(args)
     except SparrowError as e:
