@@ -118,10 +118,14 @@ def _llm(args):
               num_kv_blocks=args.num_kv_blocks, max_num_seqs=max(1, getattr(args, "n", 1)))
     # max_num_seqs = the completions of one request: the CPU KV pool is sized to them, not to 64 sequences
     if status:
-        c = llm.config
+        from sparrow.engine.model_runner import kv_bytes_per_token
+
+        c, runner = llm.config, llm.engine.runner
+        tokens = runner.num_blocks * c.cache.block_size
+        weights = sum(p.numel() * p.element_size() for p in runner.model.parameters()) / 2**20
         print(f"sparrow: loaded {c.model.architecture} in {llm.load_time:.1f} s ({c.device}, {c.dtype}, "
-              f"max_model_len {c.max_model_len}, KV cache {llm.engine.runner.num_blocks * c.cache.block_size} "
-              "tokens)", file=sys.stderr, flush=True)
+              f"max_model_len {c.max_model_len}; weights {weights:.0f} MiB, KV cache {tokens} tokens = "
+              f"{tokens * kv_bytes_per_token(runner.model, runner.dtype) / 2**20:.0f} MiB)", file=sys.stderr, flush=True)
     return llm
 
 
