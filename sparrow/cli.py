@@ -110,7 +110,9 @@ def _llm(args):
     from sparrow.engine.llm import LLM
 
     status = sys.stderr.isatty() or args.verbose  # a status line for people, not for pipes and tests
-    if status:
+    if status:  # and the loader's first-use steps (GGUF index, tokenizer conversion: tens of seconds)
+        for name in ("sparrow.loader.gguf", "sparrow.tokenizer", "sparrow.default_model"):
+            logging.getLogger(name).setLevel(logging.INFO)
         print(f"sparrow: loading {args.model or 'the packaged default model'} "
               f"({torch.get_num_threads()} CPU threads) ...", file=sys.stderr, flush=True)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -125,7 +127,8 @@ def _llm(args):
         weights = sum(p.numel() * p.element_size() for p in runner.model.parameters()) / 2**20
         print(f"sparrow: loaded {c.model.architecture} in {llm.load_time:.1f} s ({c.device}, {c.dtype}, "
               f"max_model_len {c.max_model_len}; weights {weights:.0f} MiB, KV cache {tokens} tokens = "
-              f"{tokens * kv_bytes_per_token(runner.model, runner.dtype) / 2**20:.0f} MiB)", file=sys.stderr, flush=True)
+              f"{tokens * kv_bytes_per_token(runner.model, runner.dtype) / 2**20:.0f} MiB)",
+              file=sys.stderr, flush=True)
     return llm
 
 

@@ -35,6 +35,7 @@ def load_tokenizer(path: str | Path):
             cached = cache_dir("tokenizers", f"{path.stem}-{file_key(path)}")
             if (cached / "tokenizer_config.json").is_file():
                 return AutoTokenizer.from_pretrained(str(cached))
+            log.info("building the tokenizer from %s's vocabulary (first use only; cached in %s)", path.name, cached)
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
             try:
                 tok.save_pretrained(str(cached))

@@ -277,6 +277,7 @@ class GGUFCheckpoint:
                 index = None
         if index is None:
             check_extents(self.path)  # a truncated file is named in a second, not after parsing it all
+            log.info("reading the metadata of %s (first use only; its index is cached in %s)", self.path.name, cache)
             index = self._parse()
             try:
                 cache.parent.mkdir(parents=True, exist_ok=True)
