@@ -218,3 +218,20 @@ def test_ctrl_c_in_generate_ends_the_output_line(tiny_text_model_dir):
         proc.kill()
     assert first and proc.returncode == 130 and "Traceback" not in err, err
     assert (first + out).endswith("\n")
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("llama.attention.head_count", 0, "llama.attention.head_count=0"),  # was ZeroDivisionError
+    ("llama.rope.freq_base", "x", "llama.rope.freq_base='x'"),  # was ValueError from float()
+    ("llama.rope.freq_base", -1.0, "llama.rope.freq_base=-1.0"),  # was accepted
+    ("llama.context_length", 2048.5, "llama.context_length=2048.5"),
+])
+def test_gguf_metadata_of_the_wrong_type_or_range(key, value, needle):
+    from sparrow.config import ModelConfig
+    from sparrow.loader.gguf import GGUFCheckpoint
+
+    ckpt = GGUFCheckpoint(smollm2_gguf())
+    with pytest.raises(ModelLoadError) as info:
+        ModelConfig.from_gguf({**ckpt.metadata, key: value}, ckpt.tensor_names)
+    assert_one_line(str(info.value))
+    assert needle in str(info.value), str(info.value)

@@ -90,7 +90,7 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: set[str] | None 
     - value head dim: attention.value_length, when present, must equal head_dim.
 
     Raises UnsupportedArchitectureError for an architecture outside GGUF_ARCHITECTURES, ModelLoadError for
-    missing shape keys or refused values (each named)."""
+    missing shape keys, a numeric key that is not a positive number, or refused values (each named)."""
     arch = metadata.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedArchitectureError(
@@ -99,33 +99,43 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: set[str] | None 
     def m(key: str, default: Any = None) -> Any:
         return metadata.get(f"{arch}.{key}", default)
 
-    try:
-        hidden, n_heads, n_layers = int(m("embedding_length")), int(m("attention.head_count")), int(m("block_count"))
-    except TypeError:
+    def num(key: str, default: Any = None, kind: type = int) -> Any:
+        """``{arch}.key`` as ``kind``; ModelLoadError naming the key for a value that is not a number >= 1
+        (a float key: > 0)."""
+        v = m(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)) \
+                or (v < 1 if kind is int else not v > 0):
+            raise ModelLoadError(f"GGUF metadata has {arch}.{key}={v!r}; it must be a "
+                                 f"{'positive integer' if kind is int else 'positive number'}")
+        return kind(v)
+
+    if any(m(k) is None for k in ("embedding_length", "attention.head_count", "block_count")):
         raise ModelLoadError(f"GGUF metadata lacks the {arch} shape keys (embedding_length, attention.head_count, "
-                             "block_count)") from None
-    vocab = (m("vocab_size") or metadata.get("tokenizer.ggml.tokens.length")
+                             "block_count)")
+    hidden, n_heads, n_layers = num("embedding_length"), num("attention.head_count"), num("block_count")
+    vocab = ((num("vocab_size") if m("vocab_size") is not None else None)
+             or metadata.get("tokenizer.ggml.tokens.length")
              or len(metadata.get("tokenizer.ggml.tokens", [])) or None)
     if vocab is None:
         raise ModelLoadError("GGUF metadata gives no vocab size (no vocab_size, no tokenizer.ggml.tokens)")
-    head_dim = int(m("attention.key_length", hidden // n_heads))
+    head_dim = num("attention.key_length", hidden // n_heads)
     for key in ("attention.value_length", "rope.dimension_count"):
-        if m(key) is not None and int(m(key)) != head_dim:
+        if m(key) is not None and num(key) != head_dim:
             raise ModelLoadError(f"GGUF metadata has {arch}.{key}={m(key)} for head_dim {head_dim}; sparrow "
                                  "needs them equal")
     cfg: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": {"gemma3": "gemma3_text"}.get(arch, arch),
         "hidden_size": hidden,
-        "intermediate_size": int(m("feed_forward_length", 0)),
+        "intermediate_size": num("feed_forward_length", 1) if m("feed_forward_length") else 0,
         "num_hidden_layers": n_layers,
         "num_attention_heads": n_heads,
-        "num_key_value_heads": int(m("attention.head_count_kv", n_heads)),
+        "num_key_value_heads": num("attention.head_count_kv", n_heads),
         "head_dim": head_dim,
-        "rms_norm_eps": float(m("attention.layer_norm_rms_epsilon", 1e-6)),
-        "max_position_embeddings": int(m("context_length", 4096)),
+        "rms_norm_eps": num("attention.layer_norm_rms_epsilon", 1e-6, float),
+        "max_position_embeddings": num("context_length", 4096),
         "vocab_size": int(vocab),
-        "rope_theta": float(m("rope.freq_base", 10000.0)),
+        "rope_theta": num("rope.freq_base", 10000.0, float),
         "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
         "hidden_act": "gelu_pytorch_tanh" if arch == "gemma3" else "silu",
@@ -139,15 +149,15 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: set[str] | None 
                                  "by size)")
         cfg.update(
             query_pre_attn_scalar=hidden // n_heads if n_layers == GEMMA3_27B_BLOCKS else head_dim,
-            sliding_window=int(m("attention.sliding_window")),
+            sliding_window=num("attention.sliding_window"),
             sliding_window_pattern=6,
             rope_local_base_freq=10000.0,
         )
     elif arch == "mistral" and m("attention.sliding_window") is not None:
-        cfg["sliding_window"] = int(m("attention.sliding_window"))
+        cfg["sliding_window"] = num("attention.sliding_window")
     scaling = m("rope.scaling.type")
     if scaling == "linear":
-        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(m("rope.scaling.factor", 1.0))}
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": num("rope.scaling.factor", 1.0, float)}
     elif scaling not in (None, "none"):
         raise ModelLoadError(f"GGUF metadata has {arch}.rope.scaling.type={scaling!r}; sparrow supports 'linear' "
                              "and 'none'")
