@@ -335,10 +335,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    threads = getattr(args, "threads", None)
-    if threads is not None or args.command in ("generate", "chat"):  # bench keeps torch's count unless told
-        import torch
+    import torch
 
+    threads, before = getattr(args, "threads", None), torch.get_num_threads()
+    if threads is not None or args.command in ("generate", "chat"):  # bench keeps torch's count unless told
         torch.set_num_threads(threads or default_threads())
     try:
         return args.func(args)
@@ -353,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError, AttributeError):  # no descriptor (stdout replaced in-process)
             pass
         return 1
+    finally:
+        torch.set_num_threads(before)  # a caller in this process (tests) keeps its own count
 
 
 if __name__ == "__main__":

@@ -235,3 +235,15 @@ def test_gguf_metadata_of_the_wrong_type_or_range(key, value, needle):
         ModelConfig.from_gguf({**ckpt.metadata, key: value}, ckpt.tensor_names)
     assert_one_line(str(info.value))
     assert needle in str(info.value), str(info.value)
+
+
+def test_main_in_process_restores_the_thread_count(tiny_text_model_dir, capsys):
+    """--threads applies to the command only: a caller of main() in this process keeps its torch thread count."""
+    import torch
+
+    from sparrow.cli import main
+
+    before = torch.get_num_threads()
+    assert main(["generate", "hi", "--model", str(tiny_text_model_dir), "--device", "cpu", "--max-tokens", "2",
+                 "--threads", "3"]) == 0
+    assert torch.get_num_threads() == before
