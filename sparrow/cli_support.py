@@ -25,7 +25,7 @@ def field_docs(cls) -> dict[str, str]:
 
 
 def default_threads() -> int:
-    """CPU threads for torch's ops when neither --threads nor OMP_NUM_THREADS is given: 1 on a machine with
+    """CPU threads for torch's ops in generate and chat when --threads is not given: 1 on a machine with
     at most 2 cores (one busy core then stalls every step of a 2-thread decode: seconds instead of tens of
     ms), else half the cores this process may use (room for other load; decode is memory-bound)."""
     try:
