@@ -181,14 +181,18 @@ def test_prompt_from_stdin_and_file_with_flags_after_the_subcommand(tiny_text_mo
     assert stats.startswith("sparrow: prompt 5 tokens, generated 6 tokens, TTFT"), by_file.stderr
 
 
-def test_ctrl_c_stops_the_reply_and_the_chat_reads_on(tiny_text_model_dir):
+def interrupted_args() -> list[str]:
+    """A reply that runs for minutes on a CPU (SmolLM2: tens of tok/s), so the SIGINT surely lands inside it."""
+    return ["--model", str(smollm2_gguf()), "--device", "cpu", "--max-tokens", "2000", "--ignore-eos",
+            "--max-model-len", "2048", "--threads", "1"]
+
+
+def test_ctrl_c_stops_the_reply_and_the_chat_reads_on():
     """SIGINT during a reply: that reply stops, the chat prompts again and answers the next line (was exit 130,
     the conversation lost)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.Popen([sys.executable, "-m", "sparrow", "chat", "--model", str(tiny_text_model_dir), "--device",
-                             "cpu", "--dtype", "float32", "--max-tokens", "100000", "--ignore-eos", "--max-model-len",
-                             "512"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=str(REPO_ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "sparrow", "chat", *interrupted_args()], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(REPO_ROOT))
     try:
         assert proc.stderr.readline().startswith("sparrow chat:")  # loaded; the first prompt follows
         proc.stdin.write("hi\n")
@@ -203,12 +207,11 @@ def test_ctrl_c_stops_the_reply_and_the_chat_reads_on(tiny_text_model_dir):
     assert first.startswith("> ") and (first + out).count("> ") == 2, first + out  # prompted again after it
 
 
-def test_ctrl_c_in_generate_ends_the_output_line(tiny_text_model_dir):
+def test_ctrl_c_in_generate_ends_the_output_line():
     """SIGINT while generate streams: exit 130, and stdout ends with a newline so the shell prompt starts on
     its own line."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.Popen([sys.executable, "-m", "sparrow", "generate", "hello", "--model", str(tiny_text_model_dir),
-                             "--device", "cpu", "--dtype", "float32", "--max-tokens", "100000", "--ignore-eos"],
+    proc = subprocess.Popen([sys.executable, "-m", "sparrow", "generate", "Once upon a time", *interrupted_args()],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(REPO_ROOT))
     try:
         first = proc.stdout.read(1)  # streaming has begun
