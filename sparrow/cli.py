@@ -9,22 +9,28 @@ import logging
 import os
 import sys
 
+from sparrow.cli_support import chat_model, default_threads, field_docs, line_editing, stats_line
 from sparrow.errors import SparrowError
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (the error names the value)."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return n
+def _int_at_least(low: int):
+    """argparse type: an integer >= ``low`` (the error names the value)."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = low - 1
+        if n < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        return n
+    return parse
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    from sparrow.config import DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig  # the defaults are the config's
+_positive_int = _int_at_least(1)
+
+
+def _add_model_args(p: argparse.ArgumentParser, kv_cache: bool = True) -> None:
+    from sparrow.config import DEFAULT_MAX_MODEL_LEN_CAP, CacheConfig, EngineConfig  # the defaults are the config's
 
     p.add_argument("--model", default=None,
                    help="HF checkpoint folder or .gguf file (default: the packaged Gemma 3 270M Q4_K_M)")
@@ -32,9 +38,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=EngineConfig.dtype,
                    help=f"auto | float32 | bfloat16 | float16 (default: {EngineConfig.dtype}; auto: bf16 on GPU and on "
                         "CPUs with native bf16, else fp32)")
-    p.add_argument("--max-model-len", type=int, default=EngineConfig.max_model_len,
-                   help=f"longest prompt + output in tokens (default: the model's, at most "
+    p.add_argument("--max-model-len", type=_int_at_least(2), default=EngineConfig.max_model_len,
+                   help=f"longest prompt + output in tokens, at least 2 (default: the model's, at most "
                         f"{DEFAULT_MAX_MODEL_LEN_CAP})")
+    if kv_cache:
+        p.add_argument("--num-kv-blocks", type=_positive_int, default=CacheConfig.num_blocks,
+                       help=f"KV cache size in blocks of {CacheConfig.block_size} tokens (default: what "
+                            "max-model-len x the request's completions need, up to 1 GiB on CPU; free memory on GPU)")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="CPU threads of torch's ops (generate, chat: default 1 on a machine with <= 2 cores, else "
+                        "half the cores, whatever OMP_NUM_THREADS says; bench: default torch's, i.e. "
+                        "OMP_NUM_THREADS or the cores)")
     from sparrow.quant import get_quantization, supported_quantization
 
     names = supported_quantization()
@@ -45,53 +59,146 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "format too (FP8: half its bytes; rounds the logits)")
 
 
-def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, full: bool = False) -> None:
+    from sparrow.sampling_params import SamplingParams
+
+    doc = field_docs(SamplingParams)
     p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default {max_tokens})")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = disabled")
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0, help="softmax temperature; 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help=doc.get("top_p", "") + " (default 1)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = disabled (default)")
+    p.add_argument("--min-p", type=float, default=0.0, help=doc.get("min_p", "") + " (default 0)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help=doc.get("repetition_penalty", "")
+                   + " (default 1 = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help=doc.get("presence_penalty", ""))
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help=doc.get("frequency_penalty", ""))
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the request's own random generator (fp32: the same tokens whatever the batch; "
+                        "bf16: see SamplingParams.seed; default: unseeded)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help=doc.get("stop", "") + " (repeat for several)")
+    p.add_argument("--min-tokens", type=int, default=0, help=doc.get("min_tokens", ""))
+    p.add_argument("--ignore-eos", action="store_true", help=doc.get("ignore_eos", ""))
+    if full:
+        p.add_argument("--n", type=int, default=1, help=doc.get("n", "") + " (printed one after another)")
+        p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                       help="print each generated token's log-probability and the K most likely tokens (to stderr)")
 
 
 def _sampling(args):
+    """SamplingParams from the flags; a bad value is reported under its flag's name (--max-tokens=0 ...)."""
+    import re
+
+    from sparrow.errors import InvalidRequestError
     from sparrow.sampling_params import SamplingParams
 
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          repetition_penalty=args.repetition_penalty, seed=args.seed, max_tokens=args.max_tokens)
+    try:
+        return SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
+            stop=args.stop, min_tokens=args.min_tokens, ignore_eos=args.ignore_eos, n=getattr(args, "n", 1),
+            logprobs=getattr(args, "logprobs", None))
+    except InvalidRequestError as e:
+        raise InvalidRequestError(re.sub(r"SamplingParams\.(\w+)=", lambda m: f"--{m[1].replace('_', '-')}=",
+                                         str(e))) from None
 
 
 def _llm(args):
+    import torch
+
     from sparrow.engine.llm import LLM
 
-    return LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-               quantization=args.quantization, quantize_lm_head=args.quantize_lm_head)
+    status = sys.stderr.isatty() or args.verbose  # a status line for people, not for pipes and tests
+    if status:  # and the loader's first-use steps (GGUF index, tokenizer conversion: tens of seconds)
+        for name in ("sparrow.loader.gguf", "sparrow.tokenizer", "sparrow.default_model"):
+            logging.getLogger(name).setLevel(logging.INFO)
+        print(f"sparrow: loading {args.model or 'the packaged default model'} "
+              f"({torch.get_num_threads()} CPU threads) ...", file=sys.stderr, flush=True)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+              quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
+              num_kv_blocks=args.num_kv_blocks, max_num_seqs=max(1, getattr(args, "n", 1)))
+    # max_num_seqs = the completions of one request: the CPU KV pool is sized to them, not to 64 sequences
+    if status:
+        from sparrow.engine.model_runner import kv_bytes_per_token
+
+        c, runner = llm.config, llm.engine.runner
+        tokens = runner.num_blocks * c.cache.block_size
+        weights = sum(p.numel() * p.element_size() for p in runner.model.parameters()) / 2**20
+        print(f"sparrow: loaded {c.model.architecture} in {llm.load_time:.1f} s ({c.device}, {c.dtype}, "
+              f"max_model_len {c.max_model_len}; weights {weights:.0f} MiB, KV cache {tokens} tokens = "
+              f"{tokens * kv_bytes_per_token(runner.model, runner.dtype) / 2**20:.0f} MiB)",
+              file=sys.stderr, flush=True)
+    return llm
+
+
+def _chat_prompt(llm, messages: list[dict]) -> str:
+    """The rendered conversation; without a chat template the error says which packaged model can chat."""
+    from sparrow.errors import InvalidRequestError
+    from sparrow.tokenizer import apply_chat_template
+
+    if llm.tokenizer is not None and not getattr(llm.tokenizer, "chat_template", None):
+        raise InvalidRequestError(f"{llm.model_path or 'this model'} has no chat template (the packaged default "
+                                  f"Gemma 3 270M is a base model): use an instruct model, e.g. {chat_model()}, "
+                                  "or a plain prompt (sparrow generate without --chat)")
+    return apply_chat_template(llm.tokenizer, messages)
+
+
+def _read_prompt(args) -> str:
+    from sparrow.errors import InvalidRequestError
+
+    if args.file is not None:
+        if args.prompt is not None:
+            raise InvalidRequestError("give a prompt or --file, not both")
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidRequestError(f"cannot read the prompt file {args.file}: {e}") from None
+    if args.prompt is None:
+        raise InvalidRequestError("no prompt: give one, '-' to read stdin, or --file PATH")
+    return sys.stdin.read() if args.prompt == "-" else args.prompt
 
 
 def cmd_generate(args) -> int:
-    from sparrow.tokenizer import apply_chat_template
-
     from sparrow.errors import InvalidRequestError
 
     params = _sampling(args)  # validate before the slow model load
-    if args.prompt == "":
+    prompt = _read_prompt(args)
+    if prompt == "":
         raise InvalidRequestError("empty prompt: give at least one character or token")
     llm = _llm(args)
-    prompt = args.prompt
-    if args.chat:
-        prompt = apply_chat_template(llm.tokenizer, [{"role": "user", "content": prompt}])
-    for piece in llm.stream(prompt, params):
-        sys.stdout.write(piece)
+    if args.chat or args.system:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        prompt = _chat_prompt(llm, [*messages, {"role": "user", "content": prompt}])
+    try:
+        if params.n == 1 and params.logprobs is None:
+            for piece in llm.stream(prompt, params):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            out = llm.last_output
+            sys.stdout.write("\n")
+        else:
+            out = llm.generate(prompt, params)[0]
+            for comp in out.outputs:
+                if params.n > 1:
+                    sys.stdout.write(f"--- completion {comp.index}\n")
+                sys.stdout.write(comp.text + "\n")
+                for tid, lps in zip(comp.token_ids, comp.logprobs or []):
+                    alts = ", ".join(f"{lp.decoded_token!r} {lp.logprob:.3f}" for t, lp in lps.items() if t != tid)
+                    print(f"{lps[tid].decoded_token!r}\t{lps[tid].logprob:.4f}\t[{alts}]", file=sys.stderr)
+    except KeyboardInterrupt:
+        sys.stdout.write("\n")  # the shell prompt starts on its own line
         sys.stdout.flush()
-    sys.stdout.write("\n")
+        raise
     sys.stdout.flush()  # here, not at exit, so a closed pipe is reported by main
+    if out is not None:
+        print(stats_line(out, llm.load_time), file=sys.stderr)
     return 0
 
 
 def cmd_chat(args) -> int:
     from sparrow.errors import InvalidRequestError
-    from sparrow.tokenizer import apply_chat_template
 
     params = _sampling(args)
     llm = _llm(args)
@@ -99,15 +206,21 @@ def cmd_chat(args) -> int:
     if args.system:
         messages.append({"role": "system", "content": args.system})
     # fail early (exit 2) without a template, or with one that refuses the system message
-    apply_chat_template(llm.tokenizer, [*messages, {"role": "user", "content": "hi"}])
-    print("sparrow chat: type a message, /reset to start over, /exit or Ctrl-D to quit", file=sys.stderr)
+    _chat_prompt(llm, [*messages, {"role": "user", "content": "hi"}])
+    if sys.stdin.isatty():
+        line_editing()
+    print("sparrow chat: type a message, /reset to start over, /exit or Ctrl-D to quit; Ctrl-C stops a reply",
+          file=sys.stderr)
     while True:
         try:
             line = input("> ")
         except EOFError:
             print(file=sys.stderr)
             return 0
-        if line.strip() in ("/exit", "/quit"):
+        except KeyboardInterrupt:  # at the prompt: a fresh line, as a shell does
+            print("\n(/exit or Ctrl-D to quit)", file=sys.stderr)
+            continue
+        if line.strip() in ("/exit", "/quit", "/bye"):
             return 0
         if line.strip() == "/reset":
             messages = messages[:1] if args.system else []
@@ -116,8 +229,10 @@ def cmd_chat(args) -> int:
             continue
         messages.append({"role": "user", "content": line})
         reply = []
+        stream = None
         try:
-            for piece in llm.stream(apply_chat_template(llm.tokenizer, messages), params):
+            stream = llm.stream(_chat_prompt(llm, messages), params)
+            for piece in stream:
                 reply.append(piece)
                 sys.stdout.write(piece)
                 sys.stdout.flush()
@@ -125,8 +240,18 @@ def cmd_chat(args) -> int:
             messages.pop()
             print(f"sparrow: error: {' '.join(str(e).split())} (/reset starts a new conversation)", file=sys.stderr)
             continue
+        except KeyboardInterrupt:  # stop this reply only (llama.cpp, Ollama); the turn is dropped
+            if stream is not None:
+                stream.close()  # aborts the request, freeing its KV blocks
+            messages.pop()
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            print("(reply stopped; the turn is dropped)", file=sys.stderr)
+            continue
         sys.stdout.write("\n")
         messages.append({"role": "assistant", "content": "".join(reply)})
+        if args.verbose and llm.last_output is not None:
+            print(stats_line(llm.last_output, None), file=sys.stderr)
 
 
 def cmd_serve(args) -> int:
@@ -149,33 +274,41 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from sparrow import __version__
+
     parser = _Parser(prog="sparrow", description="sparrow: an LLM inference engine for MoE models")
     parser.add_argument("-v", "--verbose", action="store_true", help="log loading and engine details")
-    sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="stream the continuation of a prompt to stdout")
-    g.add_argument("prompt")
+    parser.add_argument("--version", action="version", version=f"sparrow {__version__}")
+    verbose = _Parser(add_help=False)  # -v after the subcommand too; SUPPRESS keeps one given before it
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                         help="log loading and engine details")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    g = sub.add_parser("generate", parents=[verbose], help="stream the continuation of a prompt to stdout")
+    g.add_argument("prompt", nargs="?", default=None, help="the prompt text; '-' reads it from stdin")
+    g.add_argument("--file", "-f", default=None, metavar="PATH", help="read the prompt from this file")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--system", default=None, help="system message (implies --chat)")
     _add_model_args(g)
-    _add_sampling_args(g, 128)
+    _add_sampling_args(g, 128, full=True)
     g.set_defaults(func=cmd_generate)
-    c = sub.add_parser("chat", help="interactive conversation using the model's chat template")
+    c = sub.add_parser("chat", parents=[verbose], help="interactive conversation using the model's chat template")
     c.add_argument("--system", default=None, help="system message")
     _add_model_args(c)
     _add_sampling_args(c, 512)
     c.set_defaults(func=cmd_chat)
-    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    s = sub.add_parser("serve", parents=[verbose],
+                       help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=_positive_int, default=8000, help="port (default 8000)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     s.add_argument("--served-model-name", default=None, help="the model's name in the API (default: its path)")
     s.add_argument("--max-num-seqs", type=_positive_int, default=None, help="most sequences in one batch")
-    s.add_argument("--num-kv-blocks", type=_positive_int, default=None,
-                   help="KV-cache blocks (default: sized from free memory)")
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     s.set_defaults(func=cmd_serve)
-    b = sub.add_parser("bench", help="prefill / decode tok/s of sparrow and of HF transformers on the same weights")
-    _add_model_args(b)
+    b = sub.add_parser("bench", parents=[verbose],
+                       help="prefill / decode tok/s of sparrow and of HF transformers on the same weights")
+    _add_model_args(b, kv_cache=False)
     b.add_argument("--batch-sizes", default=None, help="comma-separated batch sizes (default 1,8,64 on GPU, 1,8 on CPU)")
     b.add_argument("--prompt-len", "--prompt-lens", dest="prompt_len", default=None,
                    help="comma-separated prompt lengths in tokens (default 128,2048 on GPU, 128 on CPU)")
@@ -202,8 +335,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # bare `sparrow`: the help, as git and ollama print it
+        parser.print_help()
+        return 0
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    import torch
+
+    threads, before = getattr(args, "threads", None), torch.get_num_threads()
+    if threads is not None or args.command in ("generate", "chat"):  # bench keeps torch's count unless told
+        torch.set_num_threads(threads or default_threads())
     try:
         return args.func(args)
     except SparrowError as e:
@@ -217,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError, AttributeError):  # no descriptor (stdout replaced in-process)
             pass
         return 1
+    finally:
+        torch.set_num_threads(before)  # a caller in this process (tests) keeps its own count
 
 
 if __name__ == "__main__":

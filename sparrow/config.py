@@ -13,7 +13,7 @@ from typing import Any
 
 from sparrow.devices import TORCH_DTYPES  # noqa: F401  (re-exported: EngineConfig.dtype name -> torch dtype)
 from sparrow.errors import InvalidRequestError, ModelLoadError
-from sparrow.loader.hf_config import check_gemma4, gemma4_layer_shape, moe_fields
+from sparrow.loader.hf_config import check_fields, check_gemma4, gemma4_layer_shape, moe_fields
 
 
 def _rope_for(cfg: dict, layer_type: str | None) -> dict:
@@ -167,15 +167,18 @@ class ModelConfig:
         return self.raw.get(key, default)
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "ModelConfig":
-        """Normalize an HF config.json dict. Raises UnsupportedArchitectureError / ModelLoadError."""
+    def from_hf(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
+        """Normalize an HF config.json dict. Raises UnsupportedArchitectureError / ModelLoadError (a value of
+        the wrong type or out of range names ``source`` and the field: ``sparrow.loader.hf_config.check_fields``)."""
         from sparrow.models.registry import resolve_architecture
 
+        check_fields(cfg, source)
         cfg = dict(cfg)
         if "text_config" in cfg and isinstance(cfg["text_config"], dict) and "hidden_size" not in cfg:
             text = dict(cfg["text_config"])
             text.setdefault("architectures", cfg.get("architectures"))
             text["_multimodal"] = True
+            check_fields(text, f"{source} text_config")
             cfg = text
         arch = resolve_architecture(cfg)
         try:
@@ -274,7 +277,7 @@ class ModelConfig:
         each field the metadata lacks), then ``from_hf``. Raises UnsupportedArchitectureError / ModelLoadError."""
         from sparrow.loader.gguf import hf_config_from_gguf
 
-        return cls.from_hf(hf_config_from_gguf(metadata, tensor_names))
+        return cls.from_hf(hf_config_from_gguf(metadata, tensor_names), source="the GGUF metadata (as HF fields)")
 
 
 def _check_int(name: str, value: Any, minimum: int = 1) -> None:

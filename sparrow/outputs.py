@@ -32,8 +32,24 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When a request passed each stage (vLLM's ``RequestMetrics`` names): seconds of ``time.time()``, set by
+    the engine. TTFT = first_token_time - arrival_time; decode tok/s = (tokens - 1) / (last_token_time -
+    first_token_time)."""
+
+    arrival_time: float
+    """When ``add_request`` queued it."""
+    first_token_time: float | None = None
+    """When the step that produced its first output token finished."""
+    last_token_time: float | None = None
+    """When the step that produced its latest output token finished."""
+    finished_time: float | None = None
+    """When it finished (None while running)."""
+
+
+@dataclass
 class RequestOutput:
-    """Everything generated for one prompt."""
+    """Everything generated for one prompt; ``metrics`` holds its timestamps (RequestMetrics)."""
 
     request_id: str
     prompt: str | None
@@ -41,3 +57,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    metrics: RequestMetrics | None = None

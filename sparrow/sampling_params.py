@@ -35,7 +35,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     """Subtracted from a token's logit once per time it was generated; in [-2, 2]."""
     seed: int | None = None
-    """Seed of this request's own random generator: same seed, same tokens, whatever the batch."""
+    """Seed of this request's own random generator (completion i uses seed + i). Its draws never depend on the
+    batch, so the same seed gives the same tokens whatever the batch when the logits are the same: in fp32. In
+    bf16 / fp16 the model's GEMMs and attention round differently with the batch's row count, so the logits
+    can move by a rounding step and a sampled token at a near-tie can differ alone and inside a batch; the
+    same seed, batch and dtype always repeat."""
     stop: str | list[str] | None = None
     """Strings that end generation; the stop string is not included in the output text."""
     stop_token_ids: list[int] | None = None

@@ -11,18 +11,31 @@ from sparrow.errors import InvalidRequestError, ModelLoadError
 log = logging.getLogger(__name__)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
+                   "tiktoken.model")
+"""Files of which an HF folder needs at least one for AutoTokenizer to build a tokenizer."""
+
+
 def load_tokenizer(path: str | Path):
     """AutoTokenizer for a model path. For a GGUF file transformers converts the embedded vocabulary
     (slow for large vocabularies), so the converted tokenizer is saved under ~/.cache/sparrow/tokenizers
-    keyed by the file's path, size and mtime, and reloaded from there next time."""
+    keyed by the file's path, size and mtime, and reloaded from there next time. Raises ModelLoadError for an
+    HF folder with none of TOKENIZER_FILES (saying how to run without a tokenizer) or a tokenizer
+    transformers cannot load (its message quoted on one line)."""
     from transformers import AutoTokenizer
 
     path = Path(path)
+    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"cannot load a tokenizer for {path}: no tokenizer files found "
+                             f"({', '.join(TOKENIZER_FILES)}); "
+                             "add them, or run without a tokenizer: LLM(..., skip_tokenizer_init=True) with prompts "
+                             "as {'prompt_token_ids': [...]}")
     try:
         if path.is_file():
             cached = cache_dir("tokenizers", f"{path.stem}-{file_key(path)}")
             if (cached / "tokenizer_config.json").is_file():
                 return AutoTokenizer.from_pretrained(str(cached))
+            log.info("building the tokenizer from %s's vocabulary (first use only; cached in %s)", path.name, cached)
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
             try:
                 tok.save_pretrained(str(cached))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 import torch
 
@@ -29,7 +30,7 @@ from sparrow.engine.scheduler import Scheduler
 from sparrow.engine.sequence import Sequence
 from sparrow.engine.step_plan import ScheduledSeq, StepPlan, StepResult
 from sparrow.errors import InvalidRequestError
-from sparrow.outputs import CompletionOutput, Logprob, RequestOutput
+from sparrow.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from sparrow.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -87,8 +88,8 @@ class Engine:
             if self.tokenizer is not None:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             seqs.append(seq)
-        self.requests[rid] = (RequestOutput(rid, text, list(ids), [CompletionOutput(i, "", []) for i in range(params.n)]),
-                              seqs)
+        outs = [CompletionOutput(i, "", []) for i in range(params.n)]
+        self.requests[rid] = (RequestOutput(rid, text, list(ids), outs, metrics=RequestMetrics(time.time())), seqs)
         for seq in seqs:
             self.scheduler.add(seq)
         return rid
@@ -162,7 +163,8 @@ class Engine:
                 touched[seq.request_id] = None
                 if seq.finish_reason is not None:
                     break
-        return [self._update(rid) for rid in touched if rid in self.requests]
+        now = time.time()
+        return [self._update(rid, now) for rid in touched if rid in self.requests]
 
     def _decode_token(self, tid: int) -> str | None:
         return self.tokenizer.decode([tid]) if self.tokenizer is not None else None
@@ -182,10 +184,14 @@ class Engine:
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
 
-    def _update(self, rid: str) -> RequestOutput:
+    def _update(self, rid: str, now: float) -> RequestOutput:
         """Bring request ``rid``'s RequestOutput up to date: cumulative text and tokens (text a stop string may
-        still remove held back) and this step's delta (``delta_text``, ``delta_token_ids``)."""
+        still remove held back), this step's delta (``delta_text``, ``delta_token_ids``) and its metrics
+        (``now``: the step's end, time.time())."""
         out, seqs = self.requests[rid]
+        if out.metrics.first_token_time is None:
+            out.metrics.first_token_time = now
+        out.metrics.last_token_time = now
         for seq, comp in zip(seqs, out.outputs):
             visible = max(seq.num_sent_chars, len(seq.text) - held_back(seq))
             comp.text, comp.delta_text = seq.text[:visible], seq.text[seq.num_sent_chars:visible]
@@ -207,5 +213,6 @@ class Engine:
             ]
         out.finished = all(s.is_finished for s in seqs)
         if out.finished:
+            out.metrics.finished_time = now
             del self.requests[rid]
         return out

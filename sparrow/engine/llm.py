@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Iterator, Sequence as Seq
 
 import torch
@@ -77,6 +78,7 @@ class LLM:
         from sparrow.quant import check_quantization
         from sparrow.tokenizer import load_tokenizer
 
+        start = time.perf_counter()
         check_quantization(quantization)  # InvalidRequestError naming the registered formats
         if isinstance(model, torch.nn.Module):
             raise InvalidRequestError("model is a built torch module: use LLM.from_model(model, ...) for it")
@@ -95,6 +97,7 @@ class LLM:
         if tokenizer is None and not skip_tokenizer_init:
             tokenizer = load_tokenizer(path)
         self._start(config.replace(model=loaded.config), loaded.model, tokenizer, path)
+        self.load_time = time.perf_counter() - start
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer=None, **engine_args) -> "LLM":
@@ -126,6 +129,10 @@ class LLM:
         self.tokenizer = tokenizer
         self.engine = Engine(config, model, tokenizer)
         self.model_path = path
+        self.load_time: float | None = None
+        """Seconds the constructor took (config, weights, tokenizer, KV pool); None for ``from_model``."""
+        self.last_output: RequestOutput | None = None
+        """The final RequestOutput of the latest ``stream`` that ran to its end (its ``metrics`` included)."""
         self._watched: dict[str, RequestOutput | None] = {}
         """Latest output of each request a ``generate`` or ``stream`` call is waiting on (None before its first):
         whichever call steps the engine records them, so interleaved calls lose nothing."""
@@ -258,6 +265,7 @@ class LLM:
                         yield piece
                         continue  # read again: a generate() between two pieces may have stepped the engine
                     if out.finished:
+                        self.last_output = out
                         return
                 if self._aborted(rid):
                     raise RuntimeError(f"request {rid} was aborted: a step it was part of was interrupted or failed")

@@ -90,7 +90,7 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: set[str] | None 
     - value head dim: attention.value_length, when present, must equal head_dim.
 
     Raises UnsupportedArchitectureError for an architecture outside GGUF_ARCHITECTURES, ModelLoadError for
-    missing shape keys or refused values (each named)."""
+    missing shape keys, a numeric key that is not a positive number, or refused values (each named)."""
     arch = metadata.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedArchitectureError(
@@ -99,33 +99,43 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: set[str] | None 
     def m(key: str, default: Any = None) -> Any:
         return metadata.get(f"{arch}.{key}", default)
 
-    try:
-        hidden, n_heads, n_layers = int(m("embedding_length")), int(m("attention.head_count")), int(m("block_count"))
-    except TypeError:
+    def num(key: str, default: Any = None, kind: type = int) -> Any:
+        """``{arch}.key`` as ``kind``; ModelLoadError naming the key for a value that is not a number >= 1
+        (a float key: > 0)."""
+        v = m(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)) \
+                or (v < 1 if kind is int else not v > 0):
+            raise ModelLoadError(f"GGUF metadata has {arch}.{key}={v!r}; it must be a "
+                                 f"{'positive integer' if kind is int else 'positive number'}")
+        return kind(v)
+
+    if any(m(k) is None for k in ("embedding_length", "attention.head_count", "block_count")):
         raise ModelLoadError(f"GGUF metadata lacks the {arch} shape keys (embedding_length, attention.head_count, "
-                             "block_count)") from None
-    vocab = (m("vocab_size") or metadata.get("tokenizer.ggml.tokens.length")
+                             "block_count)")
+    hidden, n_heads, n_layers = num("embedding_length"), num("attention.head_count"), num("block_count")
+    vocab = ((num("vocab_size") if m("vocab_size") is not None else None)
+             or metadata.get("tokenizer.ggml.tokens.length")
              or len(metadata.get("tokenizer.ggml.tokens", [])) or None)
     if vocab is None:
         raise ModelLoadError("GGUF metadata gives no vocab size (no vocab_size, no tokenizer.ggml.tokens)")
-    head_dim = int(m("attention.key_length", hidden // n_heads))
+    head_dim = num("attention.key_length", hidden // n_heads)
     for key in ("attention.value_length", "rope.dimension_count"):
-        if m(key) is not None and int(m(key)) != head_dim:
+        if m(key) is not None and num(key) != head_dim:
             raise ModelLoadError(f"GGUF metadata has {arch}.{key}={m(key)} for head_dim {head_dim}; sparrow "
                                  "needs them equal")
     cfg: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": {"gemma3": "gemma3_text"}.get(arch, arch),
         "hidden_size": hidden,
-        "intermediate_size": int(m("feed_forward_length", 0)),
+        "intermediate_size": num("feed_forward_length", 1) if m("feed_forward_length") else 0,
         "num_hidden_layers": n_layers,
         "num_attention_heads": n_heads,
-        "num_key_value_heads": int(m("attention.head_count_kv", n_heads)),
+        "num_key_value_heads": num("attention.head_count_kv", n_heads),
         "head_dim": head_dim,
-        "rms_norm_eps": float(m("attention.layer_norm_rms_epsilon", 1e-6)),
-        "max_position_embeddings": int(m("context_length", 4096)),
+        "rms_norm_eps": num("attention.layer_norm_rms_epsilon", 1e-6, float),
+        "max_position_embeddings": num("context_length", 4096),
         "vocab_size": int(vocab),
-        "rope_theta": float(m("rope.freq_base", 10000.0)),
+        "rope_theta": num("rope.freq_base", 10000.0, float),
         "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
         "hidden_act": "gelu_pytorch_tanh" if arch == "gemma3" else "silu",
@@ -139,19 +149,105 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: set[str] | None 
                                  "by size)")
         cfg.update(
             query_pre_attn_scalar=hidden // n_heads if n_layers == GEMMA3_27B_BLOCKS else head_dim,
-            sliding_window=int(m("attention.sliding_window")),
+            sliding_window=num("attention.sliding_window"),
             sliding_window_pattern=6,
             rope_local_base_freq=10000.0,
         )
     elif arch == "mistral" and m("attention.sliding_window") is not None:
-        cfg["sliding_window"] = int(m("attention.sliding_window"))
+        cfg["sliding_window"] = num("attention.sliding_window")
     scaling = m("rope.scaling.type")
     if scaling == "linear":
-        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(m("rope.scaling.factor", 1.0))}
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": num("rope.scaling.factor", 1.0, float)}
     elif scaling not in (None, "none"):
         raise ModelLoadError(f"GGUF metadata has {arch}.rope.scaling.type={scaling!r}; sparrow supports 'linear' "
                              "and 'none'")
     return cfg
+
+
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+"""GGUF metadata value type -> bytes (gguf.md: uint8 .. float64; 8 = string, 9 = array are variable)."""
+
+
+def check_extents(path: Path) -> None:
+    """Walk a GGUF file's header (gguf.md: magic, version, tensor and KV counts, the KV pairs, the tensor
+    index) without decoding values, and check that the header and every tensor's data (offset + ggml size of
+    its dims, after the ``general.alignment``-aligned data start) lie inside the file. Raises ModelLoadError
+    naming the file, what is cut and where; a file that is not GGUF at all is left to the full parser."""
+    import mmap
+    import struct
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size < 24 or f.read(4) != b"GGUF":
+            return
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    pos = 4
+
+    def take(fmt: str):
+        nonlocal pos
+        n = struct.calcsize(fmt)
+        if pos + n > size:
+            raise ModelLoadError(f"GGUF file {path} is truncated: its header (metadata and tensor index) runs past "
+                                 f"the end of the file ({size} bytes)")
+        pos += n
+        return struct.unpack_from(fmt, buf, pos - n)
+
+    def skip_value(vtype: int) -> None:
+        nonlocal pos
+        if vtype == 8:
+            (n,) = take("<Q")
+            pos += n
+        elif vtype == 9:
+            etype, count = take("<IQ")
+            if etype in _SCALAR_SIZES:
+                pos += count * _SCALAR_SIZES[etype]
+            else:
+                for _ in range(count):
+                    skip_value(etype)
+        elif vtype in _SCALAR_SIZES:
+            pos += _SCALAR_SIZES[vtype]
+        else:
+            raise ModelLoadError(f"GGUF file {path} has a metadata value of unknown type {vtype} at byte {pos}")
+
+    try:
+        _version, n_tensors, n_kv = take("<IQQ")
+        alignment = 32
+        for _ in range(n_kv):
+            (n,) = take("<Q")
+            key = bytes(buf[pos:pos + n]).decode("utf-8", "replace")
+            pos += n
+            (vtype,) = take("<I")
+            if key == "general.alignment" and vtype == 4:
+                (alignment,) = take("<I")
+            else:
+                skip_value(vtype)
+        infos = []
+        for _ in range(n_tensors):
+            (n,) = take("<Q")
+            name = bytes(buf[pos:pos + n]).decode("utf-8", "replace")
+            pos += n
+            (n_dims,) = take("<I")
+            dims = take(f"<{n_dims}Q")
+            ttype, offset = take("<IQ")
+            infos.append((name, dims, ttype, offset))
+        take("<0s")  # the index itself ends inside the file
+        start = (pos + alignment - 1) // alignment * alignment
+        for name, dims, ttype, offset in infos:
+            try:
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+            except (ValueError, KeyError):
+                continue  # an unknown type: the dequantizer names it
+            count = 1
+            for d in dims:
+                count *= d
+            end = start + offset + count // block * type_size
+            if end > size:
+                raise ModelLoadError(f"GGUF file {path} is truncated: tensor {name!r} data ends at byte {end}, "
+                                     f"file has {size}")
+    finally:
+        buf.close()
 
 
 @dataclass
@@ -190,6 +286,8 @@ class GGUFCheckpoint:
             except (OSError, json.JSONDecodeError):
                 index = None
         if index is None:
+            check_extents(self.path)  # a truncated file is named in a second, not after parsing it all
+            log.info("reading the metadata of %s (first use only; its index is cached in %s)", self.path.name, cache)
             index = self._parse()
             try:
                 cache.parent.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,76 @@ from __future__ import annotations
 
 from sparrow.errors import ModelLoadError
 
+_INT_FIELDS = {  # name -> smallest value; checked when present (the required ones: ModelConfig.from_hf)
+    "hidden_size": 1, "num_attention_heads": 1, "num_hidden_layers": 1, "vocab_size": 1, "head_dim": 1,
+    "num_key_value_heads": 1, "intermediate_size": 0, "sliding_window": 1, "sliding_window_pattern": 1,
+    "num_experts": 0, "num_local_experts": 0, "n_routed_experts": 0, "num_experts_per_tok": 0,
+    "moe_intermediate_size": 0, "shared_expert_intermediate_size": 0, "decoder_sparse_step": 1,
+    "query_pre_attn_scalar": 1, "global_head_dim": 1, "num_global_key_value_heads": 1, "top_k_experts": 0,
+}
+_POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta", "rope_local_base_freq", "routed_scaling_factor",
+                    "attn_logit_softcapping", "final_logit_softcapping")
+
+
+def _is_int(v) -> bool:
+    return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
+
+
+def check_fields(cfg, source: str = "config.json") -> None:
+    """Type and range of every shape and numeric field ``ModelConfig.from_hf`` reads from an HF config dict,
+    before any is used: integers (a whole float such as 64.0 passes) at least their minimum, positive finite
+    numbers for epsilons, rope bases, scales and soft-caps (None allowed where HF allows it), strings for
+    ``model_type`` / ``hidden_act``, a list of strings for ``architectures``, integers for the token ids.
+    Raises ModelLoadError naming ``source``, the field and its value."""
+    import math
+
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{source} must be a JSON object ({{...}}), got {type(cfg).__name__} "
+                             f"{str(cfg)[:40]!r}")
+    archs = cfg.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
+        raise ModelLoadError(f"{source} has architectures={archs!r}; it must be a list of names, e.g. "
+                             "[\"LlamaForCausalLM\"]")
+    for name in ("model_type", "hidden_act", "hidden_activation"):
+        if cfg.get(name) is not None and not isinstance(cfg[name], str):
+            raise ModelLoadError(f"{source} has {name}={cfg[name]!r}; it must be a string")
+    for name, low in _INT_FIELDS.items():
+        v = cfg.get(name)
+        if v is None:
+            continue
+        if not _is_int(v) or v < low:
+            raise ModelLoadError(f"{source} has {name}={v!r}; it must be an integer >= {low}")
+    floats = [(n, cfg.get(n)) for n in _POSITIVE_FLOATS]
+    rope = cfg.get("rope_parameters")
+    if isinstance(rope, dict):
+        subs = [rope] + [v for v in rope.values() if isinstance(v, dict)]
+        floats += [("rope_parameters.rope_theta", r.get("rope_theta")) for r in subs]
+    elif rope is not None:
+        raise ModelLoadError(f"{source} has rope_parameters={rope!r}; it must be an object")
+    if cfg.get("rope_scaling") is not None and not isinstance(cfg["rope_scaling"], dict):
+        raise ModelLoadError(f"{source} has rope_scaling={cfg['rope_scaling']!r}; it must be an object or null")
+    for name, v in floats:
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ModelLoadError(f"{source} has {name}={v!r}; it must be a positive number")
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = cfg.get(name)
+        ids = v if isinstance(v, list) else [v]
+        if v is not None and not all(_is_int(i) and i >= 0 for i in ids):
+            raise ModelLoadError(f"{source} has {name}={v!r}; it must be a token id (an integer >= 0) or a list")
+    for name in ("layer_types", "mlp_only_layers"):
+        v = cfg.get(name)
+        if v is not None and not isinstance(v, list):
+            raise ModelLoadError(f"{source} has {name}={v!r}; it must be a list")
+    if cfg.get("layer_types") and not all(t in ("sliding_attention", "full_attention") for t in cfg["layer_types"]):
+        raise ModelLoadError(f"{source} has layer_types entries other than 'sliding_attention' / "
+                             f"'full_attention': {sorted(set(map(str, cfg['layer_types'])))}")
+    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if heads and kv and int(heads) % int(kv):
+        raise ModelLoadError(f"{source} has num_attention_heads={heads}, not a multiple of "
+                             f"num_key_value_heads={kv}")
+
 
 def check_gemma4(cfg: dict) -> None:
     """Gemma 4 features outside the MoE text decoder (26B-A4B) sparrow runs: an error, never ignored."""

@@ -35,6 +35,9 @@ def register(architecture: str, module: str, cls: str) -> None:
 def resolve_architecture(cfg: dict) -> str:
     """The first supported name in cfg['architectures']; UnsupportedArchitectureError naming it otherwise."""
     archs = cfg.get("architectures") or []
+    if isinstance(archs, str) or not all(isinstance(a, str) for a in archs):
+        raise UnsupportedArchitectureError(f"config has architectures={archs!r}; it must be a list of names, e.g. "
+                                           f"[\"LlamaForCausalLM\"]")
     for a in archs:
         if a in _MODELS:
             return a

