@@ -119,6 +119,6 @@ class ModelRunner:
             seq = item.seq
             for j in range(item.num_sampled):
                 drafts = item.draft_token_ids[:j - item.num_sampled + len(item.draft_token_ids) + 1]
-                out = seq.output_token_ids + drafts if drafts else seq.output_token_ids
+                out = seq.output_token_ids + list(drafts) if drafts else seq.output_token_ids
                 states.append(SamplingState(seq.params, seq.prompt_token_ids, out, seq.generator, seq.eos_token_ids))
         return states

@@ -17,7 +17,7 @@ import torch
 from sparrow.engine.sequence import Sequence
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     """One sequence's part of a step."""
 
@@ -29,7 +29,7 @@ class ScheduledSeq:
     num_sampled: int = 0
     """The last rows that are sampled: 0 for a prefill chunk short of the end, 1 for a decode row or a last
     prefill chunk, k + 1 for a verify step. The step may accept up to this many tokens."""
-    draft_token_ids: list[int] = field(default_factory=list)
+    draft_token_ids: list[int] | tuple[int, ...] = ()
     """The k draft tokens the last k rows verify (after the sequence's last token)."""
     fed_row: int | None = None
     """A queued step's decode row: its input token is row ``fed_row`` of the previous step's sampled ids, on the
@@ -48,7 +48,8 @@ class ScheduledSeq:
         """The rows' input tokens (0 for a fed row: the device fills it in)."""
         if self.fed_row is not None:
             return [0]
-        return self.seq.tokens(self.start, self.start + self.num_verified) + self.draft_token_ids
+        tokens = self.seq.tokens(self.start, self.start + self.num_verified)
+        return tokens + list(self.draft_token_ids) if self.draft_token_ids else tokens
 
 
 @dataclass
