@@ -200,6 +200,21 @@ def assert_one_line(message: str) -> None:
     assert message.strip() and "\n" not in message.strip(), f"not a single line: {message!r}"
 
 
+def raises(exc_type, fn, *needles):
+    """Call fn; assert it raises exc_type (a SparrowError) with a one-line message containing the needles; returns
+    the message."""
+    from sparrow.errors import SparrowError
+
+    with pytest.raises(exc_type) as info:
+        fn()
+    assert isinstance(info.value, SparrowError)
+    msg = str(info.value)
+    assert_one_line(msg)
+    for n in needles:
+        assert n in msg, f"{n!r} not in {msg!r}"
+    return msg
+
+
 def assert_cli_error(proc, *needles: str) -> str:
     """Exit status 2, stderr exactly one line 'sparrow: error: ...' containing every needle, no traceback."""
     err = proc.stderr

@@ -11,7 +11,6 @@ from sparrow.errors import (
     InvalidRequestError,
     ModelLoadError,
     ModelNotFoundError,
-    SparrowError,
     UnsupportedArchitectureError,
 )
 from sparrow.loader.model_loader import load_model
@@ -27,21 +26,10 @@ from tests.helpers import (  # noqa: F401  (fixtures)
     make_llm,
     missing_tensor_dir,
     random_prompts,
+    raises,
     tiny_model_dir,
     unknown_arch_dir,
 )
-
-
-def raises(exc_type, fn, *needles):
-    """Call fn; assert it raises exc_type (a SparrowError) with a one-line message containing the needles."""
-    with pytest.raises(exc_type) as info:
-        fn()
-    assert isinstance(info.value, SparrowError)
-    msg = str(info.value)
-    assert_one_line(msg)
-    for n in needles:
-        assert n in msg, f"{n!r} not in {msg!r}"
-    return msg
 
 
 # ---------------------------------------------------------------- model files

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from sparrow import SamplingParams
-from sparrow.errors import ModelLoadError, SparrowError, UnsupportedArchitectureError
+from sparrow.errors import ModelLoadError
 from tests.helpers import (  # noqa: F401  (fixtures)
     REPO_ROOT,
     TINY_CONFIG,
@@ -23,6 +23,7 @@ from tests.helpers import (  # noqa: F401  (fixtures)
     assert_one_line,
     ids_prompt,
     make_llm,
+    raises,
     run_cli,
     smollm2_gguf,
     tiny_model_dir,
@@ -33,13 +34,7 @@ from tests.helpers import (  # noqa: F401  (fixtures)
 def _refused(exc_type, cfg, *needles):
     from sparrow.config import ModelConfig
 
-    with pytest.raises(exc_type) as info:
-        ModelConfig.from_hf(cfg)
-    assert isinstance(info.value, SparrowError)
-    msg = str(info.value)
-    assert_one_line(msg)
-    for n in needles:
-        assert n in msg, f"{n!r} not in {msg!r}"
+    raises(exc_type, lambda: ModelConfig.from_hf(cfg), *needles)
 
 
 TINY_HF = {**TINY_CONFIG, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}

@@ -69,10 +69,6 @@ class StepPlan:
     def __len__(self) -> int:
         return len(self.seqs)
 
-    @property
-    def num_rows(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs)
-
     def uniform_query_len(self) -> int | None:
         """q when every sequence has q rows, all sampled (a decode or verify step a CUDA graph can replay)."""
         q = self.seqs[0].num_new_tokens if self.seqs else None

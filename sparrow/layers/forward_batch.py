@@ -38,8 +38,3 @@ class ForwardBatch:
     """[R] bool: rows that take the next vector of ``soft_embeds``; None when no row does."""
     adapter_ids: torch.Tensor | None = None
     """[R] int32: each row's adapter slot (-1: none); None when the step has no adapter rows."""
-
-    @property
-    def is_decode(self) -> bool:
-        """Every sequence contributes exactly one row."""
-        return self.max_query_len == 1
