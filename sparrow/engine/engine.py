@@ -20,10 +20,10 @@ import time
 
 import torch
 
-from sparrow.config import EngineConfig
+from sparrow.config import TORCH_DTYPES, EngineConfig
 from sparrow.engine.block_manager import BlockManager
 from sparrow.engine.detokenizer import IncrementalDetokenizer
-from sparrow.engine.model_runner import ModelRunner
+from sparrow.engine.model_runner import ModelRunner, kv_bytes_per_token
 from sparrow.engine.requests import check_stop, held_back, own_params, parse_prompt
 from sparrow.engine.sampler import make_generator
 from sparrow.engine.scheduler import Scheduler
@@ -32,14 +32,15 @@ from sparrow.engine.step_plan import ScheduledSeq, StepPlan, StepResult
 from sparrow.errors import InvalidRequestError
 from sparrow.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from sparrow.sampling_params import SamplingParams
+from sparrow.spec_decode.decoder import make_speculative_decoder
 
 log = logging.getLogger(__name__)
 
 
 def accepted_drafts(item: ScheduledSeq, sampled: list[int]) -> int:
     """How many of ``item``'s draft tokens the step accepts: the leading ones equal to the token sampled at the
-    row before each (exact for greedy rows; for random rows every appended token is still a sample of the
-    target given the tokens before it)."""
+    row before each. With deterministic drafts this is rejection sampling (``sparrow.spec_decode``): exact for
+    greedy rows, and for random rows every appended token is a sample of the target given the tokens before it."""
     n = 0
     for draft, target in zip(item.draft_token_ids, sampled):
         if draft != target:
@@ -49,10 +50,16 @@ def accepted_drafts(item: ScheduledSeq, sampled: list[int]) -> int:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer):
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer,
+                 draft_model: torch.nn.Module | None = None):
+        """``draft_model``: the loaded draft of ``config.speculative`` when its method is 'draft_model'."""
         self.config = config
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(config, model)
+        spec = config.speculative
+        query_lens = tuple(range(1, spec.num_speculative_tokens + 2)) if spec is not None else (1,)
+        draft_bytes = kv_bytes_per_token(draft_model, TORCH_DTYPES[config.dtype]) if draft_model is not None else 0
+        self.runner = ModelRunner(config, model, query_lens, extra_kv_bytes_per_token=draft_bytes)
+        self.spec = make_speculative_decoder(config, self.runner.num_blocks, draft_model) if spec else None
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.max_model_len)
@@ -124,11 +131,12 @@ class Engine:
         if self._ahead is not None:  # queued during the previous call
             (plan, result), self._ahead = self._ahead, None
         else:
-            plan = self.scheduler.schedule()
+            drafts = self.spec.propose(self.scheduler.running) if self.spec is not None else None
+            plan = self.scheduler.schedule(drafts)
             if not plan.seqs:
                 return []
             result = self.runner.run(plan)
-        if plan.queue_next:
+        if plan.queue_next and (self.spec is None or self.spec.paused([item.seq for item in plan.seqs])):
             ahead = self.scheduler.schedule_ahead(plan)
             if ahead is not None:
                 self._ahead = (ahead, self.runner.run(ahead, previous=result))
@@ -158,6 +166,8 @@ class Engine:
             sampled = token_ids[first:end]
             accepted = accepted_drafts(item, sampled)
             self.scheduler.commit(item, accepted)
+            if item.draft_token_ids and self.spec is not None:
+                self.spec.record(item, accepted)
             for j in range(min(accepted + 1, len(sampled))):
                 self._append(seq, sampled[j], result.logprobs[first + j] if result.logprobs else None)
                 touched[seq.request_id] = None

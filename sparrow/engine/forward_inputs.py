@@ -63,6 +63,26 @@ def step_rows(plan: StepPlan, block_size: int) -> StepRows:
     return r
 
 
+def pad_rows(plan: StepPlan, rows: StepRows, q: int, pad_slot: int, block_size: int) -> tuple[StepRows, list[int]]:
+    """``rows`` (every row sampled) with each sequence padded to q rows for a CUDA graph of q rows per sequence,
+    and the indices [R'] of the real rows among the n q. A padding row repeats the sequence's last position
+    (its output is dropped), writes its K/V to the pad block and the sequence's seq_len counts q rows, so its
+    real rows keep their positions under the causal mask and never see a padding row's K/V."""
+    out, keep = StepRows(), []
+    r = 0
+    for i, item in enumerate(plan.seqs):
+        n = item.num_new_tokens
+        extra = q - n
+        out.input_ids += rows.input_ids[r:r + n] + [0] * extra
+        out.positions += rows.positions[r:r + n] + [rows.positions[r + n - 1]] * extra
+        out.slot_mapping += rows.slot_mapping[r:r + n] + [pad_slot + j % block_size for j in range(extra)]
+        out.seq_lens.append(item.start + q)
+        out.block_tables.append(rows.block_tables[i])
+        keep += range(i * q, i * q + n)
+        r += n
+    return out, keep
+
+
 def fed_tokens(plan: StepPlan, previous: StepResult | None) -> torch.Tensor | None:
     """[S] int64 on the device: the input tokens of a queued step's rows (one row per sequence, each row
     ``fed_row`` of ``previous``'s sampled ids); None when the plan's inputs are all on the host. Raises

@@ -8,7 +8,7 @@ from typing import Iterator, Sequence as Seq
 
 import torch
 
-from sparrow.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from sparrow.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from sparrow.devices import TORCH_DTYPES
 from sparrow.engine.engine import Engine
 from sparrow.errors import InvalidRequestError
@@ -24,14 +24,16 @@ def engine_config(model: ModelConfig, *, device: str = _E.device, dtype: str = _
                   max_model_len: int | None = _E.max_model_len, block_size: int = _C.block_size,
                   num_kv_blocks: int | None = _C.num_blocks, enable_prefix_caching: bool = _C.enable_prefix_caching,
                   max_num_seqs: int = _S.max_num_seqs, max_num_batched_tokens: int = _S.max_num_batched_tokens,
-                  enforce_eager: bool = _E.enforce_eager) -> EngineConfig:
-    """The EngineConfig for LLM's flat engine arguments (``num_kv_blocks`` is ``cache.num_blocks``). The
-    configs validate themselves: InvalidRequestError names the first bad argument (cache and scheduler
-    settings, then device, dtype, max_model_len and the pool size)."""
+                  enforce_eager: bool = _E.enforce_eager, speculative_config: dict | None = None) -> EngineConfig:
+    """The EngineConfig for LLM's flat engine arguments (``num_kv_blocks`` is ``cache.num_blocks``;
+    ``speculative_config``: vLLM's dict, ``SpeculativeConfig.from_dict``). The configs validate themselves:
+    InvalidRequestError names the first bad argument (cache and scheduler settings, the speculative config,
+    then device, dtype, max_model_len and the pool size)."""
     cache = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching)
     scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     return EngineConfig(model=model, device=device, dtype=dtype, max_model_len=max_model_len, cache=cache,
-                        scheduler=scheduler, enforce_eager=enforce_eager)
+                        scheduler=scheduler, enforce_eager=enforce_eager,
+                        speculative=SpeculativeConfig.from_dict(speculative_config))
 
 
 def _model_placement(model: torch.nn.Module) -> tuple[str, str]:
@@ -62,6 +64,10 @@ class LLM:
     checkpoint, declared by config.json's quantization_config, loads in its format either way.
     quantize_lm_head: with FP8 linears, compute the logits on a block-scaled FP8 copy of the LM head too (off by
     default, as in vLLM: it halves the LM head's bytes and rounds the logits; see ``CausalLM.quantize_lm_head``).
+    speculative_config: vLLM's dict, e.g. {'method': 'ngram', 'num_speculative_tokens': 4, 'prompt_lookup_max': 4,
+    'prompt_lookup_min': 2} or {'method': 'draft_model', 'model': PATH, 'num_speculative_tokens': 4} (fields:
+    ``sparrow.config.SpeculativeConfig``); None: no speculation. Outputs follow the target's distribution
+    (greedy: the tokens of plain decoding).
     tokenizer: a transformers tokenizer to use instead of the model's; skip_tokenizer_init=True runs without one.
     seed: seeds torch's global generator before loading.
     Raises sparrow errors (ModelNotFoundError, ModelLoadError, UnsupportedArchitectureError,
@@ -72,7 +78,8 @@ class LLM:
                  block_size: int = _C.block_size, max_num_seqs: int = _S.max_num_seqs,
                  max_num_batched_tokens: int = _S.max_num_batched_tokens, enforce_eager: bool = _E.enforce_eager,
                  num_kv_blocks: int | None = _C.num_blocks, enable_prefix_caching: bool = _C.enable_prefix_caching,
-                 seed: int = 0, tokenizer=None, skip_tokenizer_init: bool = False, quantize_lm_head: bool = False):
+                 seed: int = 0, tokenizer=None, skip_tokenizer_init: bool = False, quantize_lm_head: bool = False,
+                 speculative_config: dict | None = None):
         from sparrow.default_model import default_model_path
         from sparrow.loader.model_loader import load_model, read_model_config
         from sparrow.quant import check_quantization
@@ -89,7 +96,8 @@ class LLM:
         config = engine_config(
             read_model_config(path)[0], device=device, dtype=dtype, max_model_len=max_model_len,
             block_size=block_size, num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager)
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
+            speculative_config=speculative_config)
         torch.manual_seed(seed)
         loaded = load_model(path, TORCH_DTYPES[config.dtype], config.device, quantization=quantization,
                             quantize_lm_head=quantize_lm_head)
@@ -99,12 +107,23 @@ class LLM:
         self._start(config.replace(model=loaded.config), loaded.model, tokenizer, path)
         self.load_time = time.perf_counter() - start
 
+    @staticmethod
+    def _load_draft(config: EngineConfig) -> torch.nn.Module | None:
+        """The draft model of a 'draft_model' speculative config, loaded on the target's device and dtype."""
+        spec = config.speculative
+        if spec is None or spec.method != "draft_model":
+            return None
+        from sparrow.loader.model_loader import load_model
+
+        return load_model(spec.model, TORCH_DTYPES[config.dtype], config.device).model
+
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer=None, **engine_args) -> "LLM":
         """An LLM around a sparrow model that is already built and loaded (a ``sparrow.models`` class whose
         ``config`` is a ModelConfig, after ``loader.model_loader.finish_loading``), e.g. random weights copied
         from a transformers model. ``engine_args``: LLM's engine arguments (device, dtype, max_model_len,
-        block_size, num_kv_blocks, enable_prefix_caching, max_num_seqs, max_num_batched_tokens, enforce_eager);
+        block_size, num_kv_blocks, enable_prefix_caching, max_num_seqs, max_num_batched_tokens, enforce_eager,
+        speculative_config);
         device and dtype ('auto' or left out) are the model's own (``_model_placement``). tokenizer: None runs
         without one (prompts as {'prompt_token_ids': [...]}). Raises InvalidRequestError for a model that is not
         a sparrow model, a device or dtype other than the model's, or a bad engine argument; TypeError for an
@@ -127,7 +146,7 @@ class LLM:
 
     def _start(self, config: EngineConfig, model: torch.nn.Module, tokenizer, path: str | None) -> None:
         self.tokenizer = tokenizer
-        self.engine = Engine(config, model, tokenizer)
+        self.engine = Engine(config, model, tokenizer, draft_model=self._load_draft(config))
         self.model_path = path
         self.load_time: float | None = None
         """Seconds the constructor took (config, weights, tokenizer, KV pool); None for ``from_model``."""
@@ -198,6 +217,7 @@ class LLM:
             "sparrow:prefix_cache_hits": bm.prefix_cache_hits,
             **{f"sparrow:{k}": v for k, v in self._finished_counts.items()},
             "sparrow:request_success": dict(self._request_success),
+            **(e.spec.metrics() if e.spec is not None else {}),
         }
 
     def _aborted(self, rid: str) -> bool:

@@ -10,7 +10,7 @@ import logging
 import torch
 
 from sparrow.config import TORCH_DTYPES, EngineConfig
-from sparrow.engine.forward_inputs import fed_tokens, forward_batch, step_rows
+from sparrow.engine.forward_inputs import fed_tokens, forward_batch, pad_rows, step_rows
 from sparrow.engine.sampler import Sampler, SamplingState, prompt_logprob_rows
 from sparrow.engine.step_plan import StepPlan, StepResult
 
@@ -24,15 +24,17 @@ def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, query_lens: tuple[int, ...] = (1,)):
-        """``query_lens``: the rows per sequence of the steps the CUDA graphs cover (1: decode; k + 1 also for a
-        speculative verify of k draft tokens)."""
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, query_lens: tuple[int, ...] = (1,),
+                 extra_kv_bytes_per_token: int = 0):
+        """``query_lens``: the rows per sequence of the steps the CUDA graphs cover (1: decode; 2 .. k + 1 also
+        for speculative verify steps of up to k draft tokens). ``extra_kv_bytes_per_token``: KV bytes per token
+        of another pool with as many blocks (a draft model's), taken from the same memory budget."""
         self.config = config
         self.model = model
         self.device = torch.device(config.device)
         self.dtype = TORCH_DTYPES[config.dtype]
         self.block_size = config.cache.block_size
-        self.num_blocks = self._num_blocks()
+        self.num_blocks = self._num_blocks(extra_kv_bytes_per_token)
         self.pad_block = self.num_blocks  # one extra block, never handed out: CUDA-graph padding rows write here
         self._allocate_kv_cache()
         self.sampler = Sampler()
@@ -47,11 +49,11 @@ class ModelRunner:
                                        self.pad_block, self.block_size, query_lens)
             self.graphs.capture()
 
-    def _num_blocks(self) -> int:
+    def _num_blocks(self, extra_bytes_per_token: int = 0) -> int:
         cache = self.config.cache
         if cache.num_blocks is not None:
             return cache.num_blocks
-        per_block = kv_bytes_per_token(self.model, self.dtype) * self.block_size
+        per_block = (kv_bytes_per_token(self.model, self.dtype) + extra_bytes_per_token) * self.block_size
         want = self.config.scheduler.max_num_seqs * -(-self.config.max_model_len // self.block_size)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -83,12 +85,17 @@ class ModelRunner:
         one was captured; other steps run the model eagerly."""
         rows = step_rows(plan, self.block_size)
         feed = fed_tokens(plan, previous)
-        q = plan.uniform_query_len()
-        n = len(plan.seqs)
-        if (self.graphs is not None and q is not None and not rows.prompt_rows and not any(rows.soft_mask)
-                and self.graphs.bucket_for(n, q) is not None):
-            logits = self.graphs.run(n, q, rows.input_ids, rows.positions, rows.slot_mapping, rows.seq_lens,
-                                     rows.block_tables, feed=feed)
+        q = self._graph_query_len(plan, rows)
+        if q is not None:
+            n = len(plan.seqs)
+            if q == plan.max_query_len() and all(s.num_new_tokens == q for s in plan.seqs):
+                logits = self.graphs.run(n, q, rows.input_ids, rows.positions, rows.slot_mapping, rows.seq_lens,
+                                         rows.block_tables, feed=feed)
+            else:
+                padded, keep = pad_rows(plan, rows, q, self.pad_block * self.block_size, self.block_size)
+                logits = self.graphs.run(n, q, padded.input_ids, padded.positions, padded.slot_mapping,
+                                         padded.seq_lens, padded.block_tables)
+                logits = logits[torch.tensor(keep, device=logits.device)]
             return self._sample(plan, logits)
         batch = forward_batch(rows, feed, self.pad_block, self.device)
         hidden = self.model(batch)
@@ -100,6 +107,20 @@ class ModelRunner:
             prompt_lp[i] = prompt_logprob_rows(self.model.compute_logits(hidden[row0:row0 + m]), targets,
                                                item.seq.params.prompt_logprobs)
         return self._sample(plan, logits, prompt_lp)
+
+    def _graph_query_len(self, plan: StepPlan, rows) -> int | None:
+        """The q of the captured graph that runs ``plan``: the smallest captured q >= its longest sequence (all
+        rows sampled, no prompt logprobs or soft embeddings, a bucket captured, padded rows within
+        max_model_len); None: run eagerly."""
+        q = plan.max_query_len()
+        if self.graphs is None or q is None or rows.prompt_rows or any(rows.soft_mask):
+            return None
+        q = next((g for g in self.graphs.query_lens if g >= q), None)
+        if q is None or self.graphs.bucket_for(len(plan.seqs), q) is None:
+            return None
+        if any(s.start + q > self.config.max_model_len for s in plan.seqs):
+            return None
+        return q
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor | None, prompt_lp: dict | None = None) -> StepResult:
         """The sampling stage: logits [R', V] of the plan's sampled rows -> StepResult (argmax on the device when

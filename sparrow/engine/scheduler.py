@@ -56,7 +56,22 @@ class Scheduler:
         reaches_end = seq.num_computed_tokens + n == seq.num_tokens
         return ScheduledSeq(seq, seq.num_computed_tokens, n, num_sampled=1 if reaches_end else 0)
 
-    def schedule(self) -> StepPlan:
+    def _verify_item(self, seq: Sequence, drafts: list[int], budget: int) -> ScheduledSeq | None:
+        """The verify rows of a decode-phase sequence with draft tokens: its last token and the drafts that fit
+        the budget, all sampled, when their K/V slots fit without preemption (allocated here); else None."""
+        drafts = drafts[:budget - 1]
+        if not drafts or seq.num_computed_tokens != seq.num_tokens - 1:
+            return None
+        n = 1 + len(drafts)
+        if not self.bm.can_allocate(seq, seq.num_computed_tokens + n):
+            return None
+        self.bm.allocate(seq, seq.num_computed_tokens + n)
+        return ScheduledSeq(seq, seq.num_computed_tokens, n, num_sampled=n, draft_token_ids=drafts)
+
+    def schedule(self, drafts: dict[Sequence, list[int]] | None = None) -> StepPlan:
+        """Plan the next step. ``drafts``: proposed draft tokens of running sequences (speculative decoding);
+        such a sequence verifies them in k + 1 rows when they fit the budget and free blocks, else it decodes
+        one row."""
         budget = self.config.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         for seq in list(self.running):
@@ -64,6 +79,12 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted below to make room for an earlier one
                 continue
+            if drafts and seq in drafts:
+                item = self._verify_item(seq, drafts[seq], budget)
+                if item is not None:
+                    out.append(item)
+                    budget -= item.num_new_tokens
+                    continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.bm.can_allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]

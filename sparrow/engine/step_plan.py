@@ -69,12 +69,12 @@ class StepPlan:
     def __len__(self) -> int:
         return len(self.seqs)
 
-    def uniform_query_len(self) -> int | None:
-        """q when every sequence has q rows, all sampled (a decode or verify step a CUDA graph can replay)."""
-        q = self.seqs[0].num_new_tokens if self.seqs else None
-        if all(s.num_new_tokens == q and s.num_sampled == q for s in self.seqs):
-            return q
-        return None
+    def max_query_len(self) -> int | None:
+        """The most rows of a sequence when every sequence's rows are all sampled (a decode or verify step a CUDA
+        graph of q >= that many rows per sequence can replay, shorter sequences padded); else None."""
+        if not self.seqs or any(s.num_sampled != s.num_new_tokens for s in self.seqs):
+            return None
+        return max(s.num_new_tokens for s in self.seqs)
 
 
 class StepResult:

@@ -1,0 +1,147 @@
+"""The engine's side of speculative decoding: which sequences get drafts this step and how many (limits and
+back-off), the proposer call, and the acceptance counters (vLLM's spec_decode metrics).
+
+Back-off: a sequence that got no draft, or whose drafts were all rejected, pauses proposing for its next 2, 4,
+8 .. 32 tokens (doubling with each miss in a row; an accepted draft resets it), so text the proposer cannot
+predict runs as plain decode steps, which the engine may overlap (``paused``), after a few misses.
+"""
+from __future__ import annotations
+
+from sparrow.config import SpeculativeConfig
+from sparrow.engine.sequence import Sequence
+from sparrow.engine.step_plan import ScheduledSeq
+from sparrow.spec_decode.ngram import NgramProposer
+
+MAX_BACKOFF_STEPS = 32
+"""Longest pause, in steps, of a sequence whose drafts keep being rejected."""
+
+
+def draft_limit(seq: Sequence, k: int, max_model_len: int) -> int:
+    """Most drafts ``seq`` may verify in its next step: k, less what would pass max_tokens or max_model_len
+    (a verify step of k' drafts appends up to k' + 1 tokens), never below 0."""
+    left = max_model_len - seq.num_tokens - 1
+    if seq.params.max_tokens is not None:
+        left = min(left, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+    return max(0, min(k, left))
+
+
+class _BackOff:
+    __slots__ = ("misses", "resume_at")
+
+    def __init__(self):
+        self.misses = 0
+        self.resume_at = 0
+        """Output tokens the sequence must have before it proposes again."""
+
+    def miss(self, num_output_tokens: int) -> None:
+        self.misses += 1
+        self.resume_at = num_output_tokens + min(2 ** self.misses, MAX_BACKOFF_STEPS)
+
+
+class SpeculativeDecoder:
+    """``propose(running)`` -> {sequence: draft ids} for the scheduler; ``record(item, accepted)`` after a step."""
+
+    def __init__(self, config: SpeculativeConfig, proposer, max_model_len: int):
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self._backoff: dict[Sequence, _BackOff] = {}
+        self.num_drafts = 0
+        """Verify steps of a sequence with at least one draft token (vLLM's spec_decode_num_drafts)."""
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * self.k
+        """[k] how often the draft at position i (0-based) was accepted."""
+
+    def propose(self, running: list[Sequence]) -> dict[Sequence, list[int]]:
+        """Drafts for the running sequences in their decode phase (their last token not yet computed), outside
+        back-off, with room for at least one draft; sequences that left the batch are forgotten."""
+        live = set(running)
+        for seq in [s for s in self._backoff if s not in live]:
+            del self._backoff[seq]
+            self.proposer.release(seq)
+        requests = []
+        for seq in running:
+            if seq.num_computed_tokens != seq.num_tokens - 1 or not seq.output_token_ids:
+                continue
+            state = self._backoff.get(seq)
+            if state is None:
+                state = self._backoff[seq] = _BackOff()
+            if len(seq.output_token_ids) < state.resume_at:
+                continue
+            k = draft_limit(seq, self.k, self.max_model_len)
+            if k > 0:
+                requests.append((seq, k))
+        if not requests:
+            return {}
+        drafts = self.proposer.propose(requests)
+        for (seq, _), d in zip(requests, drafts):
+            if not d:
+                self._backoff[seq].miss(len(seq.output_token_ids))
+        return {seq: d for (seq, _), d in zip(requests, drafts) if d}
+
+    def paused(self, seqs: list[Sequence], ahead: int = 2) -> bool:
+        """Whether none of ``seqs`` would propose within its next ``ahead`` tokens (back-off): the engine may then
+        queue decode steps ahead without asking the proposer."""
+        for seq in seqs:
+            state = self._backoff.get(seq)
+            if state is None or len(seq.output_token_ids) + ahead >= state.resume_at:
+                return False
+        return True
+
+    def record(self, item: ScheduledSeq, accepted: int) -> None:
+        """Count a verified item's drafts and accepted drafts; start or reset the sequence's back-off."""
+        k = len(item.draft_token_ids)
+        if not k:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += k
+        self.num_accepted_tokens += accepted
+        for i in range(accepted):
+            self.num_accepted_tokens_per_pos[i] += 1
+        state = self._backoff.get(item.seq)
+        if state is None:
+            return
+        if accepted:
+            state.misses = 0
+        else:
+            state.miss(len(item.seq.output_token_ids))
+
+    def metrics(self) -> dict:
+        """The counters under vLLM's names (``sparrow:`` prefix)."""
+        return {
+            "sparrow:spec_decode_num_drafts": self.num_drafts,
+            "sparrow:spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "sparrow:spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "sparrow:spec_decode_num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+        }
+
+
+def make_speculative_decoder(config, num_blocks: int, draft_model=None) -> SpeculativeDecoder:
+    """The decoder of ``config.speculative`` (an EngineConfig's): an n-gram proposer, or a draft-model proposer
+    on ``draft_model`` with a KV pool of ``num_blocks`` blocks (the target's). Raises InvalidRequestError when a
+    draft model is missing, or its vocabulary is larger than the target's, or it cannot hold max_model_len."""
+    import dataclasses
+
+    from sparrow.errors import InvalidRequestError
+
+    spec = config.speculative
+    if spec.method == "ngram":
+        proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    else:
+        from sparrow.spec_decode.draft_model import DraftModelProposer
+
+        if draft_model is None:
+            raise InvalidRequestError("speculative_config method='draft_model': no draft model was loaded")
+        dcfg = draft_model.config
+        if dcfg.vocab_size > config.model.vocab_size:
+            raise InvalidRequestError(f"draft model vocabulary ({dcfg.vocab_size} tokens) is larger than the "
+                                      f"target's ({config.model.vocab_size}): drafts must be target tokens")
+        try:
+            draft_config = config.replace(model=dcfg, speculative=None,
+                                          cache=dataclasses.replace(config.cache, num_blocks=num_blocks))
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"draft model: {e}") from None
+        proposer = DraftModelProposer(draft_config, draft_model)
+    return SpeculativeDecoder(spec, proposer, config.max_model_len)
