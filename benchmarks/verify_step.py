@@ -244,15 +244,15 @@ def _step_line(r: dict) -> str:
 
 
 def target_lines(steps: list[dict]) -> list[str]:
-    """Issue 24's target per batch: the q = TARGET_Q step at most TARGET_RATIO x the q = 1 step."""
+    """Issue 24's target per batch: the q = TARGET_Q step at most TARGET_RATIO x the q = 1 step (the step as the
+    engine runs it, and its graph replay alone where there is one)."""
     lines = []
     for r in steps:
         if r["q"] == TARGET_Q:
-            ratio = r["graph_x_q1"] or r["step_x_q1"]
-            which = "graph replay" if r["graph_x_q1"] else "step"
-            verdict = "met" if ratio <= TARGET_RATIO else "not met"
-            lines.append(f"target batch {r['batch']}: q={TARGET_Q} {which} {ratio:.2f} x q=1 (<= {TARGET_RATIO}: "
-                         f"{verdict}; the bytes bound alone is {r['bound_x_q1']:.2f} x)")
+            ratios = [("step", r["step_x_q1"])] + ([("graph replay", r["graph_x_q1"])] if r["graph_x_q1"] else [])
+            text = ", ".join(f"{name} {x:.2f} x q=1 ({'met' if x <= TARGET_RATIO else 'not met'})" for name, x in ratios)
+            lines.append(f"target batch {r['batch']}: q={TARGET_Q} at most {TARGET_RATIO} x q=1: {text}; the bytes "
+                         f"bound alone grows {r['bound_x_q1']:.2f} x")
     return lines
 
 
