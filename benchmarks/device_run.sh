@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call on the H200 (device tool); logs and JSON under $OUT.
 #   bash benchmarks/device_run.sh [STAGE ...]   stages: tests packaged profile prefill attn gemv moe tune
-#   gemma4 llama fp8 eager ab
+#   gemma4 llama fp8 eager ab verify spec
 # (no stage: tests gemma4 llama eager). Each stage has its own time limit (T_<STAGE> seconds). GPU_TESTS picks
 # the test files of the `tests` stage and TEST_ARGS adds pytest options (e.g. "-k 'bf16 and mixtral'"; "-n 8":
 # pytest-xdist, the whole suite in about 210 s instead of more than 470);
@@ -18,6 +18,11 @@
 # AB_ARGS_OLD: the old side's bench flags (default AB_ARGS); with .ab/old a copy of this tree, an A/B of a switch
 # (e.g. AB_ENV_OLD=SPARROW_PDL=0, or AB_ARGS_OLD without --quantize-lm-head). AB_TAG names the logs
 # (ab${AB_TAG}_new_1.log ...), so one call can run several A/Bs.
+# Stage `verify`: benchmarks/verify_step.py (verify step of q = 1 2 3 5 8 rows per sequence against the 1-row step,
+# gemma4-26b-a4b FP8 at batch 1 and 8, then one layer's kernels at 1-8 rows); VERIFY_ARGS: its flags (e.g.
+# "--batch-sizes 1 --context 1024"). Stage `spec`: benchmarks/spec_decode.py (n-gram speculation on the packaged
+# Gemma 3 270M against plain decoding, batch 1 and 8); SPEC_ARGS: its flags (e.g. "--k 4 --max-tokens 256").
+# Time limits T_VERIFY (default 540) and T_SPEC (default 540); JSON and logs: verify_step.*, spec_decode.*.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -88,6 +93,10 @@ for stage in ${@:-tests gemma4 llama eager}; do
             grep -E "^\[sparrow\]|Error" "$OUT/ab${AB_TAG:-}_${side}_$round.log" | tail -4
           done
         done ;;
+    verify) timeout "${T_VERIFY:-540}" python3 benchmarks/verify_step.py --device cuda --out "$OUT/verify_step.json" \
+              ${VERIFY_ARGS:-} 2>&1 | tee "$OUT/verify_step.log" | grep -v "capturing CUDA graphs" | tail -80 ;;
+    spec) timeout "${T_SPEC:-540}" python3 benchmarks/spec_decode.py --device cuda --out "$OUT/spec_decode.json" \
+            ${SPEC_ARGS:-} 2>&1 | tee "$OUT/spec_decode.log" | tail -40 ;;
     eager) bench llama_eager "${T_EAGER:-60}" --model-shape llama3-8b --batch-sizes 1 --no-hf --enforce-eager \
              --prompt-len 128 --decode-tokens 64 ;;
     *) echo "unknown stage $stage" ;;

@@ -31,26 +31,33 @@ def engine_kwargs(s: Settings, max_model_len: int | None) -> dict:
                 enforce_eager=s.enforce_eager)
 
 
-def sparrow_from_hf(hf_model, full_cfg: dict, s: Settings, engine_kw: dict):
+def sparrow_model_from_hf(hf_model, full_cfg: dict, s: Settings):
     """sparrow's model for ``full_cfg`` on the device, filled from the transformers model's state dict (the
-    same weights), wrapped in an Engine by ``LLM.from_model`` (no tokenizer). Raises UnsupportedArchitectureError
-    if sparrow lacks the architecture."""
+    same weights), quantized as ``s`` asks (``--quantization``, ``--quantize-lm-head``). Raises
+    UnsupportedArchitectureError if sparrow lacks the architecture."""
     from sparrow.config import ModelConfig
-    from sparrow.engine.llm import LLM
     from sparrow.loader.model_loader import build_model, finish_loading
     from sparrow.loader.weights import load_weights
     from sparrow.models.registry import get_model_class
-
-    mcfg = ModelConfig.from_hf(full_cfg)
     from sparrow.quant import config_for_quantization
 
+    mcfg = ModelConfig.from_hf(full_cfg)
     quant_config = config_for_quantization(s.quantization)  # on-load quantization of the random bf16 weights
     model = build_model(get_model_class(mcfg.architecture), mcfg, _DTYPES[s.dtype], s.device, quant_config)
     load_weights(model, hf_model.state_dict().items())
     finish_loading(model, quant_config, s.quantize_lm_head)
+    return model
+
+
+def sparrow_from_hf(hf_model, full_cfg: dict, s: Settings, engine_kw: dict):
+    """``sparrow_model_from_hf`` wrapped in an Engine by ``LLM.from_model`` (no tokenizer). Raises
+    UnsupportedArchitectureError if sparrow lacks the architecture."""
+    from sparrow.engine.llm import LLM
+
+    model = sparrow_model_from_hf(hf_model, full_cfg, s)
     # a --max-model-len beyond the shape's positions only sizes the KV pool (num_kv_blocks); prompt + decode
     # tokens were checked against the positions
-    kw = dict(engine_kw, max_model_len=min(engine_kw["max_model_len"], mcfg.max_position_embeddings))
+    kw = dict(engine_kw, max_model_len=min(engine_kw["max_model_len"], model.config.max_position_embeddings))
     return LLM.from_model(model, device=s.device, dtype=s.dtype, **kw).engine
 
 

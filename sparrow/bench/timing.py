@@ -257,14 +257,21 @@ def profile_step(runner, prompts: list[list[int]], device: str, rows: int = 20) 
 
 
 def _graph_alone(runner, batch: int, reps: int = 20) -> float | None:
-    """Seconds per replay of the captured decode graph of ``batch`` rows (its inputs as the last step left
-    them; KV writes go to the slots of that step again), back to back: the step's GPU time without the
-    engine's host work or the sampler; None without a graph (eager engine)."""
+    """Seconds per replay of the captured decode graph of ``batch`` rows (``graph_replay_s``) of a runner's
+    engine; None without a graph (eager engine)."""
     graphs = getattr(getattr(getattr(runner, "engine", None), "runner", None), "graphs", None)
-    bucket = graphs.bucket_for(batch) if graphs is not None else None
+    return graph_replay_s(graphs, batch, 1, reps) if graphs is not None else None
+
+
+def graph_replay_s(graphs, batch: int, q: int = 1, reps: int = 20) -> float | None:
+    """Seconds per replay of the captured graph of ``batch`` sequences of ``q`` rows each (a ModelRunner's
+    ``DecodeGraphs``; its inputs as the last step left them, so KV writes go to the slots of that step
+    again), back to back: the step's GPU time without the engine's host work or the sampler; None when that
+    (bucket, q) has no graph."""
+    bucket = graphs.bucket_for(batch, q)
     if bucket is None:
         return None
-    graph = graphs.graphs[bucket, 1]
+    graph = graphs.graphs[bucket, q]
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
