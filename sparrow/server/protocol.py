@@ -71,6 +71,9 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
+    return_token_ids: bool = False
+    """vLLM's: each choice carries ``prompt_token_ids`` and ``token_ids`` (a stream: the prompt's in the choice's
+    first chunk, each chunk's own generated ids); always on for a model without a tokenizer."""
 
 
 class TextPart(BaseModel):

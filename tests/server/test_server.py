@@ -97,6 +97,22 @@ def test_completion_prompt_forms(client, oracle):
     assert echo.choices[0].text == "Hello there" + ref
 
 
+def test_return_token_ids(client, oracle):
+    """vLLM's return_token_ids: the prompt's ids (the tokenizer's) and the generated ids (LLM.generate's)."""
+    ref = _greedy(oracle, "Hello there", 8)
+    out = client.completions.create(model=MODEL_NAME, prompt="Hello there", max_tokens=8, temperature=0,
+                                    extra_body={"return_token_ids": True}).choices[0].model_extra
+    assert out["prompt_token_ids"] == ref.prompt_token_ids and out["token_ids"] == ref.outputs[0].token_ids
+    chunks = [c.choices[0].model_extra for c in client.completions.create(
+        model=MODEL_NAME, prompt="Hello there", max_tokens=8, temperature=0, stream=True,
+        extra_body={"return_token_ids": True}) if c.choices]
+    assert chunks[0]["prompt_token_ids"] == ref.prompt_token_ids
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert sum((c["token_ids"] for c in chunks), []) == ref.outputs[0].token_ids
+    plain = client.completions.create(model=MODEL_NAME, prompt="Hello there", max_tokens=2).choices[0]
+    assert "token_ids" not in (plain.model_extra or {})
+
+
 def test_chat_stream_equals_nonstream_and_usage(tiny_server, client, oracle):
     from sparrow.tokenizer import apply_chat_template
 
