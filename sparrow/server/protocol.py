@@ -10,7 +10,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sparrow.sampling_params import MAX_LOGPROBS, SamplingParams
+from sparrow.sampling_params import MAX_LOGPROBS, MAX_TOP_K, SamplingParams
 
 TokenIds = list[int]
 
@@ -37,7 +37,7 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extra sampling fields
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, le=MAX_TOP_K)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     min_tokens: int = Field(0, ge=0)
