@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call on the H200 (device tool); logs and JSON under $OUT.
 #   bash benchmarks/device_run.sh [STAGE ...]   stages: tests packaged profile prefill attn gemv moe tune
-#   gemma4 llama fp8 eager ab verify spec
+#   gemma4 llama fp8 eager ab verify spec serve
 # (no stage: tests gemma4 llama eager). Each stage has its own time limit (T_<STAGE> seconds). GPU_TESTS picks
 # the test files of the `tests` stage and TEST_ARGS adds pytest options (e.g. "-k 'bf16 and mixtral'"; "-n 8":
 # pytest-xdist, the whole suite in about 210 s instead of more than 470);
@@ -23,6 +23,10 @@
 # "--batch-sizes 1 --context 1024"). Stage `spec`: benchmarks/spec_decode.py (n-gram speculation on the packaged
 # Gemma 3 270M against plain decoding, batch 1 and 8); SPEC_ARGS: its flags (e.g. "--k 4 --max-tokens 256").
 # Time limits T_VERIFY (default 540) and T_SPEC (default 540); JSON and logs: verify_step.*, spec_decode.*.
+# Stage `serve`: benchmarks/serve.py, `sparrow serve --model-shape gemma4-26b-a4b --quantization fp8` (a subprocess)
+# under 1, 8, 64 streaming clients beside the same load through LLM in-process, then the served / in-process tok/s
+# ratio and the added TTFT p50; serve.json + serve.log (+ serve.server.log) under $OUT. SERVE_ARGS replaces its
+# default flags (e.g. "--model-shape llama3-8b --streams 1,64 --max-tokens 64"); T_SERVE its limit (default 540 s).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -97,6 +101,9 @@ for stage in ${@:-tests gemma4 llama eager}; do
               ${VERIFY_ARGS:-} 2>&1 | tee "$OUT/verify_step.log" | grep -v "capturing CUDA graphs" | tail -80 ;;
     spec) timeout "${T_SPEC:-540}" python3 benchmarks/spec_decode.py --device cuda --out "$OUT/spec_decode.json" \
             ${SPEC_ARGS:-} 2>&1 | tee "$OUT/spec_decode.log" | tail -40 ;;
+    serve) timeout "${T_SERVE:-540}" python3 benchmarks/serve.py --device cuda --out "$OUT/serve.json" \
+             ${SERVE_ARGS:---model-shape gemma4-26b-a4b --quantization fp8 --streams 1,8,64 --prompt-len 128 --max-tokens 128} \
+             2>&1 | tee "$OUT/serve.log" | tail -20 ;;
     eager) bench llama_eager "${T_EAGER:-60}" --model-shape llama3-8b --batch-sizes 1 --no-hf --enforce-eager \
              --prompt-len 128 --decode-tokens 64 ;;
     *) echo "unknown stage $stage" ;;

@@ -1,154 +1,341 @@
 """``sparrow serve`` under N concurrent streaming clients beside the same load through ``LLM`` in-process:
-output tok/s, TTFT p50 / p99 and inter-token latency p50 / p99 at each stream count.
+output tok/s, TTFT p50 / p99 and inter-token latency (ITL) p50 / p99 at each stream count, the ratio of the
+served to the in-process tok/s and the TTFT p50 the server adds.
 
-    python benchmarks/serve.py [--model PATH | --tiny] [--streams 1,8,64] [--prompt-len 128] [--max-tokens 64]
+    python benchmarks/serve.py --model-shape gemma4-26b-a4b --quantization fp8 --device cuda --out serve.json
+    python benchmarks/serve.py --model-shape tiny-dense --device cpu --streams 1,2 --prompt-len 8 \\
+        --max-tokens 4 --requests-per-stream 2 --min-requests 1   # a CPU smoke run (seconds)
 
-Each point sends N requests at once (random token-id prompts of --prompt-len, greedy, ignore_eos, --max-tokens
-new tokens each). In-process: the requests go to the LLM's engine directly and a token's time is the end of the
-``Engine.step`` that produced it. Served: the same LLM behind the app in a thread of this process, the clients
-(httpx, streaming /v1/completions) in a child process so they do not share the server's interpreter; a token's
-time is its SSE chunk's arrival (tokens held back for an incomplete character arrive with a later chunk).
-``--tiny``: a tiny random Llama with a byte tokenizer built in a temporary folder (a CPU smoke run).
+Load: N streams, each a closed loop of --requests-per-stream requests (the next one sent when the last ended;
+more at small N, so that a point has at least --min-requests);
+every request is a fresh random token-id prompt of --prompt-len (no prefix-cache hits), greedy, ignore_eos,
+--max-tokens new tokens. Before each point one unmeasured round of the same shape warms both sides up
+(Triton compiles, allocator). The served and in-process sides get the same prompts.
+
+Served: ``python -m sparrow serve`` in a subprocess on a free port (the engine flags below, plus
+--max-num-seqs = the largest N), waited for on /health; the clients (httpx, streaming /v1/completions with
+token-id prompts, one asyncio loop in this process) time each SSE chunk's arrival and count its
+``token_ids``. Then the server is stopped (its GPU memory goes with the process) and the same model is built
+here (``model_shapes.random_llm`` with the same seed: the same weights; or ``LLM(--model)``) with the same
+engine settings; in-process, the requests go to its engine directly and a token's time is the end of the
+``Engine.step`` that produced it. TTFT: request sent (added) -> its first token; ITL: the gap between a
+request's consecutive chunks (steps) / the tokens they carried; tok/s: generated tokens / the point's wall
+time. --out writes every number as JSON.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing as mp
-import pathlib
+import json
+import os
+import platform
+import socket
+import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TARGET_RATIO, TARGET_ADDED_TTFT_MS = 0.95, 5.0
+"""The server delivers >= 95 % of the in-process tok/s and adds <= 5 ms to TTFT p50 (at 1 and the most streams)."""
 
 
 def _pct(xs: list[float], q: float) -> float:
+    """The q-quantile of xs (nearest rank); nan when empty."""
     if not xs:
         return float("nan")
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def _summary(name: str, n: int, wall: float, ttfts: list[float], itls: list[float], tokens: int) -> str:
-    return (f"{name:10s} streams {n:4d}: {tokens / wall:9.1f} tok/s  TTFT p50 {_pct(ttfts, .5) * 1e3:8.2f} ms "
-            f"p99 {_pct(ttfts, .99) * 1e3:8.2f} ms  ITL p50 {_pct(itls, .5) * 1e3:7.2f} ms "
-            f"p99 {_pct(itls, .99) * 1e3:7.2f} ms")
+def _stats(wall: float, ttfts: list[float], itls: list[float], tokens: int, requests: int) -> dict:
+    return {"wall_s": wall, "requests": requests, "output_tokens": tokens, "output_tok_s": tokens / wall,
+            "ttft_p50_ms": _pct(ttfts, .5) * 1e3, "ttft_p99_ms": _pct(ttfts, .99) * 1e3,
+            "itl_p50_ms": _pct(itls, .5) * 1e3, "itl_p99_ms": _pct(itls, .99) * 1e3}
 
 
-def in_process(llm, prompts, max_tokens: int) -> tuple[float, list[float], list[float], int]:
+def _prompts(seed: int, streams: int, rounds: int, prompt_len: int, vocab: int) -> list[list[list[int]]]:
+    """[stream][round] -> a random token-id prompt."""
+    import random
+
+    rng = random.Random(seed)
+    return [[[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(rounds)] for _ in range(streams)]
+
+
+# ---------------------------------------------------------------------------------------------- served
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _engine_flags(args) -> list[str]:
+    """The engine flags both sides share, as `sparrow serve` flags."""
+    flags = ["--device", args.device, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+             "--max-num-seqs", str(max(args.streams)), "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    flags += ["--model-shape", args.model_shape, "--seed", str(args.seed)] if args.model_shape else ["--model", args.model]
+    if args.quantization:
+        flags += ["--quantization", args.quantization]
+    if args.quantize_lm_head:
+        flags += ["--quantize-lm-head"]
+    if args.enforce_eager:
+        flags += ["--enforce-eager"]
+    return flags
+
+
+def start_server(args, log_path: Path) -> tuple[subprocess.Popen, str]:
+    """`python -m sparrow serve` on a free port; returns (process, base URL) once /health answers. Raises
+    RuntimeError (with the log's tail) if it exits or does not answer within --startup-timeout."""
+    import httpx
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "sparrow", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", "bench", *_engine_flags(args)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + args.startup_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    stop_server(proc)
+    tail = "".join(log_path.read_text().splitlines(True)[-20:])
+    raise RuntimeError(f"the server did not come up ({' '.join(cmd)}):\n{tail}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGINT (uvicorn's graceful stop), then kill after 30 s."""
+    import signal
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def _served_point(url: str, prompts, max_tokens: int) -> dict:
+    import httpx
+
+    ttfts, itls, tokens = [], [], [0]
+    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        async def one(prompt):
+            body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            t0 = time.perf_counter()
+            last, n = None, 0
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"the server answered {r.status_code}: {(await r.aread())[:300]!r}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        raise RuntimeError(f"stream error: {chunk['error']}")
+                    k = len(chunk["choices"][0].get("token_ids") or ()) if chunk["choices"] else 0
+                    if not k:
+                        continue
+                    now = time.perf_counter()
+                    if last is None:
+                        ttfts.append(now - t0)
+                    else:
+                        itls.append((now - last) / k)
+                    last, n = now, n + k
+            tokens[0] += n
+
+        async def stream(rounds):
+            for p in rounds:
+                await one(p)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(stream(r) for r in prompts))
+        wall = time.perf_counter() - t0
+    return _stats(wall, ttfts, itls, tokens[0], sum(len(r) for r in prompts))
+
+
+# ---------------------------------------------------------------------------------------------- in-process
+
+
+def build_llm(args):
+    """The in-process LLM with the server's engine settings."""
+    kw = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=max(args.streams),
+              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+              quantization=args.quantization, quantize_lm_head=args.quantize_lm_head)
+    if args.model_shape:
+        from sparrow.model_shapes import random_llm
+
+        return random_llm(args.model_shape, seed=args.seed, **kw)
+    from sparrow import LLM
+
+    return LLM(args.model, skip_tokenizer_init=True, **kw)
+
+
+def in_process_point(llm, prompts, max_tokens: int) -> dict:
+    """The same closed loop on ``llm``'s engine: a stream's next request is added after the step that ended
+    its last one."""
     from sparrow import SamplingParams
 
     eng = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    pending = [list(r) for r in prompts]
+    owner, start, last = {}, {}, {}
+    ttfts, itls, tokens = [], [], 0
+
+    def add(s: int) -> None:
+        if pending[s]:
+            rid = eng.add_request({"prompt_token_ids": pending[s].pop(0)}, params)
+            owner[rid], start[rid] = s, time.perf_counter()
+
     t0 = time.perf_counter()
-    rids = [eng.add_request({"prompt_token_ids": p}, params) for p in prompts]
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    itls: list[float] = []
-    tokens = 0
+    for s in range(len(prompts)):
+        add(s)
     while eng.has_unfinished_requests():
         outs = eng.step()
         now = time.perf_counter()
         for o in outs:
-            n = len(o.outputs[0].delta_token_ids)
-            if not n:
-                continue
-            tokens += n
-            if o.request_id not in first:
-                first[o.request_id] = now - t0
-            else:
-                itls.append((now - last[o.request_id]) / n)
-            last[o.request_id] = now
-    return time.perf_counter() - t0, [first[r] for r in rids], itls, tokens
+            k = len(o.outputs[0].delta_token_ids)
+            if k:
+                tokens += k
+                if o.request_id not in last:
+                    ttfts.append(now - start[o.request_id])
+                else:
+                    itls.append((now - last[o.request_id]) / k)
+                last[o.request_id] = now
+            if o.finished:
+                add(owner[o.request_id])
+    return _stats(time.perf_counter() - t0, ttfts, itls, tokens, sum(len(r) for r in prompts))
 
 
-def _client(url: str, prompts, max_tokens: int, out: mp.Queue) -> None:
-    import json
-
-    import httpx
-
-    async def run():
-        limits = httpx.Limits(max_connections=len(prompts) + 4)
-        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
-            async def one(p):
-                body = {"prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                        "stream": True, "stream_options": {"include_usage": True}}
-                t0 = time.perf_counter()
-                times, usage = [], 0
-                async with http.stream("POST", "/v1/completions", json=body) as r:
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        if chunk["choices"] and chunk["choices"][0]["text"]:
-                            times.append(time.perf_counter() - t0)
-                        if chunk.get("usage"):
-                            usage = chunk["usage"]["completion_tokens"]
-                return times, usage
-
-            t0 = time.perf_counter()
-            res = await asyncio.gather(*(one(p) for p in prompts))
-            return time.perf_counter() - t0, res
-
-    wall, res = asyncio.run(run())
-    ttfts = [t[0] for t, _ in res if t]
-    itls = []
-    for times, n in res:  # spread each gap over the tokens it carried (n tokens over len(times) chunks)
-        per = max(1, n) / max(1, len(times))
-        itls += [(b - a) / per for a, b in zip(times, times[1:])]
-    out.put((wall, ttfts, itls, sum(n for _, n in res)))
+# ---------------------------------------------------------------------------------------------- report
 
 
-def tiny_model() -> str:
-    from tests.helpers import build_tiny_llama, save_byte_tokenizer
-
-    path = build_tiny_llama(pathlib.Path(tempfile.mkdtemp()) / "tiny", max_position_embeddings=2048)
-    save_byte_tokenizer(path)
-    return str(path)
+def _line(side: str, n: int, r: dict) -> str:
+    return (f"{side:10s} streams {n:4d}: {r['output_tok_s']:9.1f} tok/s  TTFT p50 {r['ttft_p50_ms']:8.2f} ms "
+            f"p99 {r['ttft_p99_ms']:8.2f} ms  ITL p50 {r['itl_p50_ms']:7.2f} ms p99 {r['itl_p99_ms']:7.2f} ms")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="checkpoint (default: the packaged Gemma 3 270M)")
-    ap.add_argument("--tiny", action="store_true", help="a tiny random Llama with a byte tokenizer (CPU smoke run)")
-    ap.add_argument("--streams", default="1,8,64")
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--enforce-eager", action="store_true")
-    args = ap.parse_args()
+def _compare(points: list[dict], target_streams: tuple[int, ...]) -> None:
+    for p in points:
+        s, i = p["served"], p["in_process"]
+        p["ratio_tok_s"] = s["output_tok_s"] / i["output_tok_s"]
+        p["added_ttft_p50_ms"] = s["ttft_p50_ms"] - i["ttft_p50_ms"]
+        if p["streams"] in target_streams:
+            p["meets_target"] = p["ratio_tok_s"] >= TARGET_RATIO and p["added_ttft_p50_ms"] <= TARGET_ADDED_TTFT_MS
 
+
+def _meta(args) -> dict:
+    meta = {k: v for k, v in vars(args).items()}
+    meta.update(python=platform.python_version(), load_average_start=os.getloadavg())
+    return meta
+
+
+def _device_meta(meta: dict, llm) -> None:
+    """torch's version and the device's name (read after the server ran: this process touches CUDA only then)."""
     import torch
 
-    from sparrow import LLM
-    from tests.server.conftest import start_server, stop_server
+    meta.update(torch=torch.__version__, engine_device=llm.config.device, engine_dtype=llm.config.dtype,
+                kv_cache_tokens=llm.engine.block_manager.num_blocks * llm.config.cache.block_size)
+    if llm.config.device.startswith("cuda"):
+        meta["device_name"] = torch.cuda.get_device_name()
+    else:
+        meta["device_name"] = platform.processor() or platform.machine()
 
-    streams = [int(s) for s in args.streams.split(",")]
-    model = tiny_model() if args.tiny else args.model
-    llm = LLM(model, device=args.device, dtype=args.dtype, max_num_seqs=max(streams),
-              max_model_len=args.prompt_len + args.max_tokens + 1, enforce_eager=args.enforce_eager)
-    g = torch.Generator().manual_seed(0)
-    vocab = min(llm.config.model.vocab_size, len(llm.tokenizer))
-    sets = {n: torch.randint(0, vocab, (n, args.prompt_len), generator=g).tolist() for n in streams}
-    in_process(llm, sets[streams[0]][:1], 4)  # warm-up (graphs, kernels)
-    for n in streams:
-        print(_summary("in-process", n, *in_process(llm, sets[n], args.max_tokens)), flush=True)
-    srv = start_server(llm)
+
+def _int_list(text: str) -> list[int]:
+    out = [int(x) for x in text.split(",") if x.strip()]
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model-shape", default=None, help="a random-weight named shape (sparrow/model_shapes.py)")
+    src.add_argument("--model", default=None, help="a checkpoint (its tokenizer is not needed)")
+    ap.add_argument("--streams", type=_int_list, default=[1, 8, 64], help="concurrent streams per point (1,8,64)")
+    ap.add_argument("--requests-per-stream", type=int, default=4, help="requests each stream sends in turn (4)")
+    ap.add_argument("--min-requests", type=int, default=16,
+                    help="at least this many requests per point: a stream sends more at small N (16)")
+    ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (128)")
+    ap.add_argument("--max-tokens", type=int, default=128, help="generated tokens per request (128)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: prompt-len + max-tokens + 1")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--quantize-lm-head", action="store_true")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (0)")
+    ap.add_argument("--startup-timeout", type=float, default=900, help="seconds to wait for /health (900)")
+    ap.add_argument("--out", default=None, help="write every number to this JSON file")
+    args = ap.parse_args(argv)
+    args.max_model_len = args.max_model_len or args.prompt_len + args.max_tokens + 1
+    if args.model_shape:
+        from sparrow.model_shapes import shape_config
+
+        vocab = shape_config(args.model_shape)["vocab_size"]
+    else:
+        from sparrow.loader.model_loader import read_model_config
+
+        vocab = read_model_config(args.model)[0].vocab_size
+    loads = {n: (_prompts(args.seed + 1000 + n, n, 1, args.prompt_len, vocab),
+                 _prompts(args.seed + n, n, max(args.requests_per_stream, -(-args.min_requests // n)),
+                          args.prompt_len, vocab)) for n in args.streams}
+    report = {"meta": _meta(args), "points": [{"streams": n} for n in args.streams]}
+
+    log_path = Path(args.out).with_suffix(".server.log") if args.out else Path(tempfile.mkstemp(".log")[1])
+    print(f"starting sparrow serve ({' '.join(_engine_flags(args))}); log {log_path}", flush=True)
+    t = time.perf_counter()
+    proc, url = start_server(args, log_path)
+    print(f"server up in {time.perf_counter() - t:.1f} s", flush=True)
     try:
-        ctx = mp.get_context("spawn")
-        for k, n in enumerate([streams[0]] + streams):  # the first point runs once more first, as a warm-up
-            q = ctx.Queue()
-            p = ctx.Process(target=_client, args=(srv.url, sets[n], args.max_tokens, q))
-            p.start()
-            res = q.get()
-            p.join()
-            if k:
-                print(_summary("served", n, *res), flush=True)
+        for point in report["points"]:
+            warm, load = loads[point["streams"]]
+            asyncio.run(_served_point(url, warm, args.max_tokens))
+            point["served"] = asyncio.run(_served_point(url, load, args.max_tokens))
+            print(_line("served", point["streams"], point["served"]), flush=True)
     finally:
-        stop_server(srv)
+        stop_server(proc)
+
+    t = time.perf_counter()
+    llm = build_llm(args)
+    print(f"in-process LLM built in {time.perf_counter() - t:.1f} s", flush=True)
+    _device_meta(report["meta"], llm)
+    for point in report["points"]:
+        warm, load = loads[point["streams"]]
+        in_process_point(llm, warm, args.max_tokens)
+        point["in_process"] = in_process_point(llm, load, args.max_tokens)
+        print(_line("in-process", point["streams"], point["in_process"]), flush=True)
+
+    _compare(report["points"], (1, max(args.streams)))
+    print(f"\nstreams  served/in-process tok/s  added TTFT p50 ms   (target: >= {TARGET_RATIO:.0%}, "
+          f"<= {TARGET_ADDED_TTFT_MS:.0f} ms at 1 and {max(args.streams)} streams)")
+    for p in report["points"]:
+        verdict = {True: "  meets target", False: "  MISSES target"}.get(p.get("meets_target"), "")
+        print(f"{p['streams']:7d}  {p['ratio_tok_s']:23.1%}  {p['added_ttft_p50_ms']:16.2f}{verdict}")
+    report["meta"]["load_average_end"] = os.getloadavg()
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -29,6 +29,17 @@ def _int_at_least(low: int):
 _positive_int = _int_at_least(1)
 
 
+def _fraction(text: str) -> float:
+    """argparse type: a number in (0, 1] (argparse names the flag in the error)."""
+    try:
+        x = float(text)
+    except ValueError:
+        x = float("nan")
+    if not 0 < x <= 1:  # nan fails too
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return x
+
+
 def _add_model_args(p: argparse.ArgumentParser, kv_cache: bool = True) -> None:
     from sparrow.config import DEFAULT_MAX_MODEL_LEN_CAP, CacheConfig, EngineConfig  # the defaults are the config's
 
@@ -41,6 +52,9 @@ def _add_model_args(p: argparse.ArgumentParser, kv_cache: bool = True) -> None:
     p.add_argument("--max-model-len", type=_int_at_least(2), default=EngineConfig.max_model_len,
                    help=f"longest prompt + output in tokens, at least 2 (default: the model's, at most "
                         f"{DEFAULT_MAX_MODEL_LEN_CAP})")
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=CacheConfig.gpu_memory_utilization,
+                   metavar="FRACTION", help=f"fraction of the GPU's memory the engine may use, weights + KV pool, in "
+                                            f"(0, 1] (default {CacheConfig.gpu_memory_utilization}; GPU only)")
     if kv_cache:
         p.add_argument("--num-kv-blocks", type=_positive_int, default=CacheConfig.num_blocks,
                        help=f"KV cache size in blocks of {CacheConfig.block_size} tokens (default: what "
@@ -117,7 +131,8 @@ def _llm(args):
               f"({torch.get_num_threads()} CPU threads) ...", file=sys.stderr, flush=True)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
-              num_kv_blocks=args.num_kv_blocks, max_num_seqs=max(1, getattr(args, "n", 1)))
+              num_kv_blocks=args.num_kv_blocks, max_num_seqs=max(1, getattr(args, "n", 1)),
+              gpu_memory_utilization=args.gpu_memory_utilization)
     # max_num_seqs = the completions of one request: the CPU KV pool is sized to them, not to 64 sequences
     if status:
         from sparrow.engine.model_runner import kv_bytes_per_token
@@ -275,6 +290,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from sparrow import __version__
+    from sparrow.model_shapes import SHAPES
 
     parser = _Parser(prog="sparrow", description="sparrow: an LLM inference engine for MoE models")
     parser.add_argument("-v", "--verbose", action="store_true", help="log loading and engine details")
@@ -305,6 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None, help="the model's name in the API (default: its path)")
     s.add_argument("--max-num-seqs", type=_positive_int, default=None, help="most sequences in one batch")
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    s.add_argument("--model-shape", default=None, metavar="NAME",
+                   help="serve a random-weight model of a named shape instead of --model, without a tokenizer: "
+                        "prompts as token ids, answers as token ids (" + ", ".join(SHAPES) + ")")
+    s.add_argument("--seed", type=int, default=0, help="seed of --model-shape's random weights (default 0)")
     s.set_defaults(func=cmd_serve)
     b = sub.add_parser("bench", parents=[verbose],
                        help="prefill / decode tok/s of sparrow and of HF transformers on the same weights")
@@ -317,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     b.add_argument("--model-shape", default=None,
                    help="benchmark a random-weight model of a named shape instead of --model "
-                        "(gemma4-26b-a4b, qwen3-30b-a3b, llama3-8b, gemma3-270m, tiny-moe, tiny-gemma4, tiny-dense)")
+                        "(" + ", ".join(SHAPES) + ")")
     b.add_argument("--profile", action="store_true",
                    help="print torch.profiler's top ops for one decode step of each engine (batch: --profile-batch)")
     b.add_argument("--profile-batch", type=_positive_int, default=1, metavar="N",

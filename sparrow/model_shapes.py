@@ -167,3 +167,40 @@ def build_random_hf_model(cfg: dict, dtype: torch.dtype, device: str, seed: int 
     model.tie_weights()  # skipped under no_init_weights; ties lm_head to the embedding where the config says so
     init_random_(model, seed=seed)
     return model.eval()
+
+
+def random_llm(name: str, *, device: str = "auto", dtype: str = "auto", quantization: str | None = None,
+               quantize_lm_head: bool = False, seed: int = 0, **engine_args):
+    """A tokenizer-less ``LLM`` of the named shape with random weights (``build_random_hf_model`` with
+    ``seed``, copied into sparrow's model, then quantized at load when ``quantization`` names a format):
+    prompts are token ids, outputs carry token ids and no text. The same arguments give the same weights.
+    transformers' copy is freed before the engine sizes its KV pool (``gpu_memory_utilization`` of the
+    memory then free). ``engine_args``: LLM's engine arguments (max_model_len default: the shape's
+    positions, capped as LLM caps them). Raises InvalidRequestError for an unknown name, device, dtype or
+    format, UnsupportedArchitectureError when sparrow lacks the shape's architecture."""
+    import gc
+
+    from sparrow.config import ModelConfig
+    from sparrow.devices import TORCH_DTYPES, resolve_device, resolve_dtype
+    from sparrow.engine.llm import LLM
+    from sparrow.loader.model_loader import build_model, finish_loading
+    from sparrow.loader.weights import load_weights
+    from sparrow.models.registry import get_model_class
+    from sparrow.quant import check_quantization, config_for_quantization
+
+    cfg = shape_config(name)
+    check_quantization(quantization)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    mcfg = ModelConfig.from_hf(full_config_dict(cfg))
+    cls = get_model_class(mcfg.architecture)
+    hf = build_random_hf_model(cfg, TORCH_DTYPES[dtype], device, seed=seed)
+    quant_config = config_for_quantization(quantization)
+    model = build_model(cls, mcfg, TORCH_DTYPES[dtype], device, quant_config)
+    load_weights(model, hf.state_dict().items())
+    del hf
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    finish_loading(model, quant_config, quantize_lm_head)
+    return LLM.from_model(model, device=device, dtype=dtype, **engine_args)

@@ -9,6 +9,8 @@ from sparrow.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 """Most log-probabilities returned per token (vLLM's default max_logprobs)."""
+MAX_TOP_K = 2 ** 31 - 1
+"""Largest top_k (the sampler holds it in an int tensor; any value >= the vocabulary keeps every token)."""
 
 
 @dataclass
@@ -78,8 +80,9 @@ class SamplingParams:
             raise bad("temperature", "must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", "must be -1, 0 (disabled) or a positive integer")
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k <= MAX_TOP_K:
+            raise bad("top_k", f"must be -1, 0 (disabled) or a positive integer up to {MAX_TOP_K} (one at or "
+                               "above the vocabulary size keeps every token)")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
         if self.repetition_penalty <= 0:

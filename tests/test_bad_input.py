@@ -179,7 +179,7 @@ GOOD = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     ("frequency_penalty", -2.5), ("logprobs", -1), ("prompt_logprobs", -1), ("stop", [""]),
     ("stop_token_ids", ["a"]), ("seed", 1.5), ("temperature", float("nan")), ("temperature", float("inf")),
     ("repetition_penalty", float("nan")), ("temperature", "0.5"), ("logprobs", 21), ("prompt_logprobs", 10**6),
-    ("stop", 5), ("stop_token_ids", 5), ("stop_token_ids", [True]),
+    ("stop", 5), ("stop_token_ids", 5), ("stop_token_ids", [True]), ("top_k", 2**31), ("top_k", 10**20),
 ])
 def test_invalid_sampling_values(field, value):
     raises(InvalidRequestError, lambda: SamplingParams(**{field: value}), f"SamplingParams.{field}=")
@@ -292,3 +292,12 @@ def test_duplicate_request_id(llm):
     finally:
         llm.engine.abort("x")
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_largest_top_k_samples(llm):
+    """top_k = MAX_TOP_K (far above the vocabulary) keeps every token: the sampler takes it (it overflowed int64
+    for larger values before SamplingParams bounded them)."""
+    from sparrow.sampling_params import MAX_TOP_K
+
+    sp = SamplingParams(temperature=1.0, top_k=MAX_TOP_K, max_tokens=3, ignore_eos=True, seed=1)
+    assert len(llm.generate({"prompt_token_ids": [1, 2, 3]}, sp)[0].outputs[0].token_ids) == 3

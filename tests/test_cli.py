@@ -264,3 +264,32 @@ def test_chat_session_smollm2(smollm2_oracle, tokenizer_cache):
     assert "Traceback" not in proc.stderr
     # input() writes its '> ' prompt to stdout when stdin is not a terminal
     assert proc.stdout == "> " + hello + "\n> "
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat"], ["serve"], ["bench"]])
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.2", "nan", "half"])
+def test_gpu_memory_utilization_out_of_range(command, value, capsys):
+    """Refused by the parser (before any model load), naming the flag and the interval."""
+    from sparrow.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([*command, "--gpu-memory-utilization", value])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and err.startswith("sparrow: error:")
+    assert "--gpu-memory-utilization" in err and "(0, 1]" in err and repr(value) in err
+
+
+def test_gpu_memory_utilization_reaches_the_cache_config():
+    from sparrow.cli import build_parser
+    from sparrow.config import CacheConfig
+    from sparrow.server.main import _build_llm
+
+    args = build_parser().parse_args(["serve", "--model-shape", "tiny-dense", "--device", "cpu",
+                                      "--gpu-memory-utilization", "0.5", "--max-model-len", "32"])
+    assert _build_llm(args).config.cache.gpu_memory_utilization == 0.5
+    assert build_parser().parse_args(["bench"]).gpu_memory_utilization == CacheConfig.gpu_memory_utilization
+
+
+def test_serve_model_and_model_shape_refused(tiny_model_dir):
+    assert_cli_error(cli("serve", "--model", tiny_model_dir, "--model-shape", "tiny-dense"),
+                     "--model or --model-shape")

@@ -28,7 +28,7 @@ def engine_kwargs(s: Settings, max_model_len: int | None) -> dict:
     budget = 8192 if s.device.startswith("cuda") else SchedulerConfig.max_num_batched_tokens
     return dict(max_model_len=mml, num_kv_blocks=top * -(-mml // block) + top, max_num_seqs=max(top, 1),
                 max_num_batched_tokens=max(budget, max(s.prompt_lens)), enable_prefix_caching=False,
-                enforce_eager=s.enforce_eager)
+                enforce_eager=s.enforce_eager, gpu_memory_utilization=s.gpu_memory_utilization)
 
 
 def sparrow_model_from_hf(hf_model, full_cfg: dict, s: Settings):

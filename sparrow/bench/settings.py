@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+from sparrow.config import CacheConfig
 from sparrow.errors import InvalidRequestError
 
 @dataclass
@@ -23,6 +24,8 @@ class Settings:
     """sparrow's LM head in FP8 too (--quantize-lm-head; needs --quantization fp8 or an FP8 checkpoint)."""
     hf_dtype: str | None = None
     """transformers' dtype when it differs from sparrow's (--hf-dtype, checkpoints only); None: the same."""
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
+    """Fraction of GPU memory sparrow's engine may use, weights + KV pool (--gpu-memory-utilization)."""
 
     @property
     def max_model_len(self) -> int:
@@ -56,6 +59,8 @@ def resolve_settings(args) -> Settings:
         enforce_eager=bool(getattr(args, "enforce_eager", False)), quantization=getattr(args, "quantization", None),
         quantize_lm_head=bool(getattr(args, "quantize_lm_head", False)),
         hf_dtype=resolve_dtype(args.hf_dtype, device) if getattr(args, "hf_dtype", None) else None,
+        gpu_memory_utilization=_given(getattr(args, "gpu_memory_utilization", None),
+                                      CacheConfig.gpu_memory_utilization),
     )
     if s.hf_dtype and args.model_shape:
         raise InvalidRequestError("--hf-dtype works with --model only (a random-weight shape is shared in one dtype)")

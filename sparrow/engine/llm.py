@@ -24,12 +24,15 @@ def engine_config(model: ModelConfig, *, device: str = _E.device, dtype: str = _
                   max_model_len: int | None = _E.max_model_len, block_size: int = _C.block_size,
                   num_kv_blocks: int | None = _C.num_blocks, enable_prefix_caching: bool = _C.enable_prefix_caching,
                   max_num_seqs: int = _S.max_num_seqs, max_num_batched_tokens: int = _S.max_num_batched_tokens,
-                  enforce_eager: bool = _E.enforce_eager, speculative_config: dict | None = None) -> EngineConfig:
+                  enforce_eager: bool = _E.enforce_eager,
+                  gpu_memory_utilization: float = _C.gpu_memory_utilization,
+                  speculative_config: dict | None = None) -> EngineConfig:
     """The EngineConfig for LLM's flat engine arguments (``num_kv_blocks`` is ``cache.num_blocks``;
     ``speculative_config``: vLLM's dict, ``SpeculativeConfig.from_dict``). The configs validate themselves:
     InvalidRequestError names the first bad argument (cache and scheduler settings, the speculative config,
     then device, dtype, max_model_len and the pool size)."""
-    cache = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching)
+    cache = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
+                        gpu_memory_utilization=gpu_memory_utilization)
     scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     return EngineConfig(model=model, device=device, dtype=dtype, max_model_len=max_model_len, cache=cache,
                         scheduler=scheduler, enforce_eager=enforce_eager,
@@ -57,7 +60,7 @@ class LLM:
     (Gemma 3 270M Q4_K_M); ``LLM.from_model`` wraps a model already built. device: 'auto' | 'cpu' | 'cuda'.
     dtype: 'auto' | 'float32' | 'bfloat16' | 'float16'. max_model_len: longest prompt + output (default: the
     model's, capped at 8192). block_size, num_kv_blocks, enable_prefix_caching, max_num_seqs,
-    max_num_batched_tokens, enforce_eager: the engine settings (defaults and meaning: the fields of
+    max_num_batched_tokens, enforce_eager, gpu_memory_utilization: the engine settings (defaults and meaning: the fields of
     ``CacheConfig``, ``SchedulerConfig``, ``EngineConfig``; every value is checked before the weights load).
     quantization: None or a registered weight format (``sparrow.quant.supported_quantization()``; 'fp8':
     quantize a float checkpoint's linear layers and experts to block-scaled FP8 at load); a quantized
@@ -79,7 +82,7 @@ class LLM:
                  max_num_batched_tokens: int = _S.max_num_batched_tokens, enforce_eager: bool = _E.enforce_eager,
                  num_kv_blocks: int | None = _C.num_blocks, enable_prefix_caching: bool = _C.enable_prefix_caching,
                  seed: int = 0, tokenizer=None, skip_tokenizer_init: bool = False, quantize_lm_head: bool = False,
-                 speculative_config: dict | None = None):
+                 gpu_memory_utilization: float = _C.gpu_memory_utilization, speculative_config: dict | None = None):
         from sparrow.default_model import default_model_path
         from sparrow.loader.model_loader import load_model, read_model_config
         from sparrow.quant import check_quantization
@@ -97,7 +100,7 @@ class LLM:
             read_model_config(path)[0], device=device, dtype=dtype, max_model_len=max_model_len,
             block_size=block_size, num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
-            speculative_config=speculative_config)
+            gpu_memory_utilization=gpu_memory_utilization, speculative_config=speculative_config)
         torch.manual_seed(seed)
         loaded = load_model(path, TORCH_DTYPES[config.dtype], config.device, quantization=quantization,
                             quantize_lm_head=quantize_lm_head)
@@ -123,7 +126,7 @@ class LLM:
         ``config`` is a ModelConfig, after ``loader.model_loader.finish_loading``), e.g. random weights copied
         from a transformers model. ``engine_args``: LLM's engine arguments (device, dtype, max_model_len,
         block_size, num_kv_blocks, enable_prefix_caching, max_num_seqs, max_num_batched_tokens, enforce_eager,
-        speculative_config);
+        gpu_memory_utilization, speculative_config);
         device and dtype ('auto' or left out) are the model's own (``_model_placement``). tokenizer: None runs
         without one (prompts as {'prompt_token_ids': [...]}). Raises InvalidRequestError for a model that is not
         a sparrow model, a device or dtype other than the model's, or a bad engine argument; TypeError for an

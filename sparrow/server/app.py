@@ -95,17 +95,30 @@ class _Server:
             raise ApiError(404, f"the model {model!r} does not exist (this server serves {self.model_name!r})",
                            "model", "model_not_found")
 
-    def encode(self, text: str) -> list[int]:
+    def need_tokenizer(self, what: str, param: str | None) -> None:
+        """ApiError 400 naming ``what`` when the model has no tokenizer (a random-weight --model-shape)."""
+        if self.tokenizer is None:
+            raise ApiError(400, f"{what} needs a tokenizer, and {self.model_name!r} has none (a random-weight "
+                                f"shape served without one): send /v1/completions with prompt as token ids", param)
+
+    def encode(self, text: str, param: str = "prompt") -> list[int]:
         from sparrow.tokenizer import encode_prompt
 
+        self.need_tokenizer("a text prompt", param)
         return encode_prompt(self.tokenizer, text)
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``; '' without a tokenizer."""
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
     def decode_token(self, tid: int) -> str:
-        return self.tokenizer.decode([tid])
+        """One token's text; 'token_id:N' without a tokenizer (as logprobs name a token with no text)."""
+        return self.tokenizer.decode([tid]) if self.tokenizer is not None else f"token_id:{tid}"
 
     def chat_prompt(self, messages) -> str:
         from sparrow.tokenizer import apply_chat_template
 
+        self.need_tokenizer("a chat request (the chat template)", "messages")
         return apply_chat_template(self.tokenizer, [m.as_template_dict() for m in messages])
 
     async def updates(self, queue: asyncio.Queue, streams, raw: Request | None = None):
@@ -153,11 +166,11 @@ class _Server:
 
 
 def build_app(llm, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving ``llm`` (a sparrow LLM with a tokenizer; the app's engine loop owns its engine
-    from startup to shutdown: do not call the LLM meanwhile). api_key: required as ``Authorization: Bearer KEY``
-    on /v1 routes when set. Raises SparrowError when the LLM has no tokenizer."""
-    if llm.tokenizer is None:
-        raise SparrowError("the server needs a tokenizer (this LLM was built with skip_tokenizer_init)")
+    """The FastAPI app serving ``llm`` (a sparrow LLM; the app's engine loop owns its engine from startup to
+    shutdown: do not call the LLM meanwhile). api_key: required as ``Authorization: Bearer KEY`` on /v1 routes
+    when set. An LLM without a tokenizer (``skip_tokenizer_init``, a random-weight shape) is served on token ids:
+    completions take prompts as token ids and answer with ``token_ids`` (text empty); chat, text prompts,
+    /tokenize and /detokenize answer 400 naming the missing tokenizer."""
     server = _Server(llm, served_model_name, api_key)
 
     @contextlib.asynccontextmanager
@@ -225,6 +238,7 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
         server.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", "prompt")
+        server.need_tokenizer("/tokenize", "prompt")
         text = body.prompt if body.messages is None else server.chat_prompt(body.messages)
         if body.add_special_tokens and text:
             ids = server.encode(text)
@@ -235,6 +249,7 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         server.check_model(body.model)
+        server.need_tokenizer("/detokenize", "tokens")
         vocab = llm.config.model.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise ApiError(400, f"tokens: ids must be in [0, {vocab})", "tokens")

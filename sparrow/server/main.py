@@ -6,27 +6,50 @@ import logging
 log = logging.getLogger("sparrow.server")
 
 
+def _build_llm(args):
+    """The LLM the flags ask for: ``--model`` (or the packaged default) with its tokenizer, or a random-weight
+    ``--model-shape`` without one (``model_shapes.random_llm``). Raises SparrowError for a bad model or engine
+    argument, or for both --model and --model-shape."""
+    from sparrow.errors import InvalidRequestError
+
+    engine = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                  num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager,
+                  gpu_memory_utilization=args.gpu_memory_utilization)
+    if args.max_num_seqs is not None:
+        engine["max_num_seqs"] = args.max_num_seqs
+    quant = dict(quantization=args.quantization, quantize_lm_head=args.quantize_lm_head)
+    shape = getattr(args, "model_shape", None)
+    if shape is None:
+        from sparrow.engine.llm import LLM
+
+        return LLM(args.model, **quant, **engine)
+    if args.model is not None:
+        raise InvalidRequestError("give --model or --model-shape, not both")
+    from sparrow.model_shapes import random_llm
+
+    return random_llm(shape, seed=args.seed, **quant, **engine)
+
+
 def run_server(args) -> int:
     """Serve ``args`` (the ``serve`` subcommand's namespace). Raises SparrowError for a bad model or engine
     argument (before anything listens)."""
     import uvicorn
 
-    from sparrow.engine.llm import LLM
     from sparrow.server.app import build_app
 
-    extra = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs is not None else {}
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
-              num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager, **extra)
-    app = build_app(llm, served_model_name=args.served_model_name, api_key=args.api_key)
+    llm = _build_llm(args)
+    shape = getattr(args, "model_shape", None)
+    app = build_app(llm, served_model_name=args.served_model_name or shape, api_key=args.api_key)
     server = app.state.server
     cfg = llm.config
     kv_tokens = llm.engine.block_manager.num_blocks * cfg.cache.block_size
     logging.getLogger("sparrow.server").setLevel(logging.INFO)
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(name)s: %(message)s")
-    log.info("sparrow serve: model %s (%s) on %s, %s; KV cache %d tokens; max_model_len %d; "
-             "listening on http://%s:%d/v1", server.model_name, llm.model_path, cfg.device, cfg.dtype, kv_tokens,
+    source = f"random-weight shape {shape}, no tokenizer: token-id prompts" if shape else llm.model_path
+    quant = f", {args.quantization}" if args.quantization else ""
+    log.info("sparrow serve: model %s (%s) on %s, %s%s; KV cache %d tokens; max_model_len %d; "
+             "listening on http://%s:%d/v1", server.model_name, source, cfg.device, cfg.dtype, quant, kv_tokens,
              cfg.max_model_len, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0

@@ -10,7 +10,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sparrow.sampling_params import MAX_LOGPROBS, SamplingParams
+from sparrow.sampling_params import MAX_LOGPROBS, MAX_TOP_K, SamplingParams
 
 TokenIds = list[int]
 
@@ -37,7 +37,7 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extra sampling fields
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, le=MAX_TOP_K)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     min_tokens: int = Field(0, ge=0)
@@ -71,6 +71,9 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
+    return_token_ids: bool = False
+    """vLLM's: each choice carries ``prompt_token_ids`` and ``token_ids`` (a stream: the prompt's in the choice's
+    first chunk, each chunk's own generated ids); always on for a model without a tokenizer."""
 
 
 class TextPart(BaseModel):

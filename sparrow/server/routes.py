@@ -3,7 +3,8 @@ loop -> an OpenAI body (non-stream) or ``*.chunk`` SSE events ending in ``data: 
 
 A completion's choices are numbered prompt-major (``prompt_index * n + i``, as OpenAI's and vLLM's servers).
 ``echo`` with ``max_tokens`` 0 runs one step for the prompt's logprobs and drops the sampled token (the
-log-likelihood request lm-eval sends). An error after a stream started ends it with an ``{"error": ...}``
+log-likelihood request lm-eval sends). ``return_token_ids`` (vLLM's; always on for a model without a tokenizer,
+whose text is empty) adds ``prompt_token_ids`` and ``token_ids`` to each completion choice. An error after a stream started ends it with an ``{"error": ...}``
 event and ``[DONE]``.
 """
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _completion_prompts(server, prompt) -> list[dict]:
             vocab = server.llm.config.model.vocab_size
             if not p or any(not 0 <= t < vocab for t in p):
                 raise ApiError(400, f"prompt: token ids must be a non-empty list of ids in [0, {vocab})", "prompt")
-            out.append({"prompt_token_ids": list(p), "prompt": server.tokenizer.decode(p)})
+            out.append({"prompt_token_ids": list(p), "prompt": server.decode(p)})
     return out
 
 
@@ -96,6 +97,9 @@ def add_generation_routes(app: FastAPI, server) -> None:
         server.check_model(body.model)
         if body.suffix:
             raise ApiError(400, "suffix is not supported", "suffix")
+        if body.stop and server.tokenizer is None:
+            raise ApiError(400, "stop: stop strings need a tokenizer, and this model has none (use stop_token_ids)",
+                           "stop")
         if body.max_tokens == 0 and not body.echo:
             raise ApiError(400, "max_tokens: must be >= 1 (0 only with echo, for the prompt's logprobs)",
                            "max_tokens")
@@ -106,6 +110,7 @@ def add_generation_routes(app: FastAPI, server) -> None:
             mt = check_context(len(p["prompt_token_ids"]), body.max_tokens, server.max_model_len, "prompt")
             params.append(body._params(max(mt, 1), body.logprobs, body.logprobs if echo_lp else None))
         drop = body.max_tokens == 0  # one token sampled for the prompt's logprobs, not returned
+        want_ids = body.return_token_ids or server.tokenizer is None  # no tokenizer: the ids are the answer
         queue: asyncio.Queue = asyncio.Queue()
         streams = [server.loop.add(p, sp, queue, "cmpl") for p, sp in zip(prompts, params)]
         rid, n = f"cmpl-{uuid.uuid4().hex}", body.n
@@ -119,7 +124,7 @@ def add_generation_routes(app: FastAPI, server) -> None:
             generated = [0]
 
             async def events():
-                started = set()
+                started, ids_started = set(), set()
                 async with contextlib.aclosing(server.updates(queue, streams)) as it:
                     async for k, upd in it:
                         for d in upd.deltas:
@@ -134,10 +139,15 @@ def add_generation_routes(app: FastAPI, server) -> None:
                                 for t, dd in zip(tids, d.logprobs or []):
                                     lps[idx].add(t, dd)
                                 lp = lps[idx].take()
-                            if text or d.finish_reason is not None or (lp is not None and tids):
-                                yield {**base("text_completion", rid), "choices": [{
-                                    "index": idx, "text": text, "logprobs": lp, "finish_reason": d.finish_reason,
-                                    "stop_reason": d.stop_reason}], "usage": None}
+                            if text or d.finish_reason is not None or ((lp is not None or want_ids) and tids):
+                                choice = {"index": idx, "text": text, "logprobs": lp,
+                                          "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+                                if want_ids:
+                                    if idx not in ids_started:
+                                        choice["prompt_token_ids"] = prompts[k]["prompt_token_ids"]
+                                        ids_started.add(idx)
+                                    choice["token_ids"] = list(tids)
+                                yield {**base("text_completion", rid), "choices": [choice], "usage": None}
 
             final = (lambda: {**base("text_completion", rid), "choices": [], "usage": usage(
                 n_prompt, generated[0])}) if body.include_usage else None
@@ -169,6 +179,8 @@ def add_generation_routes(app: FastAPI, server) -> None:
                     lp.add(t, dd)
             out.append({"index": idx, "text": text, "logprobs": lp.body() if lp is not None else None,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            if want_ids:
+                out[-1].update(prompt_token_ids=p["prompt_token_ids"], token_ids=list(tids))
         return {**base("text_completion", rid), "choices": out, "usage": usage(n_prompt, generated)}
 
     @app.post("/v1/chat/completions")

@@ -1,0 +1,31 @@
+"""benchmarks/serve.py end to end on the smallest shape on the CPU: it starts `sparrow serve` itself, runs the
+served and the in-process load, and writes every figure to its JSON."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_serve_benchmark_smoke(tmp_path):
+    out = tmp_path / "serve.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--model-shape", "tiny-dense", "--device", "cpu",
+         "--dtype", "float32", "--streams", "1,2", "--prompt-len", "8", "--max-tokens", "4",
+         "--requests-per-stream", "2", "--min-requests", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert [p["streams"] for p in report["points"]] == [1, 2]
+    for p in report["points"]:
+        for side in ("served", "in_process"):
+            r = p[side]
+            assert r["requests"] == 2 * p["streams"] and r["output_tokens"] == 4 * r["requests"]
+            for key in ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "wall_s"):
+                assert math.isfinite(r[key]) and r[key] > 0, (side, key, r)
+        assert p["ratio_tok_s"] > 0 and math.isfinite(p["added_ttft_p50_ms"]) and isinstance(p["meets_target"], bool)
+    assert "served" in proc.stdout and "in-process" in proc.stdout
