@@ -23,8 +23,12 @@ dtype's eps. Computed in fp32, so it equals compressed-tensors bit for bit on fp
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
+
+from sparrow.kernels import ForcedConfig, interpreting, use_triton
 
 PACK = 8
 """Codes per int32 word."""
@@ -116,18 +120,93 @@ def quantize_int4_ref(w: torch.Tensor, group: int = DEFAULT_GROUP, symmetric: bo
 def int4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                     group: int) -> torch.Tensor:
     """The torch twin of the W4A16 kernels: x [R, K] @ dequantize(packed, scale, zero).T -> [R, N] in x's
-    dtype (the weight cast to x's dtype, products accumulated in x's dtype as F.linear does; fp32 for
-    bf16 / fp16 inputs on CPU)."""
-    w = dequantize_int4_ref(packed, scale, zero, group)
-    if x.shape[-1] != w.shape[-1]:
-        raise ValueError(f"int4_linear: x {tuple(x.shape)} and weight [N, K] {tuple(w.shape)} disagree on K")
-    if x.dtype == torch.float32 or not x.is_cuda:
-        return F.linear(x.float(), w.float()).to(x.dtype)
-    return F.linear(x, w.to(x.dtype))
+    dtype: the weight rounded to the scale dtype, then to x's dtype; products summed in fp32 (on CUDA: F.linear
+    in x's dtype, whose GEMMs accumulate in fp32)."""
+    _check(x, packed, scale, zero, group, "int4_linear")
+    w = dequantize_int4_ref(packed, scale, zero, group).to(x.dtype)
+    if x.is_cuda and x.dtype != torch.float32:
+        return F.linear(x, w)
+    return F.linear(x.float(), w.float()).to(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Config:
+    """A tile config of ``int4_matmul_kernel``: rows, output columns and K elements per program / step."""
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+GEMV_MAX_ROWS = 16
+"""Rows up to which one M tile covers the batch (decode, verify): each weight element is read once."""
+# (largest R, config): first entry whose bound covers R. Untuned defaults (tile configs as data, style.md 9):
+# a GEMV-shaped tile at <= 16 rows (rows padded to 16 for tl.dot), a GEMM tile above.
+INT4_CONFIGS: tuple[tuple[int, Int4Config], ...] = (
+    (GEMV_MAX_ROWS, Int4Config(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=3)),
+    (1 << 62, Int4Config(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)),
+)
+forced_config = ForcedConfig()  # ``with forced_config(Int4Config(...)):`` overrides the table
+
+
+def w_round(scale_dtype: torch.dtype, x_dtype: torch.dtype) -> int:
+    """The kernels' W_ROUND code: the roundings the twin applies to a dequantized fp32 weight (to the scale
+    dtype, then to x's dtype)."""
+    if scale_dtype == torch.float16:
+        return 3 if x_dtype == torch.bfloat16 else 2
+    if scale_dtype == torch.bfloat16:  # a bf16 value is exact in fp16 / fp32
+        return 1
+    return {torch.bfloat16: 1, torch.float16: 2}.get(x_dtype, 0)
+
+
+def int4_linear_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                       group: int) -> torch.Tensor:
+    """Triton launcher of ``int4_linear_ref`` (same contract), any R."""
+    from sparrow.kernels._int4_jit import int4_matmul_kernel
+
+    _check(x, packed, scale, zero, group, "int4_linear")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    rows, k = x.shape
+    n = packed.shape[0]
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows == 0 or n == 0:
+        return y
+    cfg = forced_config.value or next(c for bound, c in INT4_CONFIGS if rows <= bound)
+    interp = interpreting()
+    grid = (triton_cdiv(n, cfg.block_n), triton_cdiv(rows, cfg.block_m))
+    int4_matmul_kernel[grid](
+        x, packed, scale, zero if zero is not None else scale, y, rows, n, k, x.stride(0), packed.stride(0),
+        scale.stride(0), zero.stride(0) if zero is not None else 0, y.stride(0), group,
+        HAS_ZERO=zero is not None, W_ROUND=w_round(scale.dtype, x.dtype), RNE=interp,
+        RNE_OUT=interp and x.dtype == torch.bfloat16, UPCAST=interp or x.dtype == torch.float32,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return y
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                 group: int) -> torch.Tensor:
-    """y = x [R, K] @ dequantize(packed, scale, zero).T -> [R, N] in x's dtype: the torch twin
-    ``int4_linear_ref`` (Triton kernels: see ``sparrow.kernels.int4_gemm``)."""
-    return int4_linear_ref(x, packed, scale, zero, group)
+    """y = x [R, K] @ dequantize(packed, scale, zero).T -> [R, N] in x's dtype: ``int4_linear_triton`` where
+    ``use_triton(x)``, else the twin ``int4_linear_ref``."""
+    fn = int4_linear_triton if use_triton(x) else int4_linear_ref
+    return fn(x, packed, scale, zero, group)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check(x, packed, scale, zero, group, name) -> None:
+    if x.dim() != 2 or packed.dim() != 2 or packed.dtype != torch.int32 or x.shape[1] != packed.shape[1] * PACK:
+        raise ValueError(f"{name}: need x [R, K] and packed int32 [N, K / 8], got x {tuple(x.shape)}, packed "
+                         f"{tuple(packed.shape)} {packed.dtype}")
+    if x.dtype not in SCALE_DTYPES or scale.dtype not in SCALE_DTYPES:
+        raise ValueError(f"{name}: x and scale must be fp32 / bf16 / fp16, got {x.dtype} and {scale.dtype}")
+    want = (packed.shape[0], num_groups(x.shape[1], group))
+    if tuple(scale.shape) != want or (zero is not None and (tuple(zero.shape) != want or zero.dtype != torch.uint8)):
+        raise ValueError(f"{name}: scale (and uint8 zero) must be {want}, got {tuple(scale.shape)}"
+                         f"{'' if zero is None else f' / {tuple(zero.shape)} {zero.dtype}'}")
+    for t in (packed, scale) + ((zero,) if zero is not None else ()):
+        if t.stride(-1) != 1 or t.device != x.device:
+            raise ValueError(f"{name}: weights need unit stride on their last dim and x's device")
