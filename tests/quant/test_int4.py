@@ -278,3 +278,19 @@ def test_gptq_and_awq_checkpoints_load_as_the_ct_one(tmp_path):
         for name, p in got.items():
             want = ref[name].half() if name.endswith("weight_scale") else ref[name]
             assert torch.equal(p, want), (layout, name)
+
+
+def test_bench_named_shape_quantizes_to_int4(tmp_path):
+    """``sparrow bench --model-shape tiny-gemma4 --quantization int4``: the random bf16 weights quantize at load
+    (widths below the group: one short group per row) and a step reads fewer weight bytes than in bf16."""
+    from sparrow.cli import main
+
+    runs = {}
+    for name, extra in (("bf16", ()), ("int4", ("--quantization", "int4"))):
+        out = tmp_path / f"{name}.json"
+        assert main(["bench", "--device", "cpu", "--batch-sizes", "1", "--prompt-len", "5", "--decode-tokens", "2",
+                     "--model-shape", "tiny-gemma4", "--no-hf", "--out", str(out), *extra]) == 0
+        runs[name] = json.loads(out.read_text())
+    assert all("error" not in r and r["decode_tok_s"] > 0 for r in runs["int4"]["results"]), runs["int4"]["results"]
+    wb = {k: sum(r["meta"]["bytes_model"]["weight_bytes"].values()) for k, r in runs.items()}
+    assert wb["int4"] < wb["bf16"]
