@@ -115,6 +115,15 @@ class QuantizationConfig:
     checkpoint_tensor_kinds: ClassVar[dict[str, str]] = {}
     """Checkpoint tensor-name suffix -> what it is ("an FP8 block scale"), for the unused-tensor message."""
 
+    hf_formats: ClassVar[tuple[str, ...]] = ()
+    """Checkpoint quant_methods besides ``name`` that ``loads_hf`` takes, for messages (e.g. "gptq")."""
+
+    @classmethod
+    def loads_hf(cls, qc: dict) -> bool:
+        """Whether this format loads a ``quantization_config`` whose quant_method is not ``name`` (one that
+        several formats share, such as compressed-tensors, decided by its other fields)."""
+        return False
+
     @classmethod
     def from_hf(cls, qc: dict) -> "QuantizationConfig":
         """From config.json's ``quantization_config``. Raises ModelLoadError for settings the format lacks."""

@@ -90,10 +90,13 @@ def config_from_hf(qc) -> QuantizationConfig:
         raise ModelLoadError(f"checkpoint quantization_config must be an object (a dict), got {qc!r}")
     _load_formats()
     method = qc.get("quant_method")
-    if not isinstance(method, str) or method not in _FORMATS:
+    fmt = _FORMATS.get(method) if isinstance(method, str) else None
+    fmt = fmt or next((f for f in _FORMATS.values() if f.loads_hf(qc)), None)  # e.g. compressed-tensors, gptq
+    if fmt is None:
+        also = [h for f in _FORMATS.values() for h in f.hf_formats]
         raise ModelLoadError(f"checkpoint quantization_config.quant_method={method!r} is not supported "
-                             f"(supported: {', '.join(supported_quantization())})")
-    return _FORMATS[method].from_hf(qc)
+                             f"(supported: {', '.join([*supported_quantization(), *also])})")
+    return fmt.from_hf(qc)
 
 
 def lm_head_formats() -> tuple[type[QuantizationConfig], ...]:

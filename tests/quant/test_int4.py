@@ -1,0 +1,296 @@
+"""int4 W4A16 (``sparrow.quant.int4``, ``sparrow.kernels.int4``) against the format's own library and documented
+formulas, and whole tiny models against transformers.
+
+Oracles:
+- compressed-tensors' own ``pack_to_int32`` / ``calculate_qparams`` / ``PackedQuantizationCompressor``
+  (compress and decompress) on random tensors: sparrow's packing, quantization (fp32 weights) and
+  dequantization are bit-exact with them;
+- GPTQ (AutoGPTQ v1 / v2) and AWQ (AutoAWQ GEMM) layouts written here from their documented formulas
+  (GPTQ: qweight[k // 8, n] nibble k % 8 = q[n, k], qzeros[g, n // 8] nibble n % 8 = zero - 1 (v1);
+  AWQ: word [k, n // 8] nibble i = q[k, 8 (n // 8) + order[i]], order 0 2 4 6 1 3 5 7; w = (q - zero) * scale);
+- tiny random Llama (dense) and Qwen3-MoE (per-expert tensors) checkpoints compressed by compressed-tensors
+  in the test: sparrow's greedy ids and logprobs (fp32, CPU) equal transformers fp32 running the weights
+  compressed-tensors decompresses (``_hf_tiny.compare``: ids up to a near-tie, logprobs within 1e-4).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparrow import SamplingParams
+from sparrow.errors import ModelLoadError
+from sparrow.kernels.int4 import dequantize_int4_ref, pack_int4_ref, quantize_int4_ref, unpack_int4_ref
+from sparrow.quant.int4 import AWQ_ORDER, Int4Config, convert
+from tests.helpers import make_llm
+from tests.models._hf_tiny import BASE, DENSE, FAMILIES, build, compare, hf_greedy, prompts
+
+ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors is in the test extra")
+from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor  # noqa: E402
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32  # noqa: E402
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme  # noqa: E402
+from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
+
+NEW = 8
+
+
+def ct_scheme(group: int, symmetric: bool) -> QuantizationScheme:
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=group)
+    return QuantizationScheme(targets=["Linear"], weights=args)
+
+
+def ct_compress(w: torch.Tensor, group: int, symmetric: bool, scale_dtype=None):
+    """compressed-tensors' own min-max qparams + compressor on w [N, K] -> (compressed dict, decompressed w)."""
+    scheme = ct_scheme(group, symmetric)
+    wg = w.float().unflatten(-1, (-1, group))
+    scale, zp = calculate_qparams(wg.amin(-1), wg.amax(-1), scheme.weights)
+    scale = scale.to(scale_dtype or w.dtype)
+    c = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zp}, scheme)
+    return c, PackedQuantizationCompressor.decompress(c, scheme)["weight"]
+
+
+def ct_config(group: int, symmetric: bool) -> dict:
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "format": "pack-quantized",
+                                          "weights": ct_scheme(group, symmetric).weights.model_dump(),
+                                          "input_activations": None, "output_activations": None}},
+            "ignore": ["lm_head", "re:.*mlp.gate$"]}
+
+
+# ---- pack / unpack / quantize / dequantize -----------------------------------------------------------------
+
+def test_pack_unpack_bit_exact_with_compressed_tensors():
+    g = torch.Generator().manual_seed(0)
+    for shape in ((3, 8), (5, 40), (2, 7, 64)):
+        u = torch.randint(0, 16, shape, generator=g, dtype=torch.uint8)
+        packed = pack_int4_ref(u)
+        assert torch.equal(packed, pack_to_int32((u.to(torch.int16) - 8).to(torch.int8), 4))
+        assert torch.equal(unpack_int4_ref(packed), u)
+    zp = torch.randint(-8, 8, (13, 3), generator=g, dtype=torch.int8)  # zero points: packed along N (13 rows)
+    got = convert("compressed-tensors", "zero", pack_to_int32(zp, 4, packed_dim=0), 13, 96, 32, "zp")
+    assert torch.equal(got, (zp.to(torch.int16) + 8).to(torch.uint8))
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_and_dequantize_bit_exact_with_compressed_tensors(group, symmetric, scale_dtype):
+    w = torch.randn(24, 256, generator=torch.Generator().manual_seed(group)) * 0.05
+    c, decompressed = ct_compress(w, group, symmetric, scale_dtype)
+    zero = convert("compressed-tensors", "zero", c["weight_zero_point"], 24, 256, group, "z") if not symmetric else None
+    assert torch.equal(dequantize_int4_ref(c["weight_packed"], c["weight_scale"], zero, group), decompressed)
+    if scale_dtype == torch.float32:  # fp32 weights: sparrow's quantizer is compressed-tensors' own, bit for bit
+        packed, scale, z = quantize_int4_ref(w, group, symmetric)
+        assert torch.equal(packed, c["weight_packed"]) and torch.equal(scale, c["weight_scale"])
+        assert (z is None) == symmetric and (symmetric or torch.equal(z, zero))
+
+
+def test_ragged_last_group_round_trip():
+    """On-load quantization with K not a multiple of the group (Gemma 4's 704 / 2112): the last group is short;
+    every weight is within half a step of its group's scale."""
+    w = torch.randn(6, 200, generator=torch.Generator().manual_seed(3))
+    packed, scale, _ = quantize_int4_ref(w, 128)
+    assert scale.shape == (6, 2)
+    err = (dequantize_int4_ref(packed, scale, None, 128) - w).abs()
+    assert torch.equal(scale[:, 1], w[:, 128:].abs().amax(-1) / 7.5)  # the short group's own amax
+    step = scale.repeat_interleave(128, -1)[:, :200]
+    assert bool((err <= step * 0.5 * (1 + 1e-5)).all())  # |w| <= 7.5 steps: a clamp to 7 is half a step too
+
+
+def _gptq_tensors(u, z, s, group, v1=True):
+    """GPTQ layout from the formula: u [N, K] codes, z [N, G] zeros, s [N, G] -> qweight, qzeros, scales, g_idx."""
+    n, k = u.shape
+    qweight = torch.zeros(k // 8, n, dtype=torch.int64)
+    for j in range(8):
+        qweight |= u.t()[j::8].to(torch.int64) << (4 * j)
+    zs = ((z.t().to(torch.int64) - (1 if v1 else 0)) & 0xF)  # [G, N]
+    qzeros = torch.zeros(zs.shape[0], n // 8, dtype=torch.int64)
+    for j in range(8):
+        qzeros |= zs[:, j::8] << (4 * j)
+    as32 = lambda t: torch.where(t >= 2**31, t - 2**32, t).to(torch.int32)  # noqa: E731
+    return as32(qweight), as32(qzeros), s.t().contiguous().half(), torch.arange(k, dtype=torch.int32) // group
+
+
+def _awq_tensors(u, z, s):
+    """AWQ GEMM layout from the formula: word [k, n // 8] nibble i holds column 8 (n // 8) + AWQ_ORDER[i]."""
+    def pack(cols):  # [A, N] -> [A, N / 8]
+        out = torch.zeros(cols.shape[0], cols.shape[1] // 8, dtype=torch.int64)
+        for i, c in enumerate(AWQ_ORDER):
+            out |= cols[:, c::8].to(torch.int64) << (4 * i)
+        return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+    return pack(u.t()), pack(z.t()), s.t().contiguous().half()
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_gptq_and_awq_layouts_from_their_formulas(group):
+    gen = torch.Generator().manual_seed(1)
+    n, k = 24, 256
+    u = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    z = torch.randint(1, 16, (n, k // group), generator=gen, dtype=torch.uint8)
+    s = torch.rand(n, k // group, generator=gen).half() * 0.01
+    want = ((u.float() - z.float().repeat_interleave(group, 1)) * s.float().repeat_interleave(group, 1)).half()
+    for layout, tensors in (("gptq", _gptq_tensors(u, z, s, group)), ("awq", _awq_tensors(u, z, s))):
+        packed, zero, scale = (convert(layout, kind, t, n, k, group, kind) for kind, t in
+                               zip(("packed", "zero", "scale"), tensors))
+        assert torch.equal(dequantize_int4_ref(packed, scale, zero, group), want), layout
+    qweight, qzeros, scales, g_idx = _gptq_tensors(u, z, s, group, v1=False)
+    zero = convert("gptq", "zero", qzeros, n, k, group, "qzeros", gptq_v1=False)
+    assert torch.equal(zero, z)
+    with pytest.raises(ModelLoadError, match="activation order"):
+        convert("gptq", "g_idx", g_idx.flip(0), n, k, group, "layers.0.qkv.g_idx")
+
+
+def test_config_errors_are_named():
+    with pytest.raises(ModelLoadError, match="desc_act=true"):
+        Int4Config.from_hf({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True})
+    with pytest.raises(ModelLoadError, match="bits=8"):
+        Int4Config.from_hf({"quant_method": "gptq", "bits": 8, "group_size": 128})
+    with pytest.raises(ModelLoadError, match="group_size=16"):
+        Int4Config.from_hf({"quant_method": "awq", "bits": 4, "group_size": 16})
+    qc = ct_config(128, True)
+    qc["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    with pytest.raises(ModelLoadError, match="actorder"):
+        Int4Config.from_hf(qc)
+    from sparrow.quant import config_from_hf
+
+    assert isinstance(config_from_hf(ct_config(64, False)), Int4Config)
+    assert config_from_hf({"quant_method": "awq", "bits": 4, "group_size": 128}).layout == "awq"
+
+
+# ---- whole models ----------------------------------------------------------------------------------------
+
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_ct_checkpoint(hf, dst: Path, group: int, symmetric: bool):
+    """hf's weights compressed by compressed-tensors into a pack-quantized checkpoint at ``dst`` (per-expert
+    tensors for fused 3-D experts); loads the decompressed weights back into ``hf`` (the oracle)."""
+    from safetensors.torch import save_file
+
+    sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    out, oracle = {}, dict(sd)
+    for name, t in sd.items():
+        parts = name.split(".")
+        if parts[-1] == "weight" and parts[-2] in _LINEARS:
+            c, oracle[name] = ct_compress(t, group, symmetric)
+            out.update({f"{name[:-len('weight')]}{k}": v for k, v in c.items()})
+        elif ".experts." in name and parts[-1] in ("gate_up_proj", "down_proj"):
+            deq = torch.empty_like(t)
+            for e in range(t.shape[0]):
+                halves = t[e].chunk(2) if parts[-1] == "gate_up_proj" else (t[e],)
+                names = ("gate_proj", "up_proj") if parts[-1] == "gate_up_proj" else ("down_proj",)
+                for half, (proj, w) in enumerate(zip(names, halves)):
+                    c, d = ct_compress(w.contiguous(), group, symmetric)
+                    rows = w.shape[0]
+                    deq[e, half * rows:(half + 1) * rows] = d
+                    base = f"{'.'.join(parts[:-1])}.{e}.{proj}."
+                    out.update({base + k: v for k, v in c.items()})
+            oracle[name] = deq
+        else:
+            out[name] = t
+    dst.mkdir(parents=True)
+    save_file(out, str(dst / "model.safetensors"))
+    cfg = hf.config.to_dict()
+    cfg["quantization_config"] = ct_config(group, symmetric)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    hf.load_state_dict(oracle)
+    return dst
+
+
+def _run_and_compare(path: Path, hf, **llm_kw):
+    llm = make_llm(path, max_model_len=64, **llm_kw)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, logprobs=1, ignore_eos=True)
+    compared = 0
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params)
+    for p, o in zip(prompts(), outs):
+        ids, logits = hf_greedy(hf, p, NEW)
+        compared += compare(ids, logits, o.outputs[0])
+    assert compared >= NEW, f"only {compared} steps free of near-ties"
+    return llm
+
+
+@pytest.mark.parametrize("family,group,symmetric", [("llama", 64, True), ("qwen3_moe", 32, False)])
+def test_ct_checkpoint_matches_transformers_on_decompressed_weights(family, group, symmetric, tmp_path):
+    table = DENSE if family in DENSE else FAMILIES
+    over = dict(intermediate_size=128, moe_intermediate_size=32) if family == "qwen3_moe" else dict(intermediate_size=128)
+    hf = build(table, family, tmp_path / "float", **over)
+    path = write_ct_checkpoint(hf, tmp_path / "ct", group, symmetric)
+    llm = _run_and_compare(path, hf)
+    model = llm.engine.runner.model
+    layer0 = model.model.layers[0]
+    assert layer0.self_attn.qkv_proj.weight_packed.dtype == torch.int32
+    assert (layer0.self_attn.qkv_proj.weight_zero is None) == symmetric
+    if family == "qwen3_moe":
+        experts = layer0.mlp.experts
+        assert experts.gate_up_proj.dtype == torch.int32 and experts.gate_up_proj.shape == (8, 64, BASE["hidden_size"] // 8)
+        assert layer0.mlp.gate.weight.dtype == torch.float32
+
+
+def test_on_load_int4_equals_compressed_tensors_checkpoint(tmp_path):
+    """``quantization="int4"`` (symmetric, group 128) on a float Qwen3-MoE gives the parameters of the
+    checkpoint compressed-tensors makes from the same weights, and runs as transformers on its decompression."""
+    over = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=128, head_dim=32)
+    hf = build(FAMILIES, "qwen3_moe", tmp_path / "float", **over)
+    got = make_llm(tmp_path / "float", max_model_len=64, quantization="int4").engine.runner.model
+    path = write_ct_checkpoint(hf, tmp_path / "ct", 128, True)
+    want = _run_and_compare(path, hf).engine.runner.model
+    got_p, want_p = dict(got.named_parameters()), dict(want.named_parameters())
+    assert got_p.keys() == want_p.keys()
+    for name, p in got_p.items():
+        assert p.dtype == want_p[name].dtype and torch.equal(p, want_p[name]), name
+
+
+def test_gptq_and_awq_checkpoints_load_as_the_ct_one(tmp_path):
+    """The same codes written as GPTQ (v1) and AWQ checkpoints load to sparrow parameters equal to the
+    compressed-tensors checkpoint's (scales rounded to fp16, as those formats store them)."""
+    from safetensors.torch import load_file, save_file
+
+    hf = build(DENSE, "llama", tmp_path / "float", intermediate_size=128)
+    ct_dir = write_ct_checkpoint(hf, tmp_path / "ct", 32, False)
+    ct_tensors = load_file(str(ct_dir / "model.safetensors"))
+    ref = dict(make_llm(ct_dir, max_model_len=64).engine.runner.model.named_parameters())
+    for layout in ("gptq", "awq"):
+        out = {}
+        for name, t in ct_tensors.items():
+            if not name.endswith("weight_packed"):
+                if not name.rpartition(".")[2].startswith("weight_"):
+                    out[name] = t
+                continue
+            base = name[:-len("weight_packed")]
+            n, k = ct_tensors[base + "weight_shape"].tolist()
+            u = unpack_int4_ref(t)
+            z = convert("compressed-tensors", "zero", ct_tensors[base + "weight_zero_point"], n, k, 32, base)
+            s = ct_tensors[base + "weight_scale"].half()
+            names = ("qweight", "qzeros", "scales", "g_idx") if layout == "gptq" else ("qweight", "qzeros", "scales")
+            ts = _gptq_tensors(u, z, s, 32) if layout == "gptq" else _awq_tensors(u, z, s)
+            out.update({base + nm: v for nm, v in zip(names, ts)})
+        dst = tmp_path / layout
+        dst.mkdir()
+        save_file(out, str(dst / "model.safetensors"))
+        cfg = json.loads((ct_dir / "config.json").read_text())
+        cfg["quantization_config"] = {"quant_method": layout, "bits": 4, "group_size": 32, "desc_act": False,
+                                      "sym": False, "zero_point": True, "version": "gemm"}
+        (dst / "config.json").write_text(json.dumps(cfg))
+        got = dict(make_llm(dst, max_model_len=64).engine.runner.model.named_parameters())
+        assert got.keys() == ref.keys(), layout
+        for name, p in got.items():
+            want = ref[name].half() if name.endswith("weight_scale") else ref[name]
+            assert torch.equal(p, want), (layout, name)
+
+
+def test_bench_named_shape_quantizes_to_int4(tmp_path):
+    """``sparrow bench --model-shape tiny-gemma4 --quantization int4``: the random bf16 weights quantize at load
+    (widths below the group: one short group per row) and a step reads fewer weight bytes than in bf16."""
+    from sparrow.cli import main
+
+    runs = {}
+    for name, extra in (("bf16", ()), ("int4", ("--quantization", "int4"))):
+        out = tmp_path / f"{name}.json"
+        assert main(["bench", "--device", "cpu", "--batch-sizes", "1", "--prompt-len", "5", "--decode-tokens", "2",
+                     "--model-shape", "tiny-gemma4", "--no-hf", "--out", str(out), *extra]) == 0
+        runs[name] = json.loads(out.read_text())
+    assert all("error" not in r and r["decode_tok_s"] > 0 for r in runs["int4"]["results"]), runs["int4"]["results"]
+    wb = {k: sum(r["meta"]["bytes_model"]["weight_bytes"].values()) for k, r in runs.items()}
+    assert wb["int4"] < wb["bf16"]
