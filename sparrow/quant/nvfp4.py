@@ -22,8 +22,10 @@ On-load quantization (``quantization="nvfp4"`` on a float checkpoint / named sha
 shard is quantized by ModelOpt's formula (global = amax / (6 * 448), ``quantize_nvfp4_ref``) into the
 "modelopt" parameters, so an offline ModelOpt export of the same shards loads to the same bytes.
 
-apply(x [R, K]) -> [R, N] in x's dtype: the weight dequantized to x's dtype (fp32 products, as the format's
-library dequantizes) and ``F.linear``. The routed experts: ``sparrow.quant.nvfp4_moe``.
+apply(x [R, K]) -> [R, N] in x's dtype: on CUDA the Triton kernel of ``sparrow.kernels.nvfp4_linear`` at every
+row count (K a multiple of 32), W4A16 by default, W4A8 with SPARROW_NVFP4_W4A8=1; elsewhere (CPU) the weight
+dequantized to x's dtype (fp32 products, as the format's library dequantizes) and ``F.linear``. The routed
+experts: ``sparrow.quant.nvfp4_moe`` (torch path only so far).
 """
 from __future__ import annotations
 
@@ -286,6 +288,26 @@ class Nvfp4LinearMethod(LinearMethodBase):
         return dequantize_nvfp4_ref(getattr(layer, self.codes), getattr(layer, self.scale),
                                     getattr(layer, self.global_scale), self.divide_global)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Add the buffer ``nvfp4_g`` [N] fp32, each row's global multiplier for the kernels (ModelOpt's
+        weight_scale_2, or 1 / compressed-tensors' weight_global_scale): a copy, so whatever rewrites the global
+        scales afterwards must call it again."""
+        g = getattr(layer, self.global_scale).data.float()
+        layer.register_buffer("nvfp4_g", 1.0 / g if self.divide_global else g.clone(), persistent=False)
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> [..., N] in x's dtype (+ bias): the dequantized weight in x's dtype and F.linear."""
+        """x [..., K] -> [..., N] in x's dtype (+ bias). Where Triton runs (CUDA): the NVFP4 kernel
+        (``sparrow.kernels.nvfp4_linear``), W4A16, or W4A8 with the switch SPARROW_NVFP4_W4A8; elsewhere the
+        weight dequantized to x's dtype as the checkpoint's library does, and F.linear."""
+        from sparrow import switches
+        from sparrow.kernels import use_triton
+
+        if use_triton(x) and layer.in_features % 32 == 0 and getattr(layer, "nvfp4_g", None) is not None:
+            from sparrow.kernels.nvfp4_linear import nvfp4_linear_triton
+
+            shape = x.shape
+            y = nvfp4_linear_triton(x.reshape(-1, shape[-1]), getattr(layer, self.codes), getattr(layer, self.scale),
+                                    layer.nvfp4_g, w4a8=switches.NVFP4_W4A8)
+            y = y if layer.bias is None else y + layer.bias
+            return y.reshape(*shape[:-1], y.shape[-1])
         return F.linear(x, self.dequantized_weight(layer).to(x.dtype), layer.bias)
