@@ -62,10 +62,29 @@ def resolve_quant_config(path: Path, is_gguf: bool, quantization: str | None):
     if not is_gguf:
         from sparrow.loader.safetensors import read_config
 
-        qc = read_config(path).get("quantization_config")
+        qc = read_config(path).get("quantization_config") or modelopt_quant_config(path)
         if qc:
             return config_from_hf(qc)
     return config_for_quantization(quantization)
+
+
+def modelopt_quant_config(path: Path) -> dict | None:
+    """The ``quantization_config`` of a ModelOpt export that keeps it in ``hf_quant_config.json`` (``{"producer":
+    {"name": "modelopt"}, "quantization": {"quant_algo": ..., "exclude_modules": [...]}}``) rather than in
+    config.json: its ``quantization`` object with ``quant_method: "modelopt"``; None without the file.
+    Raises ModelLoadError for a file that is not a JSON object with a ``quantization`` object."""
+    import json
+
+    file = path / "hf_quant_config.json"
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("quantization"), dict):
+        raise ModelLoadError(f"{file} has no \"quantization\" object (a ModelOpt export writes one)")
+    return {**data["quantization"], "quant_method": "modelopt"}
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

@@ -115,7 +115,7 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
         if None in got:
             continue
         missing = [s for s in expected_shards(param) if s not in got]
-        if missing:
+        if missing and not getattr(param, "optional", False):  # optional: a format's tensor some checkpoints omit
             spelled = getattr(model, "checkpoint_name", lambda n, _: n)(pname, names)
             if missing == [None]:
                 raise ModelLoadError(f"checkpoint lacks the tensor for {spelled!r}, expected shape {tuple(param.shape)}")

@@ -115,14 +115,15 @@ class QuantizationConfig:
     checkpoint_tensor_kinds: ClassVar[dict[str, str]] = {}
     """Checkpoint tensor-name suffix -> what it is ("an FP8 block scale"), for the unused-tensor message."""
 
-    hf_formats: ClassVar[tuple[str, ...]] = ()
-    """Checkpoint quant_methods besides ``name`` that ``loads_hf`` takes, for messages (e.g. "gptq")."""
+    hf_quant_methods: ClassVar[tuple[str, ...]] = ()
+    """More ``quantization_config.quant_method`` values this format may load (besides ``name``), each only where
+    ``claims_hf`` says so (e.g. "compressed-tensors", which several formats share)."""
 
     @classmethod
-    def loads_hf(cls, qc: dict) -> bool:
-        """Whether this format loads a ``quantization_config`` whose quant_method is not ``name`` (one that
-        several formats share, such as compressed-tensors, decided by its other fields)."""
-        return False
+    def claims_hf(cls, qc: dict) -> bool:
+        """Whether a checkpoint's ``quantization_config`` ``qc`` is in this format (default: its ``quant_method``
+        is ``name`` or one of ``hf_quant_methods``); ``from_hf`` then reads it or says what it lacks."""
+        return qc.get("quant_method") in (cls.name, *cls.hf_quant_methods)
 
     @classmethod
     def from_hf(cls, qc: dict) -> "QuantizationConfig":

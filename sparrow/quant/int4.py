@@ -128,7 +128,7 @@ class Int4Config(QuantizationConfig):
     title = "int4"
     help = ("int4: quantize the linear layers and routed experts to 4-bit integers (W4A16, group 128, symmetric) at "
             "load (compressed-tensors pack-quantized, GPTQ and AWQ checkpoints load as int4 without it)")
-    hf_formats = ("compressed-tensors (pack-quantized)", "gptq", "awq")
+    hf_quant_methods = ("compressed-tensors", "gptq", "awq")
     checkpoint_tensor_kinds = {"weight_packed": "an int4 packed weight", "qweight": "an int4 packed weight",
                                "weight_zero_point": "int4 zero points", "qzeros": "int4 zero points",
                                "g_idx": "a GPTQ group index"}
@@ -145,7 +145,7 @@ class Int4Config(QuantizationConfig):
     """Module names (``re:`` regexes for compressed-tensors) left in float."""
 
     @classmethod
-    def loads_hf(cls, qc: dict) -> bool:
+    def claims_hf(cls, qc: dict) -> bool:
         """A compressed-tensors pack-quantized, GPTQ or AWQ ``quantization_config``."""
         method = qc.get("quant_method")
         if method == "compressed-tensors":
@@ -156,7 +156,7 @@ class Int4Config(QuantizationConfig):
     @classmethod
     def from_hf(cls, qc: dict) -> "Int4Config":
         """From config.json's ``quantization_config``. Raises ModelLoadError for settings the format lacks."""
-        if not isinstance(qc, dict) or not cls.loads_hf(qc):
+        if not isinstance(qc, dict) or not cls.claims_hf(qc):
             raise ModelLoadError(f"quantization_config {qc!r} is not an int4 (compressed-tensors pack-quantized, "
                                  "GPTQ or AWQ) config")
         method = qc["quant_method"]

@@ -84,18 +84,19 @@ def config_for_quantization(name: str | None) -> QuantizationConfig:
 
 
 def config_from_hf(qc) -> QuantizationConfig:
-    """The config of a checkpoint's ``quantization_config``, by its ``quant_method``. Raises ModelLoadError
-    for a non-object config or an unregistered method, naming the supported ones."""
+    """The config of a checkpoint's ``quantization_config``: the first format that claims it
+    (``QuantizationConfig.claims_hf``: its ``quant_method`` by default). Raises ModelLoadError for a non-object
+    config or one no format claims, naming the supported methods."""
     if not isinstance(qc, dict):
         raise ModelLoadError(f"checkpoint quantization_config must be an object (a dict), got {qc!r}")
     _load_formats()
     method = qc.get("quant_method")
-    fmt = _FORMATS.get(method) if isinstance(method, str) else None
-    fmt = fmt or next((f for f in _FORMATS.values() if f.loads_hf(qc)), None)  # e.g. compressed-tensors, gptq
-    if fmt is None:
-        also = [h for f in _FORMATS.values() for h in f.hf_formats]
-        raise ModelLoadError(f"checkpoint quantization_config.quant_method={method!r} is not supported "
-                             f"(supported: {', '.join([*supported_quantization(), *also])})")
+    fmt = next((f for f in _FORMATS.values() if f.claims_hf(qc)), None)  # by name, or a format's claims_hf
+    if not isinstance(method, str) or fmt is None:
+        known = sorted({m for f in _FORMATS.values() for m in (f.name, *f.hf_quant_methods)})
+        what = " with these settings" if method in known else ""  # a shared method none of its formats claims
+        raise ModelLoadError(f"checkpoint quantization_config.quant_method={method!r}{what} is not supported "
+                             f"(supported: {', '.join(known)})")
     return fmt.from_hf(qc)
 
 
