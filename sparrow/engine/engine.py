@@ -105,7 +105,7 @@ class Engine:
         """Drop a request, freeing its blocks."""
         _, seqs = self.requests.pop(request_id, (None, []))
         for seq in seqs:
-            self.scheduler.finish(seq)
+            self._finish(seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -192,7 +192,13 @@ class Engine:
         if seq.finish_reason is not None and seq.detokenizer is not None and not isinstance(seq.stop_reason, str):
             seq.text += seq.detokenizer.flush()  # text held back for an incomplete character
         if seq.finish_reason is not None:
-            self.scheduler.finish(seq)
+            self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        """A sequence ended (or was aborted): its blocks, and its proposer state, are given back."""
+        self.scheduler.finish(seq)
+        if self.spec is not None:
+            self.spec.release(seq)
 
     def _update(self, rid: str, now: float) -> RequestOutput:
         """Bring request ``rid``'s RequestOutput up to date: cumulative text and tokens (text a stop string may

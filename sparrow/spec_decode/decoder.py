@@ -90,6 +90,11 @@ class SpeculativeDecoder:
                 return False
         return True
 
+    def release(self, seq: Sequence) -> None:
+        """Forget a sequence that finished or was aborted (the proposer frees what it holds for it)."""
+        self._backoff.pop(seq, None)
+        self.proposer.release(seq)
+
     def record(self, item: ScheduledSeq, accepted: int) -> None:
         """Count a verified item's drafts and accepted drafts; start or reset the sequence's back-off."""
         k = len(item.draft_token_ids)
