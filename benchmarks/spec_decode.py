@@ -240,8 +240,6 @@ def render(llm, text: str) -> tuple[str, str]:
             return apply_chat_template(tok, [{"role": "user", "content": text}]), "chat template"
         except InvalidRequestError:
             pass
-    if llm.config.model.architecture.startswith("Gemma"):
-        return GEMMA_TURNS.format(text), "Gemma turns (no chat template)"
     return text, "raw text (no chat template)"
 
 

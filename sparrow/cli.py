@@ -5,6 +5,7 @@ problem and exit with status 2, without a traceback."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -40,6 +41,17 @@ def _fraction(text: str) -> float:
     return x
 
 
+def _json_object(text: str) -> dict:
+    """argparse type: a JSON object (argparse names the flag in the error)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def _add_model_args(p: argparse.ArgumentParser, kv_cache: bool = True) -> None:
     from sparrow.config import DEFAULT_MAX_MODEL_LEN_CAP, CacheConfig, EngineConfig  # the defaults are the config's
 
@@ -56,6 +68,10 @@ def _add_model_args(p: argparse.ArgumentParser, kv_cache: bool = True) -> None:
                    metavar="FRACTION", help=f"fraction of the GPU's memory the engine may use, weights + KV pool, in "
                                             f"(0, 1] (default {CacheConfig.gpu_memory_utilization}; GPU only)")
     if kv_cache:
+        p.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                       help="speculative decoding, vLLM's dict: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' or "
+                            "'{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": 4}' "
+                            "(default: off)")
         p.add_argument("--num-kv-blocks", type=_positive_int, default=CacheConfig.num_blocks,
                        help=f"KV cache size in blocks of {CacheConfig.block_size} tokens (default: what "
                             "max-model-len x the request's completions need, up to 1 GiB on CPU; free memory on GPU)")
@@ -132,7 +148,7 @@ def _llm(args):
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
               num_kv_blocks=args.num_kv_blocks, max_num_seqs=max(1, getattr(args, "n", 1)),
-              gpu_memory_utilization=args.gpu_memory_utilization)
+              gpu_memory_utilization=args.gpu_memory_utilization, speculative_config=args.speculative_config)
     # max_num_seqs = the completions of one request: the CPU KV pool is sized to them, not to 64 sequences
     if status:
         from sparrow.engine.model_runner import kv_bytes_per_token

@@ -71,7 +71,8 @@ def test_llm_and_cli_defaults_are_the_config_fields():
     sig = inspect.signature(LLM.__init__).parameters
     shared = [n for n in fields if n in sig]
     assert set(shared) == {"device", "dtype", "max_model_len", "block_size", "num_kv_blocks", "enable_prefix_caching",
-                           "max_num_seqs", "max_num_batched_tokens", "enforce_eager"}
+                           "max_num_seqs", "max_num_batched_tokens", "enforce_eager",
+                           "gpu_memory_utilization"}
     for name in shared:
         assert sig[name].default == fields[name], name
     args = build_parser().parse_args(["generate", "hi"])

@@ -56,6 +56,16 @@ class ServerMetrics:
         self.queue_time = hist("request_queue_time_seconds", "Arrival to the engine loop taking the request in.")
         self._sched, self._bm = sched, engine.block_manager
         self._seen = self._engine_counts()
+        self._spec = engine.spec
+        if self._spec is not None:  # vLLM's spec_decode counters, only when speculation is on
+            self.spec_counters = (counter("spec_decode_num_drafts", "Verify steps of a sequence with drafts."),
+                                  counter("spec_decode_num_draft_tokens", "Draft tokens verified."),
+                                  counter("spec_decode_num_accepted_tokens", "Draft tokens accepted."))
+            per_pos = Counter("sparrow:spec_decode_num_accepted_tokens_per_pos",
+                              "Draft tokens accepted, by position in the draft (0-based).", [*labels, "position"],
+                              registry=r)
+            self.spec_per_pos = [per_pos.labels(**labels, position=str(i)) for i in range(self._spec.k)]
+            self._spec_seen = self._spec_counts()
 
     def finished(self, reason: str) -> None:
         self.request_success.labels(**self._labels, finished_reason=reason).inc()
@@ -63,14 +73,25 @@ class ServerMetrics:
     def _engine_counts(self) -> tuple[int, int, int]:
         return self._sched.num_preemptions, self._bm.prefix_cache_queries, self._bm.prefix_cache_hits
 
+    def _spec_counts(self) -> tuple[int, ...]:
+        s = self._spec
+        return (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, *s.num_accepted_tokens_per_pos)
+
     def after_step(self) -> None:
-        """Carry the engine's own counts (preemptions, prefix-cache lookups) over (once per engine step)."""
+        """Carry the engine's own counts (preemptions, prefix-cache lookups, speculative decoding's) over (once
+        per engine step)."""
         now = self._engine_counts()
         for counter, new, old in zip((self.num_preemptions, self.prefix_cache_queries, self.prefix_cache_hits),
                                      now, self._seen):
             if new > old:
                 counter.inc(new - old)
         self._seen = now
+        if self._spec is not None:
+            now = self._spec_counts()
+            for counter, new, old in zip((*self.spec_counters, *self.spec_per_pos), now, self._spec_seen):
+                if new > old:
+                    counter.inc(new - old)
+            self._spec_seen = now
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

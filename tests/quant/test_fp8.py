@@ -418,7 +418,7 @@ def test_fp8_tensors_outside_an_fp8_model_are_named(tiny_dir, tmp_path):
 def test_unsupported_quantization_names_itself(tiny_dir):
     from sparrow import LLM
 
-    with pytest.raises(InvalidRequestError, match=r"quantization='int3' is not supported \(supported: None, 'fp8'\)"):
+    with pytest.raises(InvalidRequestError, match=r"quantization='int3' is not supported \(supported: None, 'fp8', "):
         LLM(str(tiny_dir), device="cpu", skip_tokenizer_init=True, quantization="int3")
     from sparrow.cli import build_parser
 
