@@ -20,7 +20,7 @@ PROMPTS = [
     "def area(w, h):\n",
     "Monday, Tuesday, Wednesday, Thursday, Friday, Monday, Tuesday,",
 ]
-NEW_TOKENS = 32
+NEW_TOKENS = 24
 GAP = 1e-3
 SPECS = {
     "ngram": lambda path: {"method": "ngram", "num_speculative_tokens": 4},
