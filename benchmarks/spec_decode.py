@@ -127,6 +127,10 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=1, help="timed runs per point (the best is reported)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tokenizer", default=None,
+                   help="a saved transformers tokenizer folder to use instead of the GGUF's (e.g. the one sparrow "
+                        "converted and cached in ~/.cache/sparrow/tokenizers, carried to a machine whose "
+                        "transformers converts the GGUF vocabulary differently)")
     p.add_argument("--out", type=pathlib.Path, help="write the results as JSON here")
     args = p.parse_args(argv)
     if min(args.k) < 1 or args.max_tokens < 1 or args.repeats < 1:
@@ -149,6 +153,10 @@ def make_llm(args, k: int | None):
 
     kw = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=max(args.batch_sizes),
               enforce_eager=args.enforce_eager)
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        kw["tokenizer"] = AutoTokenizer.from_pretrained(args.tokenizer)
     if k is None:
         return LLM(args.model, **kw)
     try:
@@ -223,14 +231,9 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-GEMMA_TURNS = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
-"""Gemma's chat turns (what its chat template renders), for a Gemma checkpoint without a template (the packaged
-GGUF carries none)."""
-
-
 def render(llm, text: str) -> tuple[str, str]:
-    """(prompt, format): ``text`` as a user turn through the model's chat template; without a template Gemma's
-    turns for a Gemma model, else the raw text."""
+    """(prompt, format): ``text`` as a user turn through the model's chat template; without a template the raw
+    text (the model continues it)."""
     from sparrow.errors import InvalidRequestError
     from sparrow.tokenizer import apply_chat_template
 
