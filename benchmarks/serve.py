@@ -132,40 +132,42 @@ async def _served_point(url: str, prompts, max_tokens: int) -> dict:
     import httpx
 
     ttfts, itls, tokens = [], [], [0]
-    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
-        async def one(prompt):
-            body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                    "ignore_eos": True, "stream": True}
-            t0 = time.perf_counter()
-            last, n = None, 0
-            async with http.stream("POST", "/v1/completions", json=body) as r:
-                if r.status_code != 200:
-                    raise RuntimeError(f"the server answered {r.status_code}: {(await r.aread())[:300]!r}")
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        raise RuntimeError(f"stream error: {chunk['error']}")
-                    k = len(chunk["choices"][0].get("token_ids") or ()) if chunk["choices"] else 0
-                    if not k:
-                        continue
-                    now = time.perf_counter()
-                    if last is None:
-                        ttfts.append(now - t0)
-                    else:
-                        itls.append((now - last) / k)
-                    last, n = now, n + k
-            tokens[0] += n
 
-        async def stream(rounds):
-            for p in rounds:
-                await one(p)
-
+    async def one(http, prompt):
+        body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
         t0 = time.perf_counter()
-        await asyncio.gather(*(stream(r) for r in prompts))
-        wall = time.perf_counter() - t0
+        last, n = None, 0
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"the server answered {r.status_code}: {(await r.aread())[:300]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(f"stream error: {chunk['error']}")
+                k = len(chunk["choices"][0].get("token_ids") or ()) if chunk["choices"] else 0
+                if not k:
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    ttfts.append(now - t0)
+                else:
+                    itls.append((now - last) / k)
+                last, n = now, n + k
+        tokens[0] += n
+
+    async def stream(rounds):
+        # a client (one keep-alive connection) per stream: httpx's pool scans all its connections on every
+        # request and read, so one shared pool of N connections costs the client O(N) per chunk
+        async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+            for p in rounds:
+                await one(http, p)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(stream(r) for r in prompts))
+    wall = time.perf_counter() - t0
     return _stats(wall, ttfts, itls, tokens[0], sum(len(r) for r in prompts))
 
 

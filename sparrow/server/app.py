@@ -165,6 +165,26 @@ class _Server:
                         ",".join(r or "-" for r in s.finish_reasons))
 
 
+class _ApiKeyCheck:
+    """ASGI middleware: with ``server.api_key`` set, a /v1 request without 'Authorization: Bearer KEY' gets a
+    401. A plain ASGI callable, not ``@app.middleware("http")``: that one relays every chunk of a streamed
+    response through an extra task and memory stream."""
+
+    def __init__(self, app, server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        key = self.server.api_key
+        if key is not None and scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if given != f"Bearer {key}".encode():
+                err = ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)", None,
+                               "invalid_api_key")
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(llm, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving ``llm`` (a sparrow LLM; the app's engine loop owns its engine from startup to
     shutdown: do not call the LLM meanwhile). api_key: required as ``Authorization: Bearer KEY`` on /v1 routes
@@ -206,14 +226,7 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
         log.exception("internal error on %s", request.url.path)
         return JSONResponse(ApiError(500, "internal server error").body(), status_code=500)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if server.api_key is not None and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {server.api_key}":
-                err = ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)", None,
-                               "invalid_api_key")
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+    app.add_middleware(_ApiKeyCheck, server=server)
 
     @app.get("/health")
     async def health():
