@@ -13,7 +13,7 @@ from sparrow.errors import InvalidRequestError
 from sparrow.sampling_params import SamplingParams
 from sparrow.spec_decode.decoder import draft_limit
 from sparrow.spec_decode.ngram import NgramProposer, lookup
-from tests.helpers import raises
+from tests.helpers import raises, tiny_model_dir, tiny_text_model_dir  # noqa: F401  (fixtures)
 
 
 def brute_force(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
@@ -77,3 +77,24 @@ def test_bad_speculative_config_names_the_problem(spec, needles):
 def test_model_alone_means_draft_model():
     spec = SpeculativeConfig.from_dict({"model": "/some/path", "num_speculative_tokens": 3})
     assert spec.method == "draft_model" and spec.model == "/some/path"
+
+
+def test_cli_speculative_config(tiny_text_model_dir):  # noqa: F811
+    """--speculative-config: bad JSON and a bad key exit 2 with one line naming the problem; with a valid one
+    `generate` prints what plain decoding (LLM.generate) gives."""
+    from tests.helpers import assert_cli_error, run_cli
+
+    base = ["generate", "abcabcabc", "--model", str(tiny_text_model_dir), "--device", "cpu", "--dtype", "float32",
+            "--max-tokens", "12", "--temperature", "0"]
+    assert_cli_error(run_cli(*base, "--speculative-config", "{method: ngram"), "--speculative-config",
+                     "not valid JSON")
+    assert_cli_error(run_cli(*base, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, '
+                                                            '"lookahead": 3}'), "'lookahead'")
+    from sparrow import LLM, SamplingParams
+
+    spec = run_cli(*base, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
+                                                  '"prompt_lookup_min": 1}')
+    assert spec.returncode == 0, spec.stderr
+    plain = LLM(str(tiny_text_model_dir), device="cpu", dtype="float32").generate(
+        "abcabcabc", SamplingParams(max_tokens=12, temperature=0))[0].outputs[0].text
+    assert spec.stdout.rstrip("\n") == plain and plain
