@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from sparrow import SamplingParams
-from tests.helpers import build_tiny_llama, generate_ids, ids_prompt, make_llm, random_prompts
+from tests.helpers import (build_tiny_llama, generate_ids, ids_prompt, make_llm, random_prompts,  # noqa: F401
+                           tiny_model_dir, tiny_text_model_dir)  # (fixtures)
 
 # larger weights than the shared tiny model: logits far from ties, and greedy falls into loops the n-gram
 # proposer can predict
@@ -134,3 +135,21 @@ def test_prefix_cache_holds_only_prompt_blocks(spec):
     assert len(mine) == 4
     total_prompt_blocks = sum((len(p) - 1) // 4 for p in PROMPTS) + 4 + 12 + 4
     assert len(bm.hash_to_block) <= total_prompt_blocks
+
+
+def test_stop_strings_are_never_overshot(tiny_text_model_dir):  # noqa: F811
+    """A stop string inside the greedy text: with n-gram speculation the text ends where plain decoding's does,
+    the stop string cut (several tokens may be accepted in the step that completes it)."""
+    from sparrow import LLM
+
+    kw = dict(device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=64)
+    plain = LLM(str(tiny_text_model_dir), **kw)
+    spec = LLM(str(tiny_text_model_dir), **kw, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    greedy = dict(temperature=0, max_tokens=40, ignore_eos=True)
+    full = plain.generate("abcabc", SamplingParams(**greedy))[0].outputs[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    want = plain.generate("abcabc", SamplingParams(stop=[stop], **greedy))[0].outputs[0]
+    got = spec.generate("abcabc", SamplingParams(stop=[stop], **greedy))[0].outputs[0]
+    assert (got.text, got.token_ids, got.stop_reason) == (want.text, want.token_ids, stop)
+    assert spec.get_metrics()["sparrow:spec_decode_num_drafts"] > 0
