@@ -2,7 +2,8 @@
 (by recomputation: a preempted sequence frees its blocks and goes back to the front of the waiting queue; its
 prompt and output so far are prefilled again when it is readmitted), and the overlap decision.
 
-Each step, running sequences go first (a decode needs one row; an unfinished prefill takes a chunk), then
+Each step, running sequences go first (a decode needs one row, or 1 + k' rows to verify k' draft tokens from
+the speculative decoder when they fit the budget and free blocks; an unfinished prefill takes a chunk), then
 waiting sequences are admitted while the budget, ``max_num_seqs`` and free blocks allow. A waiting sequence
 that cannot be admitted holds no blocks (the prefix-cache hits it took are given back), so it never starves
 the running ones. A plan whose rows are all plain greedy decode rows of every running sequence, with nothing
