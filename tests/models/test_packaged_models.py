@@ -25,7 +25,7 @@ PROMPTS = [
     "1, 2, 3, 4, 5,",
     "The three primary colors are red,",
 ]
-NEW_TOKENS = 32
+NEW_TOKENS = 24
 GAP = 1e-3
 LOGPROB_ATOL = 1e-3
 

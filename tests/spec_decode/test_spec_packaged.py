@@ -18,9 +18,8 @@ PROMPTS = [
     "Repeat after me: the quick brown fox jumps over the lazy dog. Again: the quick brown fox jumps over the",
     "def area(width, height):\n    return width * height\n\n\n# The same function, with w and h:\n"
     "def area(w, h):\n",
-    "Monday, Tuesday, Wednesday, Thursday, Friday, Monday, Tuesday,",
 ]
-NEW_TOKENS = 24
+NEW_TOKENS = 20
 GAP = 1e-3
 SPECS = {
     "ngram": lambda path: {"method": "ngram", "num_speculative_tokens": 4},
