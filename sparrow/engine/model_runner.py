@@ -88,7 +88,7 @@ class ModelRunner:
         q = self._graph_query_len(plan, rows)
         if q is not None:
             n = len(plan.seqs)
-            if q == plan.max_query_len() and all(s.num_new_tokens == q for s in plan.seqs):
+            if all(s.num_new_tokens == q for s in plan.seqs):  # uniform: no padding
                 logits = self.graphs.run(n, q, rows.input_ids, rows.positions, rows.slot_mapping, rows.seq_lens,
                                          rows.block_tables, feed=feed)
             else:
