@@ -39,13 +39,16 @@ def tokenizer_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smollm2_oracle(tokenizer_cache):
-    """Greedy texts from LLM in this process: (generate text, chat text for PROMPT, chat text for 'Hello')."""
+    """Greedy texts from LLM in this process: (generate text, chat text for PROMPT, chat text for 'Hello').
+    Prefix caching off: each CLI run is a fresh process whose one request hits no cache, and in bf16 (the CPU
+    default with AMX / AVX512-BF16) a cached chat-template prefix shifts the logits enough to flip a near tie
+    (SmolLM2's 'Hello' reply: 3rd token logprobs -1.62 / -1.75)."""
     from sparrow import LLM
 
     old = os.environ.get("SPARROW_CACHE")
     os.environ["SPARROW_CACHE"] = tokenizer_cache
     try:
-        llm = LLM(str(smollm2_gguf()), device="cpu", max_model_len=SMALL_CONTEXT)
+        llm = LLM(str(smollm2_gguf()), device="cpu", max_model_len=SMALL_CONTEXT, enable_prefix_caching=False)
     finally:
         if old is None:
             del os.environ["SPARROW_CACHE"]
