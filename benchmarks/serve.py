@@ -51,10 +51,15 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def _stats(wall: float, ttfts: list[float], itls: list[float], tokens: int, requests: int) -> dict:
+def _stats(wall: float, ttfts: list[float], itls: list[float], tpots: list[float], tokens: int, requests: int,
+           chunks: int) -> dict:
+    """ITL: per chunk after the first, its gap / its tokens (no samples when every request came in one chunk
+    after its first: the server merges the steps a slow reader missed); TPOT: per request, (last token's time -
+    first token's) / (tokens - 1)."""
     return {"wall_s": wall, "requests": requests, "output_tokens": tokens, "output_tok_s": tokens / wall,
-            "ttft_p50_ms": _pct(ttfts, .5) * 1e3, "ttft_p99_ms": _pct(ttfts, .99) * 1e3,
-            "itl_p50_ms": _pct(itls, .5) * 1e3, "itl_p99_ms": _pct(itls, .99) * 1e3}
+            "chunks": chunks, "ttft_p50_ms": _pct(ttfts, .5) * 1e3, "ttft_p99_ms": _pct(ttfts, .99) * 1e3,
+            "itl_p50_ms": _pct(itls, .5) * 1e3, "itl_p99_ms": _pct(itls, .99) * 1e3,
+            "tpot_p50_ms": _pct(tpots, .5) * 1e3}
 
 
 def _prompts(seed: int, streams: int, rounds: int, prompt_len: int, vocab: int) -> list[list[list[int]]]:
@@ -131,13 +136,14 @@ def stop_server(proc: subprocess.Popen) -> None:
 async def _served_point(url: str, prompts, max_tokens: int) -> dict:
     import httpx
 
-    ttfts, itls, tokens = [], [], [0]
+    ttfts, itls, tpots, tokens, chunks = [], [], [], [0], [0]
 
     async def one(http, prompt):
         body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         t0 = time.perf_counter()
-        last, n = None, 0
+        first = last = None
+        n = 0
         async with http.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"the server answered {r.status_code}: {(await r.aread())[:300]!r}")
@@ -151,12 +157,16 @@ async def _served_point(url: str, prompts, max_tokens: int) -> dict:
                 if not k:
                     continue
                 now = time.perf_counter()
+                chunks[0] += 1
                 if last is None:
                     ttfts.append(now - t0)
+                    first = now
                 else:
                     itls.append((now - last) / k)
                 last, n = now, n + k
         tokens[0] += n
+        if n > 1:
+            tpots.append((last - first) / (n - 1))
 
     async def stream(rounds):
         # a client (one keep-alive connection) per stream: httpx's pool scans all its connections on every
@@ -168,7 +178,7 @@ async def _served_point(url: str, prompts, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     await asyncio.gather(*(stream(r) for r in prompts))
     wall = time.perf_counter() - t0
-    return _stats(wall, ttfts, itls, tokens[0], sum(len(r) for r in prompts))
+    return _stats(wall, ttfts, itls, tpots, tokens[0], sum(len(r) for r in prompts), chunks[0])
 
 
 # ---------------------------------------------------------------------------------------------- in-process
@@ -196,8 +206,8 @@ def in_process_point(llm, prompts, max_tokens: int) -> dict:
     eng = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     pending = [list(r) for r in prompts]
-    owner, start, last = {}, {}, {}
-    ttfts, itls, tokens = [], [], 0
+    owner, start, first, last, count = {}, {}, {}, {}, {}
+    ttfts, itls, tpots, tokens, chunks = [], [], [], 0, 0
 
     def add(s: int) -> None:
         if pending[s]:
@@ -212,16 +222,21 @@ def in_process_point(llm, prompts, max_tokens: int) -> dict:
         now = time.perf_counter()
         for o in outs:
             k = len(o.outputs[0].delta_token_ids)
+            rid = o.request_id
             if k:
-                tokens += k
-                if o.request_id not in last:
-                    ttfts.append(now - start[o.request_id])
+                tokens, chunks = tokens + k, chunks + 1
+                if rid not in last:
+                    ttfts.append(now - start[rid])
+                    first[rid], count[rid] = now, 0
                 else:
-                    itls.append((now - last[o.request_id]) / k)
-                last[o.request_id] = now
+                    itls.append((now - last[rid]) / k)
+                last[rid] = now
+                count[rid] += k
             if o.finished:
-                add(owner[o.request_id])
-    return _stats(time.perf_counter() - t0, ttfts, itls, tokens, sum(len(r) for r in prompts))
+                if count.get(rid, 0) > 1:
+                    tpots.append((last[rid] - first[rid]) / (count[rid] - 1))
+                add(owner[rid])
+    return _stats(time.perf_counter() - t0, ttfts, itls, tpots, tokens, sum(len(r) for r in prompts), chunks)
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -229,7 +244,8 @@ def in_process_point(llm, prompts, max_tokens: int) -> dict:
 
 def _line(side: str, n: int, r: dict) -> str:
     return (f"{side:10s} streams {n:4d}: {r['output_tok_s']:9.1f} tok/s  TTFT p50 {r['ttft_p50_ms']:8.2f} ms "
-            f"p99 {r['ttft_p99_ms']:8.2f} ms  ITL p50 {r['itl_p50_ms']:7.2f} ms p99 {r['itl_p99_ms']:7.2f} ms")
+            f"p99 {r['ttft_p99_ms']:8.2f} ms  ITL p50 {r['itl_p50_ms']:7.2f} ms p99 {r['itl_p99_ms']:7.2f} ms  "
+            f"TPOT p50 {r['tpot_p50_ms']:7.2f} ms  {r['chunks'] / r['requests']:5.1f} chunks/request")
 
 
 def _compare(points: list[dict], target_streams: tuple[int, ...]) -> None:

@@ -1,18 +1,22 @@
 """The OpenAI-compatible HTTP server (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health,
 /version, /tokenize, /detokenize, /metrics.
 
-Handlers tokenize, check the request and hand it to the EngineLoop (one thread owning the engine); they read
-its updates from an asyncio queue. A stream's client closing the connection cancels its generator, whose
-cleanup aborts the request (blocks freed before the next step); a non-stream handler polls for a disconnect
-while it waits. Every error is answered in OpenAI's shape (``ApiError.body``), with no traceback.
+The app runs in the front end's process (``sparrow.server.frontend``), apart from the engine's: handlers
+tokenize, check the request and hand it to the ``EngineClient``; they read its updates from an asyncio queue,
+merging the updates that queued up while they were busy into one chunk. A stream's client closing the
+connection cancels its generator, whose cleanup aborts the request (blocks freed before the next step); a
+non-stream handler polls for a disconnect while it waits. Every error is answered in OpenAI's shape
+(``ApiError.body``), with no traceback.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import re
 import time
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,8 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import sparrow
 from sparrow.errors import SparrowError
-from sparrow.server.engine_loop import EngineLoop, StreamError
-from sparrow.server.metrics import ServerMetrics
+from sparrow.server.engine_client import EngineClient
+from sparrow.server.engine_loop import StreamError, Update, merge_updates
 from sparrow.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from sparrow.server.routes import add_generation_routes
 from sparrow.server.serving import ApiError
@@ -77,18 +81,40 @@ async def _wait_disconnect(raw: Request) -> None:
         pass
 
 
-class _Server:
-    """What the handlers share: the engine loop, tokenizer, served name, limits."""
+@dataclass
+class ServedModel:
+    """What the front end knows of the served model (the engine and its weights live in the engine process)."""
 
-    def __init__(self, llm, served_model_name: str | None, api_key: str | None):
-        self.llm = llm
-        self.tokenizer = llm.tokenizer
-        self.max_model_len = llm.config.max_model_len
-        self.model_name = served_model_name or (llm.model_path or "sparrow-model")
+    name: str
+    """The model's name in the API (``model`` fields, /v1/models)."""
+    root: str | None
+    """Its path (None for a random-weight shape)."""
+    max_model_len: int
+    vocab_size: int
+    spec_k: int | None = None
+    """Draft tokens per verify step with speculative decoding on; None: off."""
+
+    @classmethod
+    def of(cls, llm, served_model_name: str | None = None) -> "ServedModel":
+        spec = llm.config.speculative
+        return cls(served_model_name or (llm.model_path or "sparrow-model"), llm.model_path,
+                   llm.config.max_model_len, llm.config.model.vocab_size,
+                   spec.num_speculative_tokens if spec is not None else None)
+
+
+class _Server:
+    """What the handlers share: the engine client, tokenizer, served name, limits."""
+
+    def __init__(self, model: ServedModel, tokenizer, client: EngineClient, api_key: str | None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_model_len = model.max_model_len
+        self.vocab_size = model.vocab_size
+        self.model_name = model.name
         self.api_key = api_key
         self.created = int(time.time())
-        self.metrics = ServerMetrics(llm.engine, self.model_name)
-        self.loop = EngineLoop(llm.engine, self.metrics)
+        self.metrics = client.metrics
+        self.loop = client
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -122,25 +148,33 @@ class _Server:
         return apply_chat_template(self.tokenizer, [m.as_template_dict() for m in messages])
 
     async def updates(self, queue: asyncio.Queue, streams, raw: Request | None = None):
-        """Yield (stream position, Update) until every stream ended. Raises ApiError for a StreamError. With
-        ``raw`` (a non-stream request), returns early when its client disconnects. Unfinished requests are
-        aborted on exit."""
+        """Yield (stream position, Update) until every stream ended; a request's updates that queued up while
+        the consumer was busy come merged into one. Raises ApiError for a StreamError. With ``raw`` (a
+        non-stream request), returns early when its client disconnects. Unfinished requests are aborted on
+        exit."""
         pos = {s.request_id: k for k, s in enumerate(streams)}
         live = set(pos)
         gone = asyncio.ensure_future(_wait_disconnect(raw)) if raw is not None else None
+        pending: collections.deque = collections.deque()
         try:
             while live:
-                if gone is None:
-                    rid, item = await queue.get()
-                elif not queue.empty():
-                    rid, item = queue.get_nowait()
-                else:
-                    get = asyncio.ensure_future(queue.get())
-                    await asyncio.wait((get, gone), return_when=asyncio.FIRST_COMPLETED)
-                    if not get.done():
-                        get.cancel()
-                        return
-                    rid, item = get.result()
+                if not pending:
+                    if gone is None:
+                        pending.append(await queue.get())
+                    elif not queue.empty():
+                        pending.append(queue.get_nowait())
+                    else:
+                        get = asyncio.ensure_future(queue.get())
+                        await asyncio.wait((get, gone), return_when=asyncio.FIRST_COMPLETED)
+                        if not get.done():
+                            get.cancel()
+                            return
+                        pending.append(get.result())
+                while not queue.empty():
+                    pending.append(queue.get_nowait())
+                rid, item = pending.popleft()
+                while isinstance(item, Update) and pending and pending[0][0] == rid and isinstance(pending[0][1], Update):
+                    item = merge_updates(item, pending.popleft()[1])
                 if item is None:
                     live.discard(rid)
                     self._log_access(streams[pos[rid]])
@@ -185,19 +219,21 @@ class _ApiKeyCheck:
         await self.app(scope, receive, send)
 
 
-def build_app(llm, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving ``llm`` (a sparrow LLM; the app's engine loop owns its engine from startup to
-    shutdown: do not call the LLM meanwhile). api_key: required as ``Authorization: Bearer KEY`` on /v1 routes
-    when set. An LLM without a tokenizer (``skip_tokenizer_init``, a random-weight shape) is served on token ids:
-    completions take prompts as token ids and answer with ``token_ids`` (text empty); chat, text prompts,
-    /tokenize and /detokenize answer 400 naming the missing tokenizer."""
-    server = _Server(llm, served_model_name, api_key)
+def build_app(model: ServedModel, tokenizer, client: EngineClient, api_key: str | None = None,
+              on_engine_lost=None) -> FastAPI:
+    """The FastAPI app serving ``model`` through ``client`` (its engine runs in another process). api_key:
+    required as ``Authorization: Bearer KEY`` on /v1 routes when set. Without a tokenizer (None: a
+    random-weight shape, ``skip_tokenizer_init``) the model is served on token ids: completions take prompts as
+    token ids and answer with ``token_ids`` (text empty); chat, text prompts, /tokenize and /detokenize answer
+    400 naming the missing tokenizer. ``on_engine_lost()``: called when the engine's connection closes."""
+    server = _Server(model, tokenizer, client, api_key)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        server.loop.start()
+        loop = asyncio.get_running_loop()
+        client.attach(loop, on_engine_lost or (lambda: None))
         yield
-        server.loop.stop()
+        client.detach(loop)
 
     app = FastAPI(title="sparrow", version=sparrow.__version__, lifespan=lifespan)
     app.state.server = server
@@ -244,7 +280,7 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
     async def models():
         return {"object": "list", "data": [{
             "id": server.model_name, "object": "model", "created": server.created, "owned_by": "sparrow",
-            "root": llm.model_path, "max_model_len": server.max_model_len}]}
+            "root": model.root, "max_model_len": server.max_model_len}]}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -263,7 +299,7 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
     async def detokenize(body: DetokenizeRequest):
         server.check_model(body.model)
         server.need_tokenizer("/detokenize", "tokens")
-        vocab = llm.config.model.vocab_size
+        vocab = server.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise ApiError(400, f"tokens: ids must be in [0, {vocab})", "tokens")
         return {"prompt": server.tokenizer.decode(body.tokens)}

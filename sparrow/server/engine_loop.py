@@ -1,25 +1,27 @@
-"""The engine loop: one thread owns the Engine; HTTP handlers (on the asyncio loop) only add, read and abort.
+"""The engine side of the server: one thread owns the Engine and steps it; the HTTP front end (another process,
+``sparrow.server.frontend``) talks to it over a pipe.
 
-``EngineLoop.add`` queues a request and returns a ``RequestStream`` whose asyncio queue receives one
-``Update`` per engine step that advanced the request (a copy of that step's deltas: the engine's RequestOutput
-objects are updated in place on the next step, so they are never handed across threads), then ``None``; an
-error (the engine refused the request, or a step it was in failed) arrives as a ``StreamError``. The thread
-steps while the engine has work and sleeps on a condition variable when idle; adds and aborts are applied
-between steps, so an abort frees the request's KV blocks before the next step.
+The front end sends ``("add", request_id, prompt, params)`` and ``("abort", request_id)``; ``EngineLoop.pump``
+reads them on a thread of its own and queues them for the engine thread, which applies them between steps (an
+abort frees the request's KV blocks before the next step). After each loop iteration the engine thread sends one
+``("out", items, state)`` message: ``items`` is a list of (request_id, item) in order, where item is
+``Admitted`` (the engine took the request), an ``Update`` (a copy of one step's deltas: the engine's
+RequestOutput objects are updated in place on the next step), a ``StreamError`` (the engine refused the request,
+or a step it was in failed) or None (the request ended); ``state`` is an ``EngineState`` snapshot for
+/metrics. One message per step, whatever the number of requests, keeps the engine process's share of the
+serving cost to one pickle per step; everything per chunk (SSE framing, JSON, HTTP) runs in the front end's
+process, so it never holds the engine's GIL.
 """
 from __future__ import annotations
 
-import asyncio
-import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sparrow.errors import SparrowError
 from sparrow.outputs import Logprob, RequestOutput
 from sparrow.sampling_params import SamplingParams
-from sparrow.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -52,41 +54,57 @@ class StreamError:
 
 
 @dataclass
-class RequestStream:
-    """The handler's side of one request: ``queue`` receives (request_id, Update | StreamError | None) items
-    (several requests may share one queue: a completion with several prompts); None ends the request."""
-
-    request_id: str
-    prompt: dict
-    params: SamplingParams
-    queue: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
-    arrival: float = field(default_factory=time.monotonic)
-    first_token: float | None = None
-    last_token: float | None = None
-    num_generated: int = 0
-    finish_reasons: list[str | None] = field(default_factory=list)
-
-    def _put(self, item, outbox: list) -> None:
-        outbox.append((self, item))
+class Admitted:
+    time: float
+    """time.monotonic() when the engine took the request in (CLOCK_MONOTONIC: one clock for both processes)."""
 
 
-def _put_all(items: list) -> None:
-    """On the event loop: hand each (stream, item) to its stream's queue."""
-    for stream, item in items:
-        stream.queue.put_nowait((stream.request_id, item))
+@dataclass
+class EngineState:
+    """The engine's gauges and cumulative counts after a loop iteration (what /metrics shows)."""
+
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    spec: tuple[int, ...] | None
+    """(drafts, draft tokens, accepted tokens, accepted per position...), None without speculation."""
 
 
-def _send(outbox: list) -> None:
-    """Hand the items of one loop iteration over, one wake-up of each event loop (not one per item)."""
-    by_loop: dict = {}
-    for stream, item in outbox:
-        by_loop.setdefault(stream.loop, []).append((stream, item))
-    for loop, items in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, items)
-        except RuntimeError:  # the event loop closed (server shutting down)
-            pass
+def kv_cache_usage(engine) -> float:
+    """Fraction in [0, 1] of the engine's KV blocks held by a live sequence (cached free blocks count as free)."""
+    bm = engine.block_manager
+    return 1.0 - bm.num_free_blocks / bm.num_blocks if bm.num_blocks else 0.0
+
+
+def engine_state(engine) -> EngineState:
+    sched, bm, spec = engine.scheduler, engine.block_manager, engine.spec
+    counts = None
+    if spec is not None:
+        counts = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, *spec.num_accepted_tokens_per_pos)
+    return EngineState(len(sched.running), len(sched.waiting), kv_cache_usage(engine), sched.num_preemptions,
+                       bm.prefix_cache_queries, bm.prefix_cache_hits, counts)
+
+
+def merge_updates(a: Update, b: Update) -> Update:
+    """One Update carrying ``a``'s then ``b``'s deltas (two steps of one request, coalesced when the front end
+    reads them together): per completion index, text and tokens concatenated, the later finish reason."""
+    by_index = {d.index: Delta(d.index, d.text, list(d.token_ids), None if d.logprobs is None else list(d.logprobs),
+                               d.finish_reason, d.stop_reason) for d in a.deltas}
+    for d in b.deltas:
+        m = by_index.get(d.index)
+        if m is None:
+            by_index[d.index] = d
+            continue
+        m.text += d.text
+        m.token_ids += d.token_ids
+        if d.logprobs is not None:
+            m.logprobs = (m.logprobs or []) + d.logprobs
+        if d.finish_reason is not None:
+            m.finish_reason, m.stop_reason = d.finish_reason, d.stop_reason
+    return Update(list(by_index.values()), b.finished, b.prompt_token_ids, b.prompt_logprobs)
 
 
 def _snapshot(out: RequestOutput) -> Update:
@@ -100,17 +118,17 @@ def _snapshot(out: RequestOutput) -> Update:
 
 
 class EngineLoop:
-    """Runs ``engine`` on a daemon thread. ``metrics``: a ServerMetrics fed per output (None: none kept)."""
+    """Runs ``engine`` on a daemon thread; ``send(message)`` carries each iteration's ("out", items, state) to
+    the front end (called on the engine thread; it must be safe to call from there)."""
 
-    def __init__(self, engine, metrics: ServerMetrics | None = None):
+    def __init__(self, engine, send):
         self.engine = engine
-        self.metrics = metrics
+        self._send = send
         self._cond = threading.Condition()
-        self._adds: list[RequestStream] = []
+        self._adds: list[tuple[str, dict, SamplingParams]] = []
         self._aborts: list[str] = []
-        self._live: dict[str, RequestStream] = {}
+        self._live: set[str] = set()
         self._stop = False
-        self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="sparrow-engine-loop", daemon=True)
 
     def start(self) -> None:
@@ -122,21 +140,32 @@ class EngineLoop:
             self._cond.notify()
         self._thread.join(timeout=10)
 
-    def add(self, prompt: dict, params: SamplingParams, queue: asyncio.Queue | None = None,
-            prefix: str = "req") -> RequestStream:
-        """Queue ``prompt`` ({'prompt_token_ids': [...], optional 'prompt'}); call from the event loop.
-        ``queue``: where its items go (a new queue when None)."""
-        stream = RequestStream(f"{prefix}-{next(self._ids)}", prompt, params,
-                               asyncio.Queue() if queue is None else queue, asyncio.get_running_loop())
+    def add(self, request_id: str, prompt: dict, params: SamplingParams) -> None:
+        """Queue ``prompt`` ({'prompt_token_ids': [...], optional 'prompt'}) under ``request_id``."""
         with self._cond:
-            self._adds.append(stream)
+            self._adds.append((request_id, prompt, params))
             self._cond.notify()
-        return stream
 
     def abort(self, request_id: str) -> None:
         """Abort a request (finished or unknown ids are ignored); its blocks are freed before the next step."""
         with self._cond:
             self._aborts.append(request_id)
+            self._cond.notify()
+
+    def pump(self, recv) -> None:
+        """Apply the front end's messages (``recv()`` returns the next; EOFError or OSError: the front end is
+        gone) until it is gone; then abort what is left."""
+        while True:
+            try:
+                msg = recv()
+            except (EOFError, OSError):
+                break
+            if msg[0] == "add":
+                self.add(msg[1], msg[2], msg[3])
+            elif msg[0] == "abort":
+                self.abort(msg[1])
+        with self._cond:
+            self._aborts.extend(self._live)
             self._cond.notify()
 
     def _run(self) -> None:
@@ -149,17 +178,21 @@ class EngineLoop:
                     return
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
-            outbox: list = []
-            for s in adds:
-                self._admit(s, outbox)
+            items: list = []
+            for rid, prompt, params in adds:
+                self._admit(rid, prompt, params, items)
             for rid in aborts:
-                if self._live.pop(rid, None) is not None:
+                if rid in self._live:
+                    self._live.discard(rid)
                     engine.abort(rid)
             if engine.has_unfinished_requests():
-                self._step(outbox)
-            _send(outbox)
+                self._step(items)
+            try:
+                self._send(("out", items, engine_state(engine)))
+            except (OSError, EOFError):  # the front end is gone: pump() aborts the rest
+                pass
 
-    def _step(self, outbox: list) -> None:
+    def _step(self, items: list) -> None:
         engine = self.engine
         try:
             outputs = engine.step()
@@ -167,52 +200,25 @@ class EngineLoop:
             log.exception("engine step failed")
             failed = StreamError("the engine failed while running this request", False)
             for rid in [r for r in self._live if r not in engine.requests]:
-                self._live.pop(rid)._put(failed, outbox)
+                self._live.discard(rid)
+                items.append((rid, failed))
             return
-        now = time.monotonic()
         for out in outputs:
-            s = self._live.get(out.request_id)
-            if s is not None:
-                self._deliver(s, out, now, outbox)
-        if self.metrics is not None:
-            self.metrics.after_step()
+            if out.request_id in self._live:
+                items.append((out.request_id, _snapshot(out)))
+                if out.finished:
+                    self._live.discard(out.request_id)
+                    items.append((out.request_id, None))
 
-    def _admit(self, s: RequestStream, outbox: list) -> None:
+    def _admit(self, rid: str, prompt: dict, params: SamplingParams, items: list) -> None:
         try:
-            self.engine.add_request(s.prompt, s.params, request_id=s.request_id)
+            self.engine.add_request(prompt, params, request_id=rid)
         except SparrowError as e:
-            s._put(StreamError(str(e), True), outbox)
+            items.append((rid, StreamError(str(e), True)))
             return
         except Exception:
-            log.exception("adding request %s failed", s.request_id)
-            s._put(StreamError("the engine could not take this request", False), outbox)
+            log.exception("adding request %s failed", rid)
+            items.append((rid, StreamError("the engine could not take this request", False)))
             return
-        self._live[s.request_id] = s
-        if self.metrics is not None:
-            self.metrics.prompt_tokens.inc(len(s.prompt["prompt_token_ids"]))
-            self.metrics.queue_time.observe(time.monotonic() - s.arrival)
-
-    def _deliver(self, s: RequestStream, out: RequestOutput, now: float, outbox: list) -> None:
-        update = _snapshot(out)
-        n = sum(len(d.token_ids) for d in update.deltas)
-        m = self.metrics
-        if n:
-            if s.first_token is None:
-                s.first_token = now
-                if m is not None:
-                    m.ttft.observe(now - s.arrival)
-            elif m is not None:
-                m.itl.observe((now - s.last_token) / n)
-            s.last_token = now
-            s.num_generated += n
-            if m is not None:
-                m.generation_tokens.inc(n)
-        s._put(update, outbox)
-        if out.finished:
-            del self._live[s.request_id]
-            s.finish_reasons = [c.finish_reason for c in out.outputs]
-            if m is not None:
-                m.e2e.observe(now - s.arrival)
-                for reason in s.finish_reasons:
-                    m.finished(reason or "abort")
-            s._put(None, outbox)
+        self._live.add(rid)
+        items.append((rid, Admitted(time.monotonic())))

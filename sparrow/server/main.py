@@ -31,25 +31,29 @@ def _build_llm(args):
 
 
 def run_server(args) -> int:
-    """Serve ``args`` (the ``serve`` subcommand's namespace). Raises SparrowError for a bad model or engine
-    argument (before anything listens)."""
-    import uvicorn
+    """Serve ``args`` (the ``serve`` subcommand's namespace) until Ctrl-C or the front end exits. Raises
+    SparrowError for a bad model or engine argument (before anything listens) or a port that cannot be bound."""
+    from sparrow.server.launch import start_server
 
-    from sparrow.server.app import build_app
-
-    llm = _build_llm(args)
-    shape = getattr(args, "model_shape", None)
-    app = build_app(llm, served_model_name=args.served_model_name or shape, api_key=args.api_key)
-    server = app.state.server
-    cfg = llm.config
-    kv_tokens = llm.engine.block_manager.num_blocks * cfg.cache.block_size
     logging.getLogger("sparrow.server").setLevel(logging.INFO)
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(name)s: %(message)s")
+    llm = _build_llm(args)
+    shape = getattr(args, "model_shape", None)
+    srv = start_server(llm, host=args.host, port=args.port, served_model_name=args.served_model_name or shape,
+                       api_key=args.api_key)
+    cfg = llm.config
+    kv_tokens = llm.engine.block_manager.num_blocks * cfg.cache.block_size
     source = f"random-weight shape {shape}, no tokenizer: token-id prompts" if shape else llm.model_path
     quant = f", {args.quantization}" if args.quantization else ""
     log.info("sparrow serve: model %s (%s) on %s, %s%s; KV cache %d tokens; max_model_len %d; "
-             "listening on http://%s:%d/v1", server.model_name, source, cfg.device, cfg.dtype, quant, kv_tokens,
-             cfg.max_model_len, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+             "listening on %s/v1", srv.model.name, source, cfg.device, cfg.dtype, quant, kv_tokens,
+             cfg.max_model_len, srv.url)
+    try:
+        while not srv.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.stop()
     return 0

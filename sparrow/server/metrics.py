@@ -1,9 +1,10 @@
 """The server's Prometheus metrics: vLLM's metric names with a ``sparrow:`` prefix (prometheus-client renders
 the text format; counters get their ``_total`` suffix from it).
 
-One ``ServerMetrics`` per engine, in its own CollectorRegistry (two servers in one process do not collide).
-Gauges read the scheduler and block manager when scraped; counters and histograms are fed by the engine loop
-thread once per request output (prometheus-client's metrics are thread-safe).
+One ``ServerMetrics`` per server, in its own CollectorRegistry (two servers in one process do not collide), in
+the front end's process. Gauges and the engine's own counts (preemptions, prefix cache, speculative decoding)
+come from the ``EngineState`` of each engine message (``observe_state``); the latency histograms and token
+counters are fed by the ``EngineClient`` as the engine's outputs arrive.
 """
 from __future__ import annotations
 
@@ -14,25 +15,24 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 """Seconds (vLLM's time_to_first_token buckets, extended to long CPU requests)."""
 
 
-def kv_cache_usage(engine) -> float:
-    """Fraction in [0, 1] of the engine's KV blocks held by a live sequence (cached free blocks count as free)."""
-    bm = engine.block_manager
-    return 1.0 - bm.num_free_blocks / bm.num_blocks if bm.num_blocks else 0.0
-
-
 class ServerMetrics:
-    def __init__(self, engine, model_name: str):
+    """``spec_k``: the speculative decoding draft length (None: speculation off, no spec_decode counters)."""
+
+    def __init__(self, model_name: str, spec_k: int | None = None):
         self.registry = r = CollectorRegistry()
         labels = {"model_name": model_name}
-        sched = engine.scheduler
+        self.state = None
 
         def gauge(name, doc, fn):
             g = Gauge(f"sparrow:{name}", doc, list(labels), registry=r)
             g.labels(**labels).set_function(fn)
 
-        gauge("num_requests_running", "Sequences in the running batch.", lambda: len(sched.running))
-        gauge("num_requests_waiting", "Sequences waiting to be scheduled.", lambda: len(sched.waiting))
-        gauge("kv_cache_usage_perc", "KV-cache usage: 1 means every block is in use.", lambda: kv_cache_usage(engine))
+        gauge("num_requests_running", "Sequences in the running batch.",
+              lambda: self.state.running if self.state else 0)
+        gauge("num_requests_waiting", "Sequences waiting to be scheduled.",
+              lambda: self.state.waiting if self.state else 0)
+        gauge("kv_cache_usage_perc", "KV-cache usage: 1 means every block is in use.",
+              lambda: self.state.kv_cache_usage if self.state else 0.0)
 
         def counter(name, doc):
             return Counter(f"sparrow:{name}", doc, list(labels), registry=r).labels(**labels)
@@ -54,44 +54,36 @@ class ServerMetrics:
         self.itl = hist("inter_token_latency_seconds", "Time between two outputs of a request, per token.")
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to the last token.")
         self.queue_time = hist("request_queue_time_seconds", "Arrival to the engine loop taking the request in.")
-        self._sched, self._bm = sched, engine.block_manager
-        self._seen = self._engine_counts()
-        self._spec = engine.spec
-        if self._spec is not None:  # vLLM's spec_decode counters, only when speculation is on
+        self._seen = (0, 0, 0)
+        self._spec_seen: tuple[int, ...] = ()
+        if spec_k is not None:  # vLLM's spec_decode counters, only when speculation is on
             self.spec_counters = (counter("spec_decode_num_drafts", "Verify steps of a sequence with drafts."),
                                   counter("spec_decode_num_draft_tokens", "Draft tokens verified."),
                                   counter("spec_decode_num_accepted_tokens", "Draft tokens accepted."))
             per_pos = Counter("sparrow:spec_decode_num_accepted_tokens_per_pos",
                               "Draft tokens accepted, by position in the draft (0-based).", [*labels, "position"],
                               registry=r)
-            self.spec_per_pos = [per_pos.labels(**labels, position=str(i)) for i in range(self._spec.k)]
-            self._spec_seen = self._spec_counts()
+            self.spec_per_pos = [per_pos.labels(**labels, position=str(i)) for i in range(spec_k)]
+            self._spec_seen = (0,) * (3 + spec_k)
 
     def finished(self, reason: str) -> None:
         self.request_success.labels(**self._labels, finished_reason=reason).inc()
 
-    def _engine_counts(self) -> tuple[int, int, int]:
-        return self._sched.num_preemptions, self._bm.prefix_cache_queries, self._bm.prefix_cache_hits
-
-    def _spec_counts(self) -> tuple[int, ...]:
-        s = self._spec
-        return (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, *s.num_accepted_tokens_per_pos)
-
-    def after_step(self) -> None:
-        """Carry the engine's own counts (preemptions, prefix-cache lookups, speculative decoding's) over (once
-        per engine step)."""
-        now = self._engine_counts()
+    def observe_state(self, state) -> None:
+        """Take an ``EngineState``: the gauges show it; the counters carried over from the engine's cumulative
+        counts (preemptions, prefix-cache lookups, speculative decoding's) advance by what is new."""
+        self.state = state
+        now = (state.num_preemptions, state.prefix_cache_queries, state.prefix_cache_hits)
         for counter, new, old in zip((self.num_preemptions, self.prefix_cache_queries, self.prefix_cache_hits),
                                      now, self._seen):
             if new > old:
                 counter.inc(new - old)
         self._seen = now
-        if self._spec is not None:
-            now = self._spec_counts()
-            for counter, new, old in zip((*self.spec_counters, *self.spec_per_pos), now, self._spec_seen):
+        if state.spec is not None and self._spec_seen:
+            for counter, new, old in zip((*self.spec_counters, *self.spec_per_pos), state.spec, self._spec_seen):
                 if new > old:
                     counter.inc(new - old)
-            self._spec_seen = now
+            self._spec_seen = state.spec
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -43,7 +43,7 @@ def _completion_prompts(server, prompt) -> list[dict]:
         if isinstance(p, str):
             out.append({"prompt_token_ids": server.encode(p), "prompt": p})
         else:
-            vocab = server.llm.config.model.vocab_size
+            vocab = server.vocab_size
             if not p or any(not 0 <= t < vocab for t in p):
                 raise ApiError(400, f"prompt: token ids must be a non-empty list of ids in [0, {vocab})", "prompt")
             out.append({"prompt_token_ids": list(p), "prompt": server.decode(p)})

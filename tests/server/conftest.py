@@ -1,13 +1,10 @@
-"""A real uvicorn server on 127.0.0.1 at a free port, in a thread of the test process, serving the tiny random
-Llama with the byte tokenizer (tests/helpers.py): fast enough for many requests on a 2-core CI machine."""
+"""A real server on 127.0.0.1 at a free port (the engine loop on a thread of the test process, uvicorn in a
+front-end process), serving the tiny random Llama with the byte tokenizer (tests/helpers.py): fast enough for
+many requests on a 2-core CI machine."""
 from __future__ import annotations
 
 import socket
-import threading
-import time
-from dataclasses import dataclass
 
-import httpx
 import pytest
 
 from tests.helpers import tiny_model_dir, tiny_text_model_dir  # noqa: F401  (fixtures)
@@ -16,12 +13,12 @@ MODEL_NAME = "tiny"
 API_KEY = "sk-test"
 
 
-@dataclass
 class RunningServer:
-    url: str
-    llm: object
-    app: object
-    server: object
+    """A server started by ``sparrow.server.launch.start_server`` in this process (engine loop thread) and a
+    front-end process."""
+
+    def __init__(self, proc, llm):
+        self.proc, self.llm, self.url = proc, llm, proc.url
 
     @property
     def base_url(self) -> str:
@@ -34,35 +31,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(llm, **app_kw) -> RunningServer:
-    import uvicorn
+def start_server(llm, **kw) -> RunningServer:
+    from sparrow.server.launch import start_server as launch
 
-    from sparrow.server.app import build_app
-
-    app = build_app(llm, **app_kw)
-    port = _free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    else:
-        raise RuntimeError("the test server did not start")
-    running = RunningServer(url, llm, app, server)
-    running.thread = thread
-    return running
+    return RunningServer(launch(llm, host="127.0.0.1", port=_free_port(), **kw), llm)
 
 
 def stop_server(running: RunningServer) -> None:
-    running.server.should_exit = True
-    running.thread.join(timeout=10)
+    running.proc.stop()
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,119 @@
+"""The front end's handle on the engine process (``sparrow.server.engine_loop``): add and abort requests, and
+route the engine's per-step messages to each request's asyncio queue.
+
+``EngineClient.add`` sends the request and returns a ``RequestStream`` whose queue receives
+(request_id, Update | StreamError | None) items (several requests may share one queue: a completion with several
+prompts); None ends the request. The connection is read on the event loop (``attach``: a reader callback on its
+file descriptor, no thread); the latency metrics are taken here, when a token reaches the front end.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from sparrow.sampling_params import SamplingParams
+from sparrow.server.engine_loop import Admitted, EngineState, StreamError, Update
+from sparrow.server.metrics import ServerMetrics
+
+
+@dataclass
+class RequestStream:
+    request_id: str
+    prompt: dict
+    params: SamplingParams
+    queue: asyncio.Queue
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+    num_generated: int = 0
+    finish_reasons: list[str | None] = field(default_factory=list)
+
+
+class EngineClient:
+    """``conn``: the front end's end of the pipe (a multiprocessing Connection); ``metrics`` fed per message."""
+
+    def __init__(self, conn, metrics: ServerMetrics):
+        self.conn = conn
+        self.metrics = metrics
+        self.state: EngineState | None = None
+        self._live: dict[str, RequestStream] = {}
+        self._ids = itertools.count()
+        self._on_lost = None
+
+    def attach(self, loop: asyncio.AbstractEventLoop, on_lost) -> None:
+        """Read the engine's messages on ``loop``; ``on_lost()`` runs if the engine process goes away."""
+        self._on_lost = on_lost
+        loop.add_reader(self.conn.fileno(), self._readable)
+
+    def detach(self, loop: asyncio.AbstractEventLoop) -> None:
+        loop.remove_reader(self.conn.fileno())
+
+    def add(self, prompt: dict, params: SamplingParams, queue: asyncio.Queue | None = None,
+            prefix: str = "req") -> RequestStream:
+        """Send ``prompt`` ({'prompt_token_ids': [...], optional 'prompt'}) to the engine; call on the event loop.
+        ``queue``: where its items go (a new queue when None)."""
+        s = RequestStream(f"{prefix}-{next(self._ids)}", prompt, params, asyncio.Queue() if queue is None else queue)
+        self._live[s.request_id] = s
+        self.conn.send(("add", s.request_id, prompt, params))
+        return s
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (finished or unknown ids are ignored)."""
+        if self._live.pop(request_id, None) is not None:
+            try:
+                self.conn.send(("abort", request_id))
+            except OSError:
+                pass
+
+    def _readable(self) -> None:
+        try:
+            while self.conn.poll():
+                msg = self.conn.recv()
+                if msg[0] == "out":
+                    self._dispatch(msg[1], msg[2])
+                elif msg[0] == "stop" and self._on_lost is not None:
+                    self._on_lost()
+        except (EOFError, OSError):
+            if self._on_lost is not None:
+                self._on_lost()
+
+    def _dispatch(self, items: list, state: EngineState) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        for rid, item in items:
+            s = self._live.get(rid)
+            if s is None:  # aborted here already
+                continue
+            if isinstance(item, Admitted):
+                m.prompt_tokens.inc(len(s.prompt["prompt_token_ids"]))
+                m.queue_time.observe(max(0.0, item.time - s.arrival))
+                continue
+            if isinstance(item, Update):
+                self._count(s, item, now)
+            elif item is None:
+                del self._live[rid]
+                m.e2e.observe(now - s.arrival)
+                for reason in s.finish_reasons:
+                    m.finished(reason or "abort")
+            elif isinstance(item, StreamError):
+                del self._live[rid]
+            s.queue.put_nowait((rid, item))
+        self.state = state
+        m.observe_state(state)
+
+    def _count(self, s: RequestStream, update: Update, now: float) -> None:
+        m = self.metrics
+        n = sum(len(d.token_ids) for d in update.deltas)
+        if n:
+            if s.first_token is None:
+                s.first_token = now
+                m.ttft.observe(now - s.arrival)
+            else:
+                m.itl.observe((now - s.last_token) / n)
+            s.last_token = now
+            s.num_generated += n
+            m.generation_tokens.inc(n)
+        if update.finished:
+            s.finish_reasons = [d.finish_reason for d in update.deltas]

@@ -1,0 +1,91 @@
+"""Start a server for an ``LLM``: its engine loop on a thread of this process, the HTTP front end in a process
+of its own (``sparrow.server.frontend``), a pipe between them. ``sparrow serve`` and the tests use it.
+
+    srv = start_server(llm, port=8000, served_model_name="gemma")   # returns once it listens
+    ...
+    srv.stop()
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import threading
+
+from sparrow.errors import SparrowError
+from sparrow.server.app import ServedModel
+from sparrow.server.engine_loop import EngineLoop
+
+log = logging.getLogger("sparrow.server")
+
+
+class ServerProcess:
+    """A running server: ``url``, ``model`` (the ServedModel), ``stop()``, ``wait()``."""
+
+    def __init__(self, llm, host: str, port: int, served_model_name: str | None, api_key: str | None,
+                 startup_timeout: float):
+        self.llm = llm
+        self.model = ServedModel.of(llm, served_model_name)
+        self.url = f"http://{host}:{port}"
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe(duplex=True)
+        self._send_lock = threading.Lock()
+        self._proc = ctx.Process(
+            target=_frontend_main, name="sparrow-frontend", daemon=True,
+            args=(child_conn, self.model, llm.tokenizer, host, port, api_key, log.getEffectiveLevel()))
+        self._proc.start()
+        child_conn.close()
+        if not self._conn.poll(startup_timeout):
+            self._proc.kill()
+            raise SparrowError(f"the HTTP front end did not start listening on {host}:{port} within "
+                               f"{startup_timeout:.0f} s")
+        try:
+            msg = self._conn.recv()
+        except EOFError:
+            self._proc.join(5)
+            raise SparrowError(f"the HTTP front end could not listen on {host}:{port} (is the port in use?); "
+                               f"it exited with code {self._proc.exitcode}") from None
+        if msg != ("ready",):
+            raise SparrowError(f"the HTTP front end sent {msg!r} instead of ready")
+        self.loop = EngineLoop(llm.engine, self._send)
+        self.loop.start()
+        self._pump = threading.Thread(target=self.loop.pump, args=(self._conn.recv,), name="sparrow-engine-pump",
+                                      daemon=True)
+        self._pump.start()
+
+    def _send(self, msg) -> None:
+        with self._send_lock:
+            self._conn.send(msg)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the front end exits (or ``timeout`` seconds); True when it has."""
+        self._proc.join(timeout)
+        return not self._proc.is_alive()
+
+    def stop(self) -> None:
+        """Stop the front end (it exits its serve loop), then the engine loop (pending requests are left in the
+        engine, aborted by the pump when the pipe closes)."""
+        try:
+            self._send(("stop",))
+        except OSError:
+            pass
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+        self._pump.join(10)
+        self.loop.stop()
+        self._conn.close()
+
+
+def _frontend_main(*args) -> None:
+    from sparrow.server.frontend import run_frontend
+
+    run_frontend(*args)
+
+
+def start_server(llm, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
+                 api_key: str | None = None, startup_timeout: float = 120.0) -> ServerProcess:
+    """Serve ``llm`` (its engine is the server's from now until ``stop()``: do not call the LLM meanwhile) on
+    ``host:port``; returns once the front end listens. Raises SparrowError when it cannot listen (the port in
+    use) or does not start within ``startup_timeout`` seconds."""
+    return ServerProcess(llm, host, port, served_model_name, api_key, startup_timeout)

@@ -1,0 +1,40 @@
+"""The front end's process and the engine loop's messages: coalescing of updates a slow reader missed, a port
+that cannot be bound, and the engine's state reaching /metrics."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from sparrow.errors import SparrowError
+from sparrow.outputs import Logprob
+from sparrow.server.engine_loop import Delta, Update, merge_updates
+
+
+def _lp(tid: int, v: float) -> dict[int, Logprob]:
+    return {tid: Logprob(v, 1, str(tid))}
+
+
+def test_merge_updates_concatenates_each_completion():
+    a = Update([Delta(0, "He", [1], [_lp(1, -0.1)], None, None), Delta(1, "", [], [], None, None)], False, [7, 8])
+    b = Update([Delta(0, "llo", [2, 3], [_lp(2, -0.2), _lp(3, -0.3)], "stop", 3),
+                Delta(1, "x", [4], [_lp(4, -0.4)], "length", None)], True, [7, 8], [None, _lp(8, -1.0)])
+    m = merge_updates(a, b)
+    d0, d1 = sorted(m.deltas, key=lambda d: d.index)
+    assert (d0.text, d0.token_ids, [next(iter(x)) for x in d0.logprobs]) == ("Hello", [1, 2, 3], [1, 2, 3])
+    assert (d0.finish_reason, d0.stop_reason) == ("stop", 3)
+    assert (d1.text, d1.token_ids, d1.finish_reason) == ("x", [4], "length")
+    assert m.finished and m.prompt_logprobs == b.prompt_logprobs
+    assert a.deltas[0].text == "He" and a.deltas[0].token_ids == [1]  # the inputs are left as they were
+
+
+def test_port_in_use_is_a_clear_error(tiny_llm):
+    from sparrow.server.launch import start_server
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(SparrowError, match=f"could not listen on 127.0.0.1:{port}"):
+            start_server(tiny_llm, host="127.0.0.1", port=port, startup_timeout=60)
+    assert not tiny_llm.engine.requests
