@@ -230,10 +230,8 @@ def build_app(model: ServedModel, tokenizer, client: EngineClient, api_key: str 
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        loop = asyncio.get_running_loop()
-        client.attach(loop, on_engine_lost or (lambda: None))
+        client.attach(asyncio.get_running_loop(), on_engine_lost or (lambda: None))
         yield
-        client.detach(loop)
 
     app = FastAPI(title="sparrow", version=sparrow.__version__, lifespan=lifespan)
     app.state.server = server

@@ -3,13 +3,17 @@ route the engine's per-step messages to each request's asyncio queue.
 
 ``EngineClient.add`` sends the request and returns a ``RequestStream`` whose queue receives
 (request_id, Update | StreamError | None) items (several requests may share one queue: a completion with several
-prompts); None ends the request. The connection is read on the event loop (``attach``: a reader callback on its
-file descriptor, no thread); the latency metrics are taken here, when a token reaches the front end.
+prompts); None ends the request. The connection is read by a thread of its own (blocking reads of whole
+messages, handed to the event loop with one wake-up each): an event loop's reader callback would need the
+socket non-blocking (uvloop makes it so), and a Connection read or written on a non-blocking socket can stop
+mid-message and desynchronize the stream. The latency metrics are taken on the event loop, when a token reaches
+the front end.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -43,12 +47,10 @@ class EngineClient:
         self._on_lost = None
 
     def attach(self, loop: asyncio.AbstractEventLoop, on_lost) -> None:
-        """Read the engine's messages on ``loop``; ``on_lost()`` runs if the engine process goes away."""
+        """Start reading the engine's messages into ``loop``; ``on_lost()`` runs there when the engine stops the
+        front end or its process goes away."""
         self._on_lost = on_lost
-        loop.add_reader(self.conn.fileno(), self._readable)
-
-    def detach(self, loop: asyncio.AbstractEventLoop) -> None:
-        loop.remove_reader(self.conn.fileno())
+        threading.Thread(target=self._read, args=(loop,), name="sparrow-engine-reader", daemon=True).start()
 
     def add(self, prompt: dict, params: SamplingParams, queue: asyncio.Queue | None = None,
             prefix: str = "req") -> RequestStream:
@@ -67,17 +69,19 @@ class EngineClient:
             except OSError:
                 pass
 
-    def _readable(self) -> None:
+    def _read(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
-            while self.conn.poll():
+            while True:
                 msg = self.conn.recv()
-                if msg[0] == "out":
-                    self._dispatch(msg[1], msg[2])
-                elif msg[0] == "stop" and self._on_lost is not None:
-                    self._on_lost()
+                if msg[0] != "out":
+                    break
+                loop.call_soon_threadsafe(self._dispatch, msg[1], msg[2])
         except (EOFError, OSError):
-            if self._on_lost is not None:
-                self._on_lost()
+            pass
+        try:
+            loop.call_soon_threadsafe(self._on_lost)
+        except RuntimeError:  # the loop closed already
+            pass
 
     def _dispatch(self, items: list, state: EngineState) -> None:
         now = time.monotonic()

@@ -25,6 +25,9 @@ from sparrow.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+SLOW_STEP_S = 0.5
+"""An engine step longer than this is logged (seconds)."""
+
 
 @dataclass
 class Delta:
@@ -194,6 +197,7 @@ class EngineLoop:
 
     def _step(self, items: list) -> None:
         engine = self.engine
+        t0 = time.monotonic()
         try:
             outputs = engine.step()
         except Exception:  # the engine aborted the step's requests; every other one goes on
@@ -203,6 +207,10 @@ class EngineLoop:
                 self._live.discard(rid)
                 items.append((rid, failed))
             return
+        took = time.monotonic() - t0
+        if took > SLOW_STEP_S:
+            log.info("an engine step took %.2f s (%d running, %d waiting; the first step of a new composition "
+                     "compiles its kernels)", took, len(engine.scheduler.running), len(engine.scheduler.waiting))
         for out in outputs:
             if out.request_id in self._live:
                 items.append((out.request_id, _snapshot(out)))
