@@ -9,8 +9,10 @@ served to the in-process tok/s and the TTFT p50 the server adds.
 Load: N streams, each a closed loop of --requests-per-stream requests (the next one sent when the last ended;
 more at small N, so that a point has at least --min-requests);
 every request is a fresh random token-id prompt of --prompt-len (no prefix-cache hits), greedy, ignore_eos,
---max-tokens new tokens. Before each point one unmeasured round of the same shape warms both sides up
-(Triton compiles, allocator). The served and in-process sides get the same prompts.
+--max-tokens new tokens. Before each point the same load with other prompts runs unmeasured on both sides, so
+that each meets its kernel compiles (a step of a composition not seen before compiles kernels for seconds: a
+long-running server pays that once) and allocator growth there. The served and in-process sides get the same
+prompts.
 
 Served: ``python -m sparrow serve`` in a subprocess on a free port (the engine flags below, plus
 --max-num-seqs = the largest N), waited for on /health; the clients (httpx, streaming /v1/completions with
@@ -313,9 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         from sparrow.loader.model_loader import read_model_config
 
         vocab = read_model_config(args.model)[0].vocab_size
-    loads = {n: (_prompts(args.seed + 1000 + n, n, 1, args.prompt_len, vocab),
-                 _prompts(args.seed + n, n, max(args.requests_per_stream, -(-args.min_requests // n)),
-                          args.prompt_len, vocab)) for n in args.streams}
+    rounds = {n: max(args.requests_per_stream, -(-args.min_requests // n)) for n in args.streams}
+    loads = {n: (_prompts(args.seed + 1000 + n, n, rounds[n], args.prompt_len, vocab),
+                 _prompts(args.seed + n, n, rounds[n], args.prompt_len, vocab)) for n in args.streams}
     report = {"meta": _meta(args), "points": [{"streams": n} for n in args.streams]}
 
     log_path = Path(args.out).with_suffix(".server.log") if args.out else Path(tempfile.mkstemp(".log")[1])
