@@ -73,9 +73,12 @@ class EngineClient:
         try:
             while True:
                 msg = self.conn.recv()
-                if msg[0] != "out":
+                if msg[0] == "base":
+                    loop.call_soon_threadsafe(self.metrics.set_baseline, msg[1])
+                elif msg[0] == "out":
+                    loop.call_soon_threadsafe(self._dispatch, msg[1], msg[2])
+                else:
                     break
-                loop.call_soon_threadsafe(self._dispatch, msg[1], msg[2])
         except (EOFError, OSError):
             pass
         try:

@@ -3,7 +3,8 @@
 
 The front end sends ``("add", request_id, prompt, params)`` and ``("abort", request_id)``; ``EngineLoop.pump``
 reads them on a thread of its own and queues them for the engine thread, which applies them between steps (an
-abort frees the request's KV blocks before the next step). After each loop iteration the engine thread sends one
+abort frees the request's KV blocks before the next step). Before the loop starts, ``("base", state)`` gives the
+counts /metrics starts from. After each loop iteration the engine thread sends one
 ``("out", items, state)`` message: ``items`` is a list of (request_id, item) in order, where item is
 ``Admitted`` (the engine took the request), an ``Update`` (a copy of one step's deltas: the engine's
 RequestOutput objects are updated in place on the next step), a ``StreamError`` (the engine refused the request,

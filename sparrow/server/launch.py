@@ -13,7 +13,7 @@ import threading
 
 from sparrow.errors import SparrowError
 from sparrow.server.app import ServedModel
-from sparrow.server.engine_loop import EngineLoop
+from sparrow.server.engine_loop import EngineLoop, engine_state
 
 log = logging.getLogger("sparrow.server")
 
@@ -22,8 +22,17 @@ class ServerProcess:
     """A running server: ``url``, ``model`` (the ServedModel), ``stop()``, ``wait()``."""
 
     def __init__(self, llm, host: str, port: int, served_model_name: str | None, api_key: str | None,
-                 startup_timeout: float):
+                 startup_timeout: float, warm_up: bool):
         self.llm = llm
+        if warm_up:
+            import time
+
+            from sparrow.engine.warmup import warm_up as run_warm_up
+
+            t0 = time.monotonic()
+            steps = run_warm_up(llm.engine)
+            log.info("warm-up: %d steps in %.1f s (kernels compiled for prefill and mixed steps)", steps,
+                     time.monotonic() - t0)
         self.model = ServedModel.of(llm, served_model_name)
         self.url = f"http://{host}:{port}"
         ctx = multiprocessing.get_context("spawn")
@@ -47,6 +56,7 @@ class ServerProcess:
         if msg != ("ready",):
             raise SparrowError(f"the HTTP front end sent {msg!r} instead of ready")
         self.loop = EngineLoop(llm.engine, self._send)
+        self._send(("base", engine_state(llm.engine)))  # /metrics counts from here (not the warm-up's steps)
         self.loop.start()
         self._pump = threading.Thread(target=self.loop.pump, args=(self._conn.recv,), name="sparrow-engine-pump",
                                       daemon=True)
@@ -84,8 +94,12 @@ def _frontend_main(*args) -> None:
 
 
 def start_server(llm, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
-                 api_key: str | None = None, startup_timeout: float = 120.0) -> ServerProcess:
+                 api_key: str | None = None, startup_timeout: float = 120.0,
+                 warm_up: bool | None = None) -> ServerProcess:
     """Serve ``llm`` (its engine is the server's from now until ``stop()``: do not call the LLM meanwhile) on
-    ``host:port``; returns once the front end listens. Raises SparrowError when it cannot listen (the port in
-    use) or does not start within ``startup_timeout`` seconds."""
-    return ServerProcess(llm, host, port, served_model_name, api_key, startup_timeout)
+    ``host:port``; returns once the front end listens. ``warm_up``: run ``sparrow.engine.warmup.warm_up`` first
+    (None: when the engine runs on CUDA, where kernels compile on first use). Raises SparrowError when it cannot
+    listen (the port in use) or does not start within ``startup_timeout`` seconds."""
+    if warm_up is None:
+        warm_up = llm.config.device.startswith("cuda")
+    return ServerProcess(llm, host, port, served_model_name, api_key, startup_timeout, warm_up)

@@ -69,6 +69,14 @@ class ServerMetrics:
     def finished(self, reason: str) -> None:
         self.request_success.labels(**self._labels, finished_reason=reason).inc()
 
+    def set_baseline(self, state) -> None:
+        """Count the engine's cumulative counts from ``state`` on (what ran before the server started, such as
+        its warm-up, is not counted)."""
+        self.state = state
+        self._seen = (state.num_preemptions, state.prefix_cache_queries, state.prefix_cache_hits)
+        if state.spec is not None and self._spec_seen:
+            self._spec_seen = state.spec
+
     def observe_state(self, state) -> None:
         """Take an ``EngineState``: the gauges show it; the counters carried over from the engine's cumulative
         counts (preemptions, prefix-cache lookups, speculative decoding's) advance by what is new."""

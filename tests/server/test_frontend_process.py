@@ -38,3 +38,27 @@ def test_port_in_use_is_a_clear_error(tiny_llm):
         with pytest.raises(SparrowError, match=f"could not listen on 127.0.0.1:{port}"):
             start_server(tiny_llm, host="127.0.0.1", port=port, startup_timeout=60)
     assert not tiny_llm.engine.requests
+
+
+def test_warm_up_is_not_counted_in_metrics(tiny_text_model_dir):
+    """A server that warmed up (as on CUDA) starts /metrics at zero: the warm-up's prefills are the baseline."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from sparrow import LLM
+    from tests.server.conftest import start_server, stop_server
+
+    llm = LLM(str(tiny_text_model_dir), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=32,
+              max_num_batched_tokens=32)
+    srv = start_server(llm, served_model_name="tiny", warm_up=True)
+    try:
+        assert llm.engine.block_manager.prefix_cache_queries > 0  # the warm-up ran
+        samples = {s.name: s.value for fam in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)
+                   for s in fam.samples}
+        assert samples["sparrow:prefix_cache_queries_total"] == 0
+        assert samples["sparrow:generation_tokens_total"] == 0
+        r = httpx.post(srv.base_url + "/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True},
+                       timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        stop_server(srv)
