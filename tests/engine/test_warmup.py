@@ -19,8 +19,9 @@ def test_warm_up_leaves_the_engine_idle_and_unchanged(tiny_model_dir):  # noqa: 
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = random_prompts([5, 17, 40])
     fresh = generate_ids(make_llm(tiny_model_dir, max_model_len=128, num_kv_blocks=64, block_size=16,
-                                  max_num_batched_tokens=64), prompts, params)
-    llm = make_llm(tiny_model_dir, max_model_len=128, num_kv_blocks=64, block_size=16, max_num_batched_tokens=64)
+                                  max_num_batched_tokens=64, max_num_seqs=4), prompts, params)
+    llm = make_llm(tiny_model_dir, max_model_len=128, num_kv_blocks=64, block_size=16, max_num_batched_tokens=64,
+                   max_num_seqs=4)
     engine = llm.engine
     steps = warm_up(engine)
     lengths = prefill_lengths(64)

@@ -49,7 +49,7 @@ def test_warm_up_is_not_counted_in_metrics(tiny_text_model_dir):
     from tests.server.conftest import start_server, stop_server
 
     llm = LLM(str(tiny_text_model_dir), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=32,
-              max_num_batched_tokens=32)
+              max_num_batched_tokens=32, max_num_seqs=4)
     srv = start_server(llm, served_model_name="tiny", warm_up=True)
     try:
         assert llm.engine.block_manager.prefix_cache_queries > 0  # the warm-up ran
