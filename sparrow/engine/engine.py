@@ -70,6 +70,7 @@ class Engine:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = eos
         self._ahead: tuple[StepPlan, StepResult] | None = None  # the next step, queued before the last was read
+        self._last_step_end: float | None = None  # perf_counter() at the end of the last decode / verify step
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue a prompt (text or {'prompt_token_ids': [...], optional 'soft_embeds', 'soft_positions'}); returns
@@ -141,9 +142,20 @@ class Engine:
             if ahead is not None:
                 self._ahead = (ahead, self.runner.run(ahead, previous=result))
         outputs = self._apply(plan, result)
+        if self.spec is not None:
+            self._time_step(plan)
         if self._ahead is not None and all(item.seq.is_finished for item in self._ahead[0].seqs):
             self._ahead = None  # every sequence stopped: nothing to read
         return outputs
+
+    def _time_step(self, plan: StepPlan) -> None:
+        """Give the speculative decoder the wall time of a decode or verify step that followed another one (the
+        interval between their ends: what a step costs the batch, overlap and host work included)."""
+        now = time.perf_counter()
+        q = plan.max_query_len()
+        last, self._last_step_end = self._last_step_end, (now if q is not None else None)
+        if q is not None and last is not None:
+            self.spec.observe_step(q, now - last)
 
     def _apply(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Apply a step's result: computed rows and accepted tokens per sequence (a sequence that stopped or was
