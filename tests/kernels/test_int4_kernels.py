@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from sparrow.kernels import backend
-from sparrow.kernels.int4 import int4_linear, int4_linear_ref, quantize_int4_ref
+from sparrow.kernels.int4 import Int4Config, forced_config, int4_linear, int4_linear_ref, quantize_int4_ref
+from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config as moe_forced_config
 from sparrow.kernels.int4_moe import int4_fused_moe, int4_fused_moe_ref
 
 FP32_ATOL = 1e-4
@@ -53,6 +54,30 @@ def test_int4_linear_interpreter(rows, symmetric, group, scale_dtype, dtype):
     with backend("triton"):
         got = int4_linear(x, packed, scale, zero, group)
     _check(got, int4_linear_ref(x, packed, scale, zero, group), dtype)
+
+
+@pytest.mark.parametrize("rows", (1, 3, 16))
+def test_int4_gemv_split_k_interpreter(rows):
+    """The GEMV tile with K split over 3 programs (reduced in the kernel) and with BLOCK_K below the group
+    (SUB_K = BLOCK_K, several steps per group), asymmetric fp32: equal to the twin up to summation order."""
+    n, k, group = 40, 192, 64
+    packed, scale, zero = _weights(n, k, group, False, torch.float32, DEVICE)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
+    for cfg in (Int4Config(block_m=16, block_n=16, block_k=32, split_k=3),
+                Int4Config(block_m=16, block_n=32, block_k=128, split_k=0)):
+        with backend("triton"), forced_config(cfg):
+            got = int4_linear(x, packed, scale, zero, group)
+        _check(got, int4_linear_ref(x, packed, scale, zero, group), torch.float32)
+
+
+def test_int4_moe_small_split_k_interpreter():
+    """The small MoE path with K split over 2 programs per (pair, N tile), 3 rows, bf16."""
+    x, w13, w2, wts, ids = _moe_case(3, 4, 64, 32, 2, 32, True, torch.bfloat16, torch.bfloat16, DEVICE)
+    tile = Tile(block_n=16, block_k=32, split_k=2)
+    want = int4_fused_moe_ref(x, *w13, *w2, 32, wts, ids, "gelu_pytorch_tanh")
+    with backend("triton"), moe_forced_config(MoeConfig(16, tile, tile)):
+        got = int4_fused_moe(x, *w13, *w2, 32, wts, ids, "gelu_pytorch_tanh")
+    _check(got, want, torch.bfloat16, MOE_BF16_NMSE)
 
 
 @functools.lru_cache(maxsize=2)
