@@ -1,11 +1,13 @@
 """int4 W4A16 Triton kernels (``sparrow.kernels.int4`` / ``int4_moe``) against their torch twins (the
 dequantize-then-matmul references). CPU: TRITON_INTERPRET=1 at tiny shapes (tests/conftest.py; the same tests run the kernels on a GPU); GPU-marked tests at model shapes.
 
-Budgets: fp32 activations and scales: both sides multiply the same dequantized fp32 weights and sum in fp32, so
-they differ only in summation order (atol 1e-4 on outputs of magnitude ~1). bf16: the same bf16-rounded
-weights, fp32 accumulation, one rounding of the output to bf16 (NMSE <= 1e-5; a bf16 rounding alone is
-~1e-6). MoE in bf16: the twin rounds gate|up to bf16 before the activation and the kernel applies it to the
-fp32 sums, so the intermediate [P, I] carries one more bf16 rounding on one side (NMSE <= 1e-4)."""
+Budgets: fp32 activations and scales: the twin multiplies x by the dequantized fp32 weights, the kernel sums
+x * (u - zero) and scales the sums per group (GEMV tiles) or scales the weight tile (GEMM tiles), all in fp32,
+so they differ only in rounding order (atol 1e-4 on outputs of magnitude ~1). bf16: the twin rounds each weight
+to bf16 (2^-9 relative), the GEMV tiles keep it exact (the GEMM tiles round it as the twin does), fp32
+accumulation, one rounding of the output to bf16 (NMSE <= 1e-5; one bf16 rounding alone is ~1e-6). MoE in bf16:
+the twin rounds gate|up to bf16 before the activation and the kernel applies it to the fp32 sums, so the
+intermediate [P, I] carries one more bf16 rounding on one side (NMSE <= 1e-4)."""
 from __future__ import annotations
 
 import functools
