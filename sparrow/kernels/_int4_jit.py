@@ -31,9 +31,34 @@ from sparrow.kernels._split_k_jit import split_k_and, split_k_arrive, split_k_ra
 
 @triton.jit
 def unpack_nibbles(words, BN: tl.constexpr, BK: tl.constexpr):
-    """int32 words [BN, BK / 8] -> int32 codes [BN, BK] in 0..15: column k is nibble k % 8 of word k // 8."""
-    nib = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
-    return tl.reshape(nib, [BN, BK])
+    """int32 words [BN, BK / 8] -> int32 codes [BN, BK] in 0..15: column k is nibble k % 8 of word k // 8.
+    Three rounds of ``tl.interleave`` (out[2m + t] = (a, b)[t][m]) of the eight nibble planes p_j = nibble j of
+    every word; each round keeps a thread's values in its registers (the new axis is per thread)."""
+    y00 = tl.interleave(words & 0xF, (words >> 16) & 0xF)  # p0, p4
+    y01 = tl.interleave((words >> 8) & 0xF, (words >> 24) & 0xF)  # p2, p6
+    y10 = tl.interleave((words >> 4) & 0xF, (words >> 20) & 0xF)  # p1, p5
+    y11 = tl.interleave((words >> 12) & 0xF, (words >> 28) & 0xF)  # p3, p7
+    return tl.interleave(tl.interleave(y00, y01), tl.interleave(y10, y11))
+
+
+@triton.jit
+def _int4_plane(src, zero, POS: tl.constexpr):
+    """u - zero in fp32 for the nibble at bits POS..POS + 3 of src (POS <= 16): (src & (15 << POS)) | 0x4B000000
+    is the fp32 2^23 + u 2^POS; times 2^-POS minus (2^(23 - POS) + zero) is exact (one FFMA)."""
+    v = ((src & (15 << POS)) | 0x4B000000).to(tl.float32, bitcast=True)
+    return v * (1.0 / (1 << POS)) - ((1 << (23 - POS)) + zero)
+
+
+@triton.jit
+def int4_values(words, zero, BN: tl.constexpr, BK: tl.constexpr):
+    """int32 words [BN, BK / 8], zero fp32 [BN, 1] -> fp32 u - zero [BN, BK] (column k: nibble k % 8 of word
+    k // 8). Nibbles 0..4 are read in place, 5..7 from words >> 12: a mask, an OR and an FFMA per code."""
+    hi = words >> 12
+    return tl.interleave(
+        tl.interleave(tl.interleave(_int4_plane(words, zero, 0), _int4_plane(words, zero, 16)),
+                      tl.interleave(_int4_plane(words, zero, 8), _int4_plane(hi, zero, 12))),
+        tl.interleave(tl.interleave(_int4_plane(words, zero, 4), _int4_plane(hi, zero, 8)),
+                      tl.interleave(_int4_plane(words, zero, 12), _int4_plane(hi, zero, 16))))
 
 
 @triton.jit
@@ -49,18 +74,25 @@ def e2m1_value(c):
 @triton.jit
 def _w4_dot(a, w_rows, s_rows, z_rows, ks, k_end, n_mask, group,
             NVFP4: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_W: tl.constexpr, UPCAST: tl.constexpr,
-            RNE: tl.constexpr, BN: tl.constexpr, SUB_K: tl.constexpr):
+            RNE: tl.constexpr, BN: tl.constexpr, SUB_K: tl.constexpr, MASK_K: tl.constexpr):
     """a [BM, SUB_K] (columns ks.., zero past k_end) @ W[:, ks:ks + SUB_K]^T -> fp32 [BM, BN], int4 group scales
     applied (NVFP4: block scales; not the global multiplier). w_rows [BN, 1]: the rows' word pointers; s_rows /
     z_rows [BN]: the rows' scale / zero pointers (int4: [N, G]; NVFP4: e4m3 [N, K / 16]). RNE: bf16 x under the
-    interpreter (SCALE_W tiles rounded to nearest in fp32 first)."""
-    kw = ks // 8 + tl.arange(0, SUB_K // 8)
-    words = tl.load(w_rows + kw[None, :], mask=n_mask[:, None] & (kw < k_end // 8)[None, :], other=0)
-    u = unpack_nibbles(words, BN, SUB_K)
+    interpreter (SCALE_W tiles rounded to nearest in fp32 first). MASK_K: the tile may reach past k_end (a tail
+    step); without it the loads are masked by rows only, so they vectorize (16-byte loads)."""
+    kw = tl.max_contiguous(tl.multiple_of(ks // 8 + tl.arange(0, SUB_K // 8), SUB_K // 8), SUB_K // 8)
+    if MASK_K:
+        words = tl.load(w_rows + kw[None, :], mask=n_mask[:, None] & (kw < k_end // 8)[None, :], other=0)
+    else:
+        words = tl.load(w_rows + kw[None, :], mask=n_mask[:, None], other=0)
     if NVFP4:
-        kg = ks // 16 + tl.arange(0, SUB_K // 16)
-        sc = tl.load(s_rows[:, None] + kg[None, :], mask=n_mask[:, None] & (kg < k_end // 16)[None, :],
-                     other=0.0).to(tl.float32)
+        u = unpack_nibbles(words, BN, SUB_K)
+        kg = tl.max_contiguous(tl.multiple_of(ks // 16 + tl.arange(0, SUB_K // 16), SUB_K // 16), SUB_K // 16)
+        if MASK_K:
+            s_mask = n_mask[:, None] & (kg < k_end // 16)[None, :]
+        else:
+            s_mask = n_mask[:, None]
+        sc = tl.load(s_rows[:, None] + kg[None, :], mask=s_mask, other=0.0).to(tl.float32)
         sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, SUB_K // 16, 16]), [BN, SUB_K])
         w = e2m1_value(u) * sc  # exact in x's dtype (module doc)
         return _dot(a, tl.trans(w.to(a.dtype)), UPCAST)
@@ -71,7 +103,7 @@ def _w4_dot(a, w_rows, s_rows, z_rows, ks, k_end, n_mask, group,
             z = tl.load(z_rows + gi, mask=n_mask, other=8).to(tl.float32)
         else:
             z = tl.full([BN], 8.0, tl.float32)
-        w = (u | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + z)[:, None]  # u - zero, exact
+        w = int4_values(words, z[:, None], BN, SUB_K)  # u - zero, exact
         if SCALE_W:
             w = w * s[:, None]
             if RNE:  # the interpreter truncates fp32 -> bf16
@@ -93,7 +125,7 @@ def w4_matmul_kernel(
     g_ptr,  # NVFP4: fp32 [N] global multipliers; else dummy
     y_ptr,  # [R, N], x's dtype, unit last stride
     ws_ptr, lock_ptr,  # SPLIT_K > 1: split-K workspace and counters (_split_k_jit); else dummies
-    R, N, K, stride_x, stride_w, stride_s, stride_z, stride_y, group,
+    R, N, K, stride_x, stride_w, stride_s, stride_z, stride_y, GROUP: tl.constexpr,
     NVFP4: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_W: tl.constexpr, UPCAST: tl.constexpr,
     RNE_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SUB_K: tl.constexpr,  # K per dot: divides BLOCK_K (int4: and the group)
@@ -108,23 +140,12 @@ def w4_matmul_kernel(
     pdl_enter(USE_PDL)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, SUB_K)
     n_mask = rn < N
     m_mask = rm < R
-    rn64 = rn.to(tl.int64)
-    w_rows = w_ptr + rn64[:, None] * stride_w
-    s_rows = s_ptr + rn64 * stride_s
-    z_rows = z_ptr + rn64 * stride_z
-    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_start, k_end = split_k_range(K, pid_k, SPLIT_K, BLOCK_K)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        for j in tl.static_range(BLOCK_K // SUB_K):
-            ks = k0 + j * SUB_K
-            kk = ks + rk
-            a = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk < k_end)[None, :], other=0.0)
-            acc += _w4_dot(a, w_rows, s_rows, z_rows, ks, k_end, n_mask, group, NVFP4, HAS_ZERO, SCALE_W, UPCAST,
-                           RNE_OUT, BLOCK_N, SUB_K)
+    acc, _ = _w4_mm_rows(x_ptr, rm.to(tl.int64), m_mask, stride_x, w_ptr, stride_w, s_ptr, z_ptr, stride_s, stride_z,
+                         rn, n_mask, 0, k_start, k_end, GROUP, False, NVFP4, HAS_ZERO, SCALE_W, UPCAST, RNE_OUT,
+                         BLOCK_M, BLOCK_N, BLOCK_K, SUB_K)
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
         acc, last = split_k_reduce(acc, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K,
@@ -141,31 +162,60 @@ def w4_matmul_kernel(
 
 
 @triton.jit
+def _w4_load_a(a_rows, m_mask, kk, k_end, MASK_K: tl.constexpr):
+    if MASK_K:
+        return tl.load(a_rows + kk[None, :], mask=m_mask[:, None] & (kk < k_end)[None, :], other=0.0)
+    else:
+        return tl.load(a_rows + kk[None, :], mask=m_mask[:, None], other=0.0)
+
+
+@triton.jit
+def _w4_step(acc_g, acc_u, a_rows, m_mask, wg_rows, wu_rows, sg_rows, su_rows, zg_rows, zu_rows, k0, k_end, n_mask,
+             group, GATED: tl.constexpr, NVFP4: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_W: tl.constexpr,
+             UPCAST: tl.constexpr, RNE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             SUB_K: tl.constexpr, MASK_K: tl.constexpr):
+    """One BLOCK_K step of ``_w4_mm_rows`` at k0: BLOCK_K / SUB_K dots per weight."""
+    for j in tl.static_range(BLOCK_K // SUB_K):
+        ks = k0 + j * SUB_K
+        kk = tl.max_contiguous(tl.multiple_of(ks + tl.arange(0, SUB_K), SUB_K), SUB_K)  # ks: a multiple of SUB_K
+        a = _w4_load_a(a_rows, m_mask, kk, k_end, MASK_K)
+        acc_g += _w4_dot(a, wg_rows, sg_rows, zg_rows, ks, k_end, n_mask, group, NVFP4, HAS_ZERO, SCALE_W, UPCAST,
+                         RNE, BLOCK_N, SUB_K, MASK_K)
+        if GATED:
+            acc_u += _w4_dot(a, wu_rows, su_rows, zu_rows, ks, k_end, n_mask, group, NVFP4, HAS_ZERO, SCALE_W,
+                             UPCAST, RNE, BLOCK_N, SUB_K, MASK_K)
+    return acc_g, acc_u
+
+
+@triton.jit
 def _w4_mm_rows(
     a_ptr, arow, m_mask, stride_ar,  # A rows arow [BM] (int64) of a [*, K]
-    w_ptr, stride_wn,  # this expert's words [N_w, K / 8]
-    s_ptr, z_ptr, stride_sn,  # this expert's scales (and int4 zero points, same strides)
+    w_ptr, stride_wn,  # the weight's words [N_w, K / 8]
+    s_ptr, z_ptr, stride_sn, stride_zn,  # its scales (and int4 zero points)
     rn, n_mask, N_UP, k_start, k_end, group,  # output columns [BN] (the up half N_UP rows further, GATED)
     GATED: tl.constexpr, NVFP4: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_W: tl.constexpr, UPCAST: tl.constexpr,
     RNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
 ):
-    """(acc_gate, acc_up) [BM, BN] fp32 = A @ W[rn]^T (and A @ W[N_UP + rn]^T when GATED) over k_start:k_end."""
+    """(acc_gate, acc_up) [BM, BN] fp32 = A @ W[rn]^T (and A @ W[N_UP + rn]^T when GATED) over k_start:k_end
+    (k_start a multiple of BLOCK_K): whole BLOCK_K steps without K masks, then one masked tail step."""
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    rk = tl.arange(0, SUB_K)
     a_rows = a_ptr + arow[:, None] * stride_ar
     rg = rn.to(tl.int64)
     ru = (rn + N_UP).to(tl.int64)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        for j in tl.static_range(BLOCK_K // SUB_K):
-            ks = k0 + j * SUB_K
-            kk = ks + rk
-            a = tl.load(a_rows + kk[None, :], mask=m_mask[:, None] & (kk < k_end)[None, :], other=0.0)
-            acc_g += _w4_dot(a, w_ptr + rg[:, None] * stride_wn, s_ptr + rg * stride_sn, z_ptr + rg * stride_sn,
-                             ks, k_end, n_mask, group, NVFP4, HAS_ZERO, SCALE_W, UPCAST, RNE, BLOCK_N, SUB_K)
-            if GATED:
-                acc_u += _w4_dot(a, w_ptr + ru[:, None] * stride_wn, s_ptr + ru * stride_sn, z_ptr + ru * stride_sn,
-                                 ks, k_end, n_mask, group, NVFP4, HAS_ZERO, SCALE_W, UPCAST, RNE, BLOCK_N, SUB_K)
+    wg_rows = w_ptr + rg[:, None] * stride_wn
+    wu_rows = w_ptr + ru[:, None] * stride_wn
+    k_full = k_start + (k_end - k_start) // BLOCK_K * BLOCK_K
+    for k0 in range(k_start, k_full, BLOCK_K):
+        acc_g, acc_u = _w4_step(acc_g, acc_u, a_rows, m_mask, wg_rows, wu_rows, s_ptr + rg * stride_sn,
+                                s_ptr + ru * stride_sn, z_ptr + rg * stride_zn, z_ptr + ru * stride_zn, k0, k_end,
+                                n_mask, group, GATED, NVFP4, HAS_ZERO, SCALE_W, UPCAST, RNE, BLOCK_N, BLOCK_K, SUB_K,
+                                False)
+    if k_full < k_end:
+        acc_g, acc_u = _w4_step(acc_g, acc_u, a_rows, m_mask, wg_rows, wu_rows, s_ptr + rg * stride_sn,
+                                s_ptr + ru * stride_sn, z_ptr + rg * stride_zn, z_ptr + ru * stride_zn, k_full, k_end,
+                                n_mask, group, GATED, NVFP4, HAS_ZERO, SCALE_W, UPCAST, RNE, BLOCK_N, BLOCK_K, SUB_K,
+                                True)
     return acc_g, acc_u
 
 
@@ -196,7 +246,7 @@ def w4_moe_gemv_kernel(
     c_ptr,  # out [P, N] contiguous, a's dtype
     ids_ptr,  # [P] flattened topk_ids
     ws_ptr, lock_ptr,  # SPLIT_K > 1: split-K workspace, (1 + GATED) tiles per (pair, N tile), and counters
-    P, N, K, A_ROW_DIV, stride_ar, stride_we, stride_wn, stride_se, stride_sn, stride_ge, group, limit,
+    P, N, K, A_ROW_DIV, stride_ar, stride_we, stride_wn, stride_se, stride_sn, stride_ge, GROUP: tl.constexpr, limit,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, NVFP4: tl.constexpr, HAS_ZERO: tl.constexpr,
     DIVIDE_G: tl.constexpr, SCALE_W: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
     P_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
@@ -229,7 +279,7 @@ def w4_moe_gemv_kernel(
             arow = (pair // A_ROW_DIV).to(tl.int64)
             acc_g, acc_u = _w4_mm_rows(
                 a_ptr, arow, m_mask, stride_ar, w_ptr + expert * stride_we, stride_wn, s_ptr + expert * stride_se,
-                z_ptr + expert * stride_se, stride_sn, rn, n_mask, N, k_start, k_end, group,
+                z_ptr + expert * stride_se, stride_sn, stride_sn, rn, n_mask, N, k_start, k_end, GROUP,
                 GATED, NVFP4, HAS_ZERO, SCALE_W, UPCAST, RNE_BF16, BLOCK_R, BLOCK_N, BLOCK_K, SUB_K)
             acc_g, acc_u = _w4_global(acc_g, acc_u, g_ptr, expert, stride_ge, GATED, NVFP4, DIVIDE_G)
             if SPLIT_K > 1:
@@ -252,7 +302,7 @@ def w4_moe_gemm_kernel(
     sorted_ptr,  # [S] int32 sorted pair ids, P = padding (moe_align)
     block_expert_ptr,  # [NB] int32 expert of each block
     total_ptr,  # [1] int32 padded pair count
-    P, N, K, A_ROW_DIV, stride_ar, stride_we, stride_wn, stride_se, stride_sn, stride_ge, group, limit,
+    P, N, K, A_ROW_DIV, stride_ar, stride_we, stride_wn, stride_se, stride_sn, stride_ge, GROUP: tl.constexpr, limit,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, NVFP4: tl.constexpr, HAS_ZERO: tl.constexpr,
     DIVIDE_G: tl.constexpr, SCALE_W: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
@@ -273,7 +323,7 @@ def w4_moe_gemm_kernel(
         n_mask = rn < N
         acc_g, acc_u = _w4_mm_rows(
             a_ptr, arow, m_mask, stride_ar, w_ptr + expert * stride_we, stride_wn, s_ptr + expert * stride_se,
-            z_ptr + expert * stride_se, stride_sn, rn, n_mask, N, 0, K, group,
+            z_ptr + expert * stride_se, stride_sn, stride_sn, rn, n_mask, N, 0, K, GROUP,
             GATED, NVFP4, HAS_ZERO, SCALE_W, UPCAST, RNE_BF16, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K)
         acc_g, acc_u = _w4_global(acc_g, acc_u, g_ptr, expert, stride_ge, GATED, NVFP4, DIVIDE_G)
         _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit, GATED, ACT, HAS_LIMIT, RNE_BF16)
