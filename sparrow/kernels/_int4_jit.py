@@ -30,52 +30,71 @@ from sparrow.kernels._split_k_jit import split_k_and, split_k_arrive, split_k_ra
 
 
 @triton.jit
-def unpack_nibbles(words, BN: tl.constexpr, BK: tl.constexpr):
-    """int32 words [BN, BK / 8] -> int32 codes [BN, BK] in 0..15: column k is nibble k % 8 of word k // 8.
-    Three rounds of ``tl.interleave`` (out[2m + t] = (a, b)[t][m]) of the eight nibble planes p_j = nibble j of
-    every word; each round keeps a thread's values in its registers (the new axis is per thread)."""
-    y00 = tl.interleave(words & 0xF, (words >> 16) & 0xF)  # p0, p4
-    y01 = tl.interleave((words >> 8) & 0xF, (words >> 24) & 0xF)  # p2, p6
-    y10 = tl.interleave((words >> 4) & 0xF, (words >> 20) & 0xF)  # p1, p5
-    y11 = tl.interleave((words >> 12) & 0xF, (words >> 28) & 0xF)  # p3, p7
-    return tl.interleave(tl.interleave(y00, y01), tl.interleave(y10, y11))
-
-
-@triton.jit
-def _int4_plane(src, zero, POS: tl.constexpr):
-    """u - zero in fp32 for the nibble at bits POS..POS + 3 of src (POS <= 16): (src & (15 << POS)) | 0x4B000000
-    is the fp32 2^23 + u 2^POS; times 2^-POS minus (2^(23 - POS) + zero) is exact (one FFMA)."""
-    v = ((src & (15 << POS)) | 0x4B000000).to(tl.float32, bitcast=True)
+def _int4_plane(base, zero, POS: tl.constexpr):
+    """u - zero in fp32 for the nibble u at bits POS..POS + 3 (POS <= 16) of ``base``, a word whose bits 23..31
+    are the fp32 exponent of 2^23 (0x4B000000): keeping those bits and the nibble (one AND) gives the fp32
+    2^23 + u 2^POS; times 2^-POS minus (2^(23 - POS) + zero) is exact (one FFMA)."""
+    v = (base & (0x4B000000 | (15 << POS))).to(tl.float32, bitcast=True)
     return v * (1.0 / (1 << POS)) - ((1 << (23 - POS)) + zero)
 
 
 @triton.jit
 def int4_values(words, zero, BN: tl.constexpr, BK: tl.constexpr):
     """int32 words [BN, BK / 8], zero fp32 [BN, 1] -> fp32 u - zero [BN, BK] (column k: nibble k % 8 of word
-    k // 8). Nibbles 0..4 are read in place, 5..7 from words >> 12: a mask, an OR and an FFMA per code."""
-    hi = words >> 12
+    k // 8): nibbles 0..4 read in place from (words & 0xFFFFF) | 0x4B000000, 5..7 from the word shifted right
+    by 12, each with one AND and one FFMA (a few operations per word besides)."""
+    lo = (words & 0xFFFFF) | 0x4B000000
+    hi = ((words >> 12) & 0xFFF00) | 0x4B000000
     return tl.interleave(
-        tl.interleave(tl.interleave(_int4_plane(words, zero, 0), _int4_plane(words, zero, 16)),
-                      tl.interleave(_int4_plane(words, zero, 8), _int4_plane(hi, zero, 12))),
-        tl.interleave(tl.interleave(_int4_plane(words, zero, 4), _int4_plane(hi, zero, 8)),
-                      tl.interleave(_int4_plane(words, zero, 12), _int4_plane(hi, zero, 16))))
+        tl.interleave(tl.interleave(_int4_plane(lo, zero, 0), _int4_plane(lo, zero, 16)),
+                      tl.interleave(_int4_plane(lo, zero, 8), _int4_plane(hi, zero, 12))),
+        tl.interleave(tl.interleave(_int4_plane(lo, zero, 4), _int4_plane(hi, zero, 8)),
+                      tl.interleave(_int4_plane(lo, zero, 12), _int4_plane(hi, zero, 16))))
 
 
 @triton.jit
-def e2m1_value(c):
-    """int32 e2m1 codes (0..15) -> fp32 values. Magnitude m = c & 7: m >= 2 is the normal 2^(e - 1) (1 + f / 2)
-    with (e, f) = (m >> 1, m & 1), i.e. fp32 bits (m << 22) + (126 << 23); m = 1 is 0.5, m = 0 zero; bit 3 the
-    sign."""
-    m = c & 7
-    bits = tl.where(m >= 2, (m << 22) + (126 << 23), (m & 1) * (126 << 23))
-    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+def _e2m1_plane(words, POS: tl.constexpr):
+    """The e2m1 code at bits POS..POS + 3 of ``words`` as fp32 times 2^-126: its sign to bit 31 and its 3
+    magnitude bits (e1 e0 m) to bits 24..22, so the fp32 exponent field is e and the top mantissa bit m (e = 0:
+    an fp32 subnormal, as e2m1's own subnormal). Callers scale by 2^126 in two exact steps (``NV_PRE`` on the
+    block scales, ``NV_POST`` on the sums)."""
+    if POS <= 22:
+        x = words << (22 - POS)
+    else:
+        x = words >> (POS - 22)
+    return ((x & 0x01C00000) | ((x << 6) & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_values(words, BN: tl.constexpr, BK: tl.constexpr):
+    """int32 words [BN, BK / 8] of e2m1 codes -> fp32 [BN, BK] holding e2m1 * 2^-126 (``_e2m1_plane``), in
+    column order (nibble k % 8 of word k // 8)."""
+    return tl.interleave(
+        tl.interleave(tl.interleave(_e2m1_plane(words, 0), _e2m1_plane(words, 16)),
+                      tl.interleave(_e2m1_plane(words, 8), _e2m1_plane(words, 24))),
+        tl.interleave(tl.interleave(_e2m1_plane(words, 4), _e2m1_plane(words, 20)),
+                      tl.interleave(_e2m1_plane(words, 12), _e2m1_plane(words, 28))))
+
+
+@triton.jit
+def _nv_post(x_ptr):
+    """The factor on NVFP4 sums for activations of x_ptr's dtype: NV_POST, or 1 for fp16 (``_w4_dot``)."""
+    if x_ptr.dtype.element_ty == tl.float16:
+        return 1.0
+    else:
+        return NV_POST
+
+
+NV_PRE = 18446744073709551616.0  # 2^64: times the e4m3 block scales (<= 448 * 2^64, no overflow)
+NV_POST = 4611686018427387904.0  # 2^62: times the sums (2^64 * 2^62 = 2^126 undoes e2m1_values' 2^-126)
 
 
 @triton.jit
 def _w4_dot(a, w_rows, s_rows, z_rows, ks, k_end, n_mask, group,
             NVFP4: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_W: tl.constexpr, UPCAST: tl.constexpr,
-            RNE: tl.constexpr, BN: tl.constexpr, SUB_K: tl.constexpr, MASK_K: tl.constexpr):
-    """a [BM, SUB_K] (columns ks.., zero past k_end) @ W[:, ks:ks + SUB_K]^T -> fp32 [BM, BN], int4 group scales
+            RNE: tl.constexpr, BN: tl.constexpr, SUB_K: tl.constexpr, MASK_K: tl.constexpr, SWAP: tl.constexpr):
+    """a [BM, SUB_K] (columns ks.., zero past k_end) @ W[:, ks:ks + SUB_K]^T -> fp32 [BM, BN] (SWAP: the transposed
+    product W @ a^T [BN, BM], the weight tile as the dot's first operand), int4 group scales
     applied (NVFP4: block scales; not the global multiplier). w_rows [BN, 1]: the rows' word pointers; s_rows /
     z_rows [BN]: the rows' scale / zero pointers (int4: [N, G]; NVFP4: e4m3 [N, K / 16]). RNE: bf16 x under the
     interpreter (SCALE_W tiles rounded to nearest in fp32 first). MASK_K: the tile may reach past k_end (a tail
@@ -86,16 +105,17 @@ def _w4_dot(a, w_rows, s_rows, z_rows, ks, k_end, n_mask, group,
     else:
         words = tl.load(w_rows + kw[None, :], mask=n_mask[:, None], other=0)
     if NVFP4:
-        u = unpack_nibbles(words, BN, SUB_K)
         kg = tl.max_contiguous(tl.multiple_of(ks // 16 + tl.arange(0, SUB_K // 16), SUB_K // 16), SUB_K // 16)
         if MASK_K:
             s_mask = n_mask[:, None] & (kg < k_end // 16)[None, :]
         else:
             s_mask = n_mask[:, None]
-        sc = tl.load(s_rows[:, None] + kg[None, :], mask=s_mask, other=0.0).to(tl.float32)
+        sc = tl.load(s_rows[:, None] + kg[None, :], mask=s_mask, other=0.0).to(tl.float32) * NV_PRE
         sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, SUB_K // 16, 16]), [BN, SUB_K])
-        w = e2m1_value(u) * sc  # exact in x's dtype (module doc)
-        return _dot(a, tl.trans(w.to(a.dtype)), UPCAST)
+        w = e2m1_values(words, BN, SUB_K) * sc  # e2m1 * scale * 2^-62 (2^-72 .. 2^-50): normal in bf16 / fp32
+        if a.dtype == tl.float16:  # fp16 holds e2m1 * scale (2^-10 .. 2688) only unscaled
+            w = w * NV_POST
+        wt = w.to(a.dtype)  # exact (module doc)
     else:
         gi = tl.minimum(ks, k_end - 1) // group  # a sub-step wholly past K adds 0; keep the scale in bounds
         s = tl.load(s_rows + gi, mask=n_mask, other=0.0).to(tl.float32)
@@ -108,9 +128,17 @@ def _w4_dot(a, w_rows, s_rows, z_rows, ks, k_end, n_mask, group,
             w = w * s[:, None]
             if RNE:  # the interpreter truncates fp32 -> bf16
                 w = _rne_bf16(w)
-            return _dot(a, tl.trans(w.to(a.dtype)), UPCAST)
+        wt = w.to(a.dtype)
+    if SWAP:
+        part = _dot(wt, tl.trans(a), UPCAST)
+    else:
+        part = _dot(a, tl.trans(wt), UPCAST)
+    if not NVFP4 and not SCALE_W:
+        if SWAP:
+            part = part * s[:, None]
         else:
-            return _dot(a, tl.trans(w.to(a.dtype)), UPCAST) * s[None, :]
+            part = part * s[None, :]
+    return part
 
 
 # ----------------------------------------------------------------------------------------------- dense
@@ -131,6 +159,7 @@ def w4_matmul_kernel(
     SUB_K: tl.constexpr,  # K per dot: divides BLOCK_K (int4: and the group)
     SPLIT_K: tl.constexpr,  # programs per output tile (grid axis 2), each over a contiguous run of BLOCK_K steps
     USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
+    SWAP_AB: tl.constexpr = False,  # the weight tile as the dots' first operand (``_w4_dot``)
 ):
     """y [R, N] = x [R, K] @ W^T; grid (cdiv(N, BLOCK_N), cdiv(R, BLOCK_M), SPLIT_K). At R <= BLOCK_M (the GEMV
     configs, rows padded to 16 for the dot) every weight word is read once for all rows."""
@@ -145,14 +174,14 @@ def w4_matmul_kernel(
     k_start, k_end = split_k_range(K, pid_k, SPLIT_K, BLOCK_K)
     acc, _ = _w4_mm_rows(x_ptr, rm.to(tl.int64), m_mask, stride_x, w_ptr, stride_w, s_ptr, z_ptr, stride_s, stride_z,
                          rn, n_mask, 0, k_start, k_end, GROUP, False, NVFP4, HAS_ZERO, SCALE_W, UPCAST, RNE_OUT,
-                         BLOCK_M, BLOCK_N, BLOCK_K, SUB_K)
+                         BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, SWAP_AB)
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
         acc, last = split_k_reduce(acc, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K,
                                    BLOCK_M, BLOCK_N)
         mask = split_k_and(mask, last)
     if NVFP4:
-        acc = acc * tl.load(g_ptr + rn, mask=n_mask, other=0.0)[None, :]
+        acc = acc * (tl.load(g_ptr + rn, mask=n_mask, other=0.0) * _nv_post(x_ptr))[None, :]
     if RNE_OUT:
         acc = _rne_bf16(acc)
     tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
@@ -173,17 +202,17 @@ def _w4_load_a(a_rows, m_mask, kk, k_end, MASK_K: tl.constexpr):
 def _w4_step(acc_g, acc_u, a_rows, m_mask, wg_rows, wu_rows, sg_rows, su_rows, zg_rows, zu_rows, k0, k_end, n_mask,
              group, GATED: tl.constexpr, NVFP4: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_W: tl.constexpr,
              UPCAST: tl.constexpr, RNE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             SUB_K: tl.constexpr, MASK_K: tl.constexpr):
+             SUB_K: tl.constexpr, MASK_K: tl.constexpr, SWAP: tl.constexpr):
     """One BLOCK_K step of ``_w4_mm_rows`` at k0: BLOCK_K / SUB_K dots per weight."""
     for j in tl.static_range(BLOCK_K // SUB_K):
         ks = k0 + j * SUB_K
         kk = tl.max_contiguous(tl.multiple_of(ks + tl.arange(0, SUB_K), SUB_K), SUB_K)  # ks: a multiple of SUB_K
         a = _w4_load_a(a_rows, m_mask, kk, k_end, MASK_K)
         acc_g += _w4_dot(a, wg_rows, sg_rows, zg_rows, ks, k_end, n_mask, group, NVFP4, HAS_ZERO, SCALE_W, UPCAST,
-                         RNE, BLOCK_N, SUB_K, MASK_K)
+                         RNE, BLOCK_N, SUB_K, MASK_K, SWAP)
         if GATED:
             acc_u += _w4_dot(a, wu_rows, su_rows, zu_rows, ks, k_end, n_mask, group, NVFP4, HAS_ZERO, SCALE_W,
-                             UPCAST, RNE, BLOCK_N, SUB_K, MASK_K)
+                             UPCAST, RNE, BLOCK_N, SUB_K, MASK_K, SWAP)
     return acc_g, acc_u
 
 
@@ -195,11 +224,16 @@ def _w4_mm_rows(
     rn, n_mask, N_UP, k_start, k_end, group,  # output columns [BN] (the up half N_UP rows further, GATED)
     GATED: tl.constexpr, NVFP4: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_W: tl.constexpr, UPCAST: tl.constexpr,
     RNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+    SWAP: tl.constexpr = False,  # swapped dots (``_w4_dot``): accumulators [BN, BM], transposed once at the end
 ):
     """(acc_gate, acc_up) [BM, BN] fp32 = A @ W[rn]^T (and A @ W[N_UP + rn]^T when GATED) over k_start:k_end
     (k_start a multiple of BLOCK_K): whole BLOCK_K steps without K masks, then one masked tail step."""
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     a_rows = a_ptr + arow[:, None] * stride_ar
     rg = rn.to(tl.int64)
     ru = (rn + N_UP).to(tl.int64)
@@ -210,30 +244,34 @@ def _w4_mm_rows(
         acc_g, acc_u = _w4_step(acc_g, acc_u, a_rows, m_mask, wg_rows, wu_rows, s_ptr + rg * stride_sn,
                                 s_ptr + ru * stride_sn, z_ptr + rg * stride_zn, z_ptr + ru * stride_zn, k0, k_end,
                                 n_mask, group, GATED, NVFP4, HAS_ZERO, SCALE_W, UPCAST, RNE, BLOCK_N, BLOCK_K, SUB_K,
-                                False)
+                                False, SWAP)
     if k_full < k_end:
         acc_g, acc_u = _w4_step(acc_g, acc_u, a_rows, m_mask, wg_rows, wu_rows, s_ptr + rg * stride_sn,
                                 s_ptr + ru * stride_sn, z_ptr + rg * stride_zn, z_ptr + ru * stride_zn, k_full, k_end,
                                 n_mask, group, GATED, NVFP4, HAS_ZERO, SCALE_W, UPCAST, RNE, BLOCK_N, BLOCK_K, SUB_K,
-                                True)
+                                True, SWAP)
+    if SWAP:  # one return statement (Triton refuses returns of different shapes, even under a constexpr if)
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
     return acc_g, acc_u
 
 
 @triton.jit
-def _w4_global(acc_g, acc_u, g_ptr, expert, stride_ge, GATED: tl.constexpr, NVFP4: tl.constexpr,
+def _w4_global(acc_g, acc_u, g_ptr, a_ptr, expert, stride_ge, GATED: tl.constexpr, NVFP4: tl.constexpr,
                DIVIDE_G: tl.constexpr):
     """NVFP4: the accumulators times the expert's global multipliers g [E, 1 + GATED] (divided by them with
-    DIVIDE_G: compressed-tensors' weight_global_scale); int4: unchanged."""
+    DIVIDE_G: compressed-tensors' weight_global_scale) and ``_nv_post(a_ptr)``; int4: unchanged."""
     if NVFP4:
         UP: tl.constexpr = 1 if GATED else 0
         gg = tl.load(g_ptr + expert * stride_ge)
         gu = tl.load(g_ptr + expert * stride_ge + UP)
+        post = _nv_post(a_ptr)
         if DIVIDE_G:
-            acc_g = acc_g / gg
-            acc_u = acc_u / gu
+            acc_g = acc_g * (post / gg)
+            acc_u = acc_u * (post / gu)
         else:
-            acc_g = acc_g * gg
-            acc_u = acc_u * gu
+            acc_g = acc_g * (gg * post)
+            acc_u = acc_u * (gu * post)
     return acc_g, acc_u
 
 
@@ -250,7 +288,7 @@ def w4_moe_gemv_kernel(
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, NVFP4: tl.constexpr, HAS_ZERO: tl.constexpr,
     DIVIDE_G: tl.constexpr, SCALE_W: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
     P_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
 ):
     """The small path (``_moe_jit.moe_gemv_kernel``'s scheme on 4-bit weights): program per (pair, N tile, K split);
     the first pair of each expert gathers all pairs routed to it into BLOCK_R dot rows and streams the expert's
@@ -280,8 +318,8 @@ def w4_moe_gemv_kernel(
             acc_g, acc_u = _w4_mm_rows(
                 a_ptr, arow, m_mask, stride_ar, w_ptr + expert * stride_we, stride_wn, s_ptr + expert * stride_se,
                 z_ptr + expert * stride_se, stride_sn, stride_sn, rn, n_mask, N, k_start, k_end, GROUP,
-                GATED, NVFP4, HAS_ZERO, SCALE_W, UPCAST, RNE_BF16, BLOCK_R, BLOCK_N, BLOCK_K, SUB_K)
-            acc_g, acc_u = _w4_global(acc_g, acc_u, g_ptr, expert, stride_ge, GATED, NVFP4, DIVIDE_G)
+                GATED, NVFP4, HAS_ZERO, SCALE_W, UPCAST, RNE_BF16, BLOCK_R, BLOCK_N, BLOCK_K, SUB_K, SWAP_AB)
+            acc_g, acc_u = _w4_global(acc_g, acc_u, g_ptr, a_ptr, expert, stride_ge, GATED, NVFP4, DIVIDE_G)
             if SPLIT_K > 1:
                 tile = tl.sum(tl.where(sl == 0, pair, 0), axis=0) * tl.num_programs(1) + pid_n
                 NACC: tl.constexpr = 2 if GATED else 1
@@ -306,7 +344,7 @@ def w4_moe_gemm_kernel(
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, NVFP4: tl.constexpr, HAS_ZERO: tl.constexpr,
     DIVIDE_G: tl.constexpr, SCALE_W: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
 ):
     """The grouped path (``_moe_jit.moe_gemm_kernel``'s scheme on 4-bit weights): program per (block of BLOCK_M
     sorted pairs, BLOCK_N outputs); each block reads only its expert's words."""
@@ -324,6 +362,6 @@ def w4_moe_gemm_kernel(
         acc_g, acc_u = _w4_mm_rows(
             a_ptr, arow, m_mask, stride_ar, w_ptr + expert * stride_we, stride_wn, s_ptr + expert * stride_se,
             z_ptr + expert * stride_se, stride_sn, stride_sn, rn, n_mask, N, 0, K, GROUP,
-            GATED, NVFP4, HAS_ZERO, SCALE_W, UPCAST, RNE_BF16, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K)
-        acc_g, acc_u = _w4_global(acc_g, acc_u, g_ptr, expert, stride_ge, GATED, NVFP4, DIVIDE_G)
+            GATED, NVFP4, HAS_ZERO, SCALE_W, UPCAST, RNE_BF16, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, SWAP_AB)
+        acc_g, acc_u = _w4_global(acc_g, acc_u, g_ptr, a_ptr, expert, stride_ge, GATED, NVFP4, DIVIDE_G)
         _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit, GATED, ACT, HAS_LIMIT, RNE_BF16)

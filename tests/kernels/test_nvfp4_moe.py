@@ -71,6 +71,22 @@ def test_nvfp4_moe_interpreter(rows, dtype, convention):
         _check(got, want, dtype)
 
 
+def test_nvfp4_fp16_interpreter():
+    """fp16 activations (the kernels scale the weight tile differently: fp16 cannot hold the bf16 path's 2^-62
+    scaled values): the experts on both paths and the dense linear, 3 rows."""
+    from sparrow.kernels.nvfp4_linear import nvfp4_linear_triton, nvfp4_linear_w4a16_ref
+
+    x, w, wts, ids = _case(3, 4, 64, 32, 2, torch.float16)
+    for threshold in (64, 0):
+        want = nvfp4_fused_moe_ref(x, *w, wts, ids, "silu", pair_threshold=threshold)
+        with backend("triton"):
+            got = nvfp4_fused_moe(x, *w, wts, ids, "silu", pair_threshold=threshold)
+        assert nmse(got, want) <= BF16_NMSE
+    codes, scale, g = w[0][0], w[1][0], w[2][0].repeat_interleave(32, 0).reshape(-1).contiguous()
+    y = nvfp4_linear_triton(x, codes, scale, g)
+    assert nmse(y, nvfp4_linear_w4a16_ref(x, codes, scale, g)) <= BF16_NMSE
+
+
 def test_nvfp4_moe_bad_input():
     x, w, wts, ids = _case(1, 4, 64, 32, 2, torch.float32, device="cpu")
     with pytest.raises(ValueError, match="w13_scale must be e4m3"):
