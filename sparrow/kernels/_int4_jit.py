@@ -85,8 +85,8 @@ def _nv_post(x_ptr):
         return NV_POST
 
 
-NV_PRE = 18446744073709551616.0  # 2^64: times the e4m3 block scales (<= 448 * 2^64, no overflow)
-NV_POST = 4611686018427387904.0  # 2^62: times the sums (2^64 * 2^62 = 2^126 undoes e2m1_values' 2^-126)
+NV_PRE = tl.constexpr(18446744073709551616.0)  # 2^64: times the e4m3 block scales (<= 448 * 2^64, no overflow)
+NV_POST = tl.constexpr(4611686018427387904.0)  # 2^62: times the sums (2^64 * 2^62 = 2^126 undoes e2m1_values' 2^-126)
 
 
 @triton.jit

@@ -147,17 +147,23 @@ class Int4Config:
     scale_w: bool = False
     """int4: group scales multiply the weight tile before the dot (one accumulating dot per step: GEMM tiles)
     instead of the dot's result (fewer operations per weight element: GEMV tiles)."""
+    swap_ab: bool = False
+    """Dots as W tile [block_n, K step] @ rows^T: the weight fills the MMA's M side (Hopper wgmma from
+    block_n = 64) and the few rows its N side."""
 
 
 GEMV_MAX_ROWS = 16
 """Rows up to which one M tile covers the batch (decode, verify): each weight word is read once."""
 # (largest R, config): the first entry whose bound covers R (tile configs as data, style.md 9). Not measured on
-# the H200 yet (benchmarks/kernels_micro.py tune_int4 sweeps them): the GEMV entry is the FP8 GEMV's tuned tile
-# (32 x 256, rows padded to 16, automatic split-K: N = 2816..8192 in 32-wide tiles gives 88..256 tiles, split to
-# ~352 programs on 132 SMs); the GEMM entry a 128 x 128 tile with the scales on the weights.
+# the H200 yet (benchmarks/kernels_micro.py tune_int4 sweeps the GEMV tiles); chosen from the sm_90 SASS of the
+# loop bodies (Triton 3.9, ahead-of-time compile): swapped 64 x 128 tiles run wgmma and cost ~5.4 instructions
+# per weight element (int4; NVFP4 ~8.6), against ~7.5 for plain 32 x 256 tiles on mma.sync; automatic split-K
+# gives N = 2816..8192 (44..128 tiles) ~352 programs on 132 SMs. Above 64 rows a 128 x 128 x 64 tile on wgmma
+# with the scales on the weights (no spills at 8 warps).
 INT4_CONFIGS: tuple[tuple[int, Int4Config], ...] = (
-    (GEMV_MAX_ROWS, Int4Config(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3, split_k=0)),
-    (64, Int4Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, scale_w=True)),
+    (GEMV_MAX_ROWS, Int4Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=0,
+                               swap_ab=True)),
+    (64, Int4Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=0, swap_ab=True)),
     (1 << 62, Int4Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, scale_w=True)),
 )
 forced_config = ForcedConfig()  # ``with forced_config(Int4Config(...)):`` overrides the table
@@ -205,8 +211,8 @@ def w4_linear_launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, 
         x.stride(0), words.stride(0), scale.stride(0), zero.stride(0) if zero is not None else 0, y.stride(0), group,
         NVFP4=nvfp4, HAS_ZERO=zero is not None, SCALE_W=cfg.scale_w, UPCAST=interp or x.dtype == torch.float32,
         RNE_OUT=interp and x.dtype == torch.bfloat16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SUB_K=sub_k, SPLIT_K=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_kwargs(x))
+        BLOCK_K=cfg.block_k, SUB_K=sub_k, SPLIT_K=split, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_kwargs(x))
     return y
 
 

@@ -114,7 +114,7 @@ def w4_fused_moe_triton(x, w13, s13, z13, g13, w2, s2, z2, g2, group, topk_weigh
         args = (a, w, s, z if z is not None else s, g if nvfp4 else s, out)
         strides = (pairs, n, k, div, a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
                    g.stride(0) if nvfp4 else 0, group)
-        flags = dict(GATED=gated, HAS_ZERO=z is not None, SCALE_W=not small, BLOCK_N=tile.block_n,
+        flags = dict(GATED=gated, HAS_ZERO=z is not None, SCALE_W=not small, SWAP_AB=tile.swap_ab, BLOCK_N=tile.block_n,
                      BLOCK_K=tile.block_k, SUB_K=sub_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
                      **common, **pdl_kwargs(x))
         if small:

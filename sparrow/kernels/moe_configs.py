@@ -87,18 +87,20 @@ def default_config(rows: int, pairs: int, num_experts: int, small: bool, fp8: bo
 
 def default_w4_config(rows: int, pairs: int, num_experts: int, small: bool) -> MoeConfig:
     """Heuristic of the 4-bit expert kernels (``int4_moe``; not measured on the H200 yet: ``moe_layer.py --dtypes
-    int4 nvfp4 --tune`` writes their files): small path - the FP8 small path's 32 x 256 GEMV tiles (gemma4's
-    shape at one row: 8 experts x 44 gate|up tiles = 352 programs, 8 x 88 down tiles); grouped path - BLOCK_M
-    from the mean pairs per expert as for float weights, 128-wide K steps and the scales on the weight tiles."""
+    int4 nvfp4 --tune`` writes their files), from the sm_90 SASS of their loops (no spills, wgmma): small path -
+    swapped 64 x 128 tiles with automatic split-K (gemma4's shape at one row: 8 experts x 11 gate|up tiles x 4
+    splits = 352 programs, 8 x 44 down tiles); grouped path - BLOCK_M from the mean pairs per expert as for
+    float weights, swapped 64-wide tiles up to 32 pairs a block, else 128 x 64 tiles on 8 warps, the scales on
+    the weight tiles."""
     if small:
-        tile = Tile(block_n=32, block_k=256, num_warps=4, num_stages=3)
+        tile = Tile(block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=0, swap_ab=True)
         return MoeConfig(16, tile, tile)
     per_expert = pairs / max(num_experts, 1)
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
     if block_m >= 64:
-        tile = Tile(block_n=128, block_k=128, num_warps=8, num_stages=3)
+        tile = Tile(block_n=128, block_k=64, num_warps=8, num_stages=3)
     else:
-        tile = Tile(block_n=64, block_k=128, num_warps=4, num_stages=3)
+        tile = Tile(block_n=64, block_k=128, num_warps=4, num_stages=3, swap_ab=True)
     return MoeConfig(block_m, tile, tile)
 
 

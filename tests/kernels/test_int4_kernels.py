@@ -58,15 +58,17 @@ def test_int4_linear_interpreter(rows, symmetric, group, scale_dtype, dtype):
     _check(got, int4_linear_ref(x, packed, scale, zero, group), dtype)
 
 
-@pytest.mark.parametrize("rows", (1, 3, 16))
+@pytest.mark.parametrize("rows", (1, 3, 17))
 def test_int4_gemv_split_k_interpreter(rows):
-    """The GEMV tile with K split over 3 programs (reduced in the kernel) and with BLOCK_K below the group
-    (SUB_K = BLOCK_K, several steps per group), asymmetric fp32: equal to the twin up to summation order."""
+    """Forced tiles, asymmetric fp32 (equal to the twin up to summation order): K split over 3 programs (reduced
+    in the kernel) with BLOCK_K below the group (SUB_K = BLOCK_K, several steps per group); plain dots with
+    automatic split-K; a GEMM tile (scales on the weight tile, several M tiles at 17 rows)."""
     n, k, group = 40, 192, 64
     packed, scale, zero = _weights(n, k, group, False, torch.float32, DEVICE)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
-    for cfg in (Int4Config(block_m=16, block_n=16, block_k=32, split_k=3),
-                Int4Config(block_m=16, block_n=32, block_k=128, split_k=0)):
+    for cfg in (Int4Config(block_m=16, block_n=16, block_k=32, split_k=3, swap_ab=True),
+                Int4Config(block_m=16, block_n=32, block_k=128, split_k=0),
+                Int4Config(block_m=16, block_n=16, block_k=64, scale_w=True)):
         with backend("triton"), forced_config(cfg):
             got = int4_linear(x, packed, scale, zero, group)
         _check(got, int4_linear_ref(x, packed, scale, zero, group), torch.float32)
@@ -75,11 +77,21 @@ def test_int4_gemv_split_k_interpreter(rows):
 def test_int4_moe_small_split_k_interpreter():
     """The small MoE path with K split over 2 programs per (pair, N tile), 3 rows, bf16."""
     x, w13, w2, wts, ids = _moe_case(3, 4, 64, 32, 2, 32, True, torch.bfloat16, torch.bfloat16, DEVICE)
-    tile = Tile(block_n=16, block_k=32, split_k=2)
     want = int4_fused_moe_ref(x, *w13, *w2, 32, wts, ids, "gelu_pytorch_tanh")
+    for tile in (Tile(block_n=16, block_k=32, split_k=2), Tile(block_n=16, block_k=32, split_k=2, swap_ab=True)):
+        with backend("triton"), moe_forced_config(MoeConfig(16, tile, tile)):
+            got = int4_fused_moe(x, *w13, *w2, 32, wts, ids, "gelu_pytorch_tanh")
+        _check(got, want, torch.bfloat16, MOE_BF16_NMSE)
+
+
+def test_int4_moe_grouped_plain_tiles_interpreter():
+    """The grouped path with plain (unswapped) dots, the default's choice from 64 pairs an expert, 17 rows."""
+    x, w13, w2, wts, ids = _moe_case(17, 4, 64, 32, 2, 32, False, torch.float32, torch.float32, DEVICE)
+    want = int4_fused_moe_ref(x, *w13, *w2, 32, wts, ids, "silu", pair_threshold=0)
+    tile = Tile(block_n=32, block_k=32)
     with backend("triton"), moe_forced_config(MoeConfig(16, tile, tile)):
-        got = int4_fused_moe(x, *w13, *w2, 32, wts, ids, "gelu_pytorch_tanh")
-    _check(got, want, torch.bfloat16, MOE_BF16_NMSE)
+        got = int4_fused_moe(x, *w13, *w2, 32, wts, ids, "silu", pair_threshold=0)
+    _check(got, want, torch.float32)
 
 
 @functools.lru_cache(maxsize=2)
