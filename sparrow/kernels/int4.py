@@ -169,6 +169,13 @@ INT4_CONFIGS: tuple[tuple[int, Int4Config], ...] = (
 forced_config = ForcedConfig()  # ``with forced_config(Int4Config(...)):`` overrides the table
 
 
+def FP32_CONFIG(rows: int) -> Int4Config:  # noqa: N802  (a table entry computed from R)
+    """fp32 activations on CUDA (dots on fp32 operands: twice the registers per tile; the bf16 tiles spill):
+    swapped 64 x 64 tiles, 16 or 64 rows each, two stages (no spills in the sm_90 SASS)."""
+    return Int4Config(block_m=16 if rows <= GEMV_MAX_ROWS else 64, block_n=64, block_k=64, num_warps=4,
+                      num_stages=2, split_k=0 if rows <= 64 else 1, swap_ab=True)
+
+
 def pick_config(rows: int) -> Int4Config:
     """The forced config, else the first INT4_CONFIGS entry whose bound covers ``rows``."""
     return forced_config.value or next(c for bound, c in INT4_CONFIGS if rows <= bound)
@@ -198,6 +205,8 @@ def w4_linear_launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, 
     if rows == 0 or n == 0:
         return y
     cfg = pick_config(rows)
+    if x.dtype == torch.float32 and x.is_cuda and forced_config.value is None:
+        cfg = FP32_CONFIG(rows)
     sub_k = min(cfg.block_k, 128 if nvfp4 else group)
     if cfg.block_k % sub_k or sub_k < 16 or cfg.block_m < 16 or cfg.block_n < 16:
         raise ValueError(f"int4_linear: {cfg} does not fit group {group} (block_k a multiple of the group or "

@@ -82,7 +82,7 @@ def w4_fused_moe_triton(x, w13, s13, z13, g13, w2, s2, z2, g2, group, topk_weigh
     from sparrow.kernels import interpreting, pdl_kwargs, split_k
     from sparrow.kernels.moe import SMALL_MAX_PAIRS, _next_pow2
     from sparrow.kernels.moe_align import moe_align_triton
-    from sparrow.kernels.moe_configs import pick_config
+    from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config, pick_config
     from sparrow.kernels.moe_reduce import moe_reduce_triton
 
     rows, hidden = x.shape
@@ -95,6 +95,9 @@ def w4_fused_moe_triton(x, w13, s13, z13, g13, w2, s2, z2, g2, group, topk_weigh
     small = pairs <= min(pair_threshold, SMALL_MAX_PAIRS)
     cfg = pick_config(rows, topk_ids.shape[1], num_experts, hidden, width, small, False,
                       torch.cuda.get_device_name(x.device) if x.is_cuda else None, "nvfp4" if nvfp4 else "int4")
+    if x.dtype == torch.float32 and x.is_cuda and forced_config.value is None:  # fp32 dots: smaller tiles
+        fp32_tile = lambda t: Tile(32, 64, 4, 2, split_k=t.split_k, swap_ab=True)  # noqa: E731  (no spills)
+        cfg = MoeConfig(16, fp32_tile(cfg.gate_up), fp32_tile(cfg.down))
     x = x if x.stride(1) == 1 else x.contiguous()
     act = torch.empty(pairs, width, dtype=x.dtype, device=x.device)  # [P, I]
     y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)  # [P, H]
