@@ -209,16 +209,16 @@ def bench_int4(peak: float) -> None:
 
 
 def tune_int4(peak: float) -> None:
-    """Sweep Int4Config (BLOCK_N x BLOCK_K x split-K, BLOCK_M 16) at R = 1 and 8 per INT4_SHAPES shape; print the
-    best few, to fill INT4_CONFIGS' GEMV entry."""
+    """Sweep Int4Config (swapped and plain dots, BLOCK_N x BLOCK_K x split-K, stages; BLOCK_M 16) at R = 1 and 8
+    per INT4_SHAPES shape; print the best few, to fill INT4_CONFIGS' GEMV entry."""
     import itertools
 
     from sparrow.kernels.int4 import Int4Config, forced_config, int4_linear_triton
 
-    configs = [Int4Config(16, bn, bk, num_warps=nw, split_k=sk)
-               for bn, bk, sk, nw in itertools.product((32, 64), (256, 512), (0, 1, 4), (4,))]
-    configs += [Int4Config(16, 16, 256, split_k=0), Int4Config(16, 32, 128, split_k=0),
-                Int4Config(16, 64, 256, num_warps=8, split_k=0), Int4Config(16, 32, 256, num_stages=4, split_k=0)]
+    configs = [Int4Config(16, bn, bk, split_k=sk, swap_ab=True)
+               for bn, bk, sk in itertools.product((64, 128), (128, 256), (0, 1, 2, 4))]
+    configs += [Int4Config(16, bn, bk, split_k=sk) for bn, bk, sk in itertools.product((32, 64), (128, 256), (0, 1))]
+    configs += [Int4Config(16, 64, 128, num_stages=s, split_k=0, swap_ab=True) for s in (2, 4, 5)]
     for n, k in INT4_SHAPES:
         _, int4_next, _, nbytes, _ = _w4_weights(n, k)
         for rows in (1, 8):

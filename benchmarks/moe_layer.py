@@ -166,7 +166,7 @@ def tune(rows_list, dtype: str, layer, out_dir: pathlib.Path, verbose: bool = Fa
     the gate|up tile, then the down tile (45 tiles each on the small path, 18 with ``swapped_only``; 24 grouped,
     32 FP8 grouped (16 and the same with ``a_fp8``), 6 / 8 with ``swapped_only``), then each GEMM's num_warps x
     num_stages (12 each; ``warps_stages_only``: only this last step, from the current entry). The 4-bit kernels
-    (int4, nvfp4) have no swapped dots: 27 small-path tiles (K steps 128-512), 18 grouped (K steps 64 / 128).
+    (int4, nvfp4): 24 small-path tiles (16 swapped; K steps 128 / 256), 12 grouped (4 swapped).
     Writes the data file ``pick_config`` reads for this shape and device."""
     fp8, kind = _fp8_kind(dtype)
     from sparrow.kernels import moe_configs
@@ -185,9 +185,10 @@ def tune(rows_list, dtype: str, layer, out_dir: pathlib.Path, verbose: bool = Fa
             # swapped dots: the weight tile as the wgmma's M side (64 / 128 rows)
             swapped = [Tile(n, k, 4, 3, split, swap_ab=True) for n, k, split in itertools.product((64, 128), ks, (1, 2, 4))]
             tiles = swapped if swapped_only else tiles + swapped
-            if kind:  # the 4-bit kernels: plain dots, 128-wide K steps or more (a group of 128 per dot)
-                tiles = [Tile(n, k, 4, 3, split) for n, k, split in itertools.product((16, 32, 64), (128, 256, 512),
-                                                                                       (1, 2, 4))]
+            if kind:  # the 4-bit kernels: K steps of 128 or more (a group of 128 per dot), split-K 0 = automatic
+                tiles = [Tile(n, k, 4, 3, split, swap_ab=True)
+                         for n, k, split in itertools.product((64, 128), (128, 256), (0, 1, 2, 4))]
+                tiles += [Tile(n, k, 4, 3, split) for n, k, split in itertools.product((32, 64), (128, 256), (0, 1))]
                 swapped = []
         else:  # 24 tiles per GEMM (16 for FP8), the last 6 (4) with swapped dots
             ks = (128,) if fp8 else (32, 64, 128)
@@ -198,8 +199,9 @@ def tune(rows_list, dtype: str, layer, out_dir: pathlib.Path, verbose: bool = Fa
             if fp8:  # each also with its activations quantized by a launch of their own (Tile.a_fp8)
                 tiles += [dataclasses.replace(t, a_fp8=True) for t in tiles]
             if kind:
-                tiles = [Tile(n, k, w, 3) for n, k, w in itertools.product((32, 64, 128), (64, 128), (4, 8))]
-                swapped = []
+                tiles = [Tile(n, k, w, 3) for n, k, w in itertools.product((64, 128), (64, 128), (4, 8))]
+                swapped = [Tile(n, k, 4, 3, swap_ab=True) for n, k in itertools.product((64, 128), (64, 128))]
+                tiles += swapped
 
         def timed(cfg):
             try:

@@ -3,17 +3,21 @@
 
 Shapes: R = rows, N = output width, K = input width, BN x SUB_K = one weight tile of a dot.
 Both formats are read as int32 words [N, K / 8] (NVFP4's uint8 [N, K / 2] codes viewed as int32: little-endian,
-so nibble j of word w is column 8w + j in both): one wide, coalesced load of BN x SUB_K / 8 words per tile,
-unpacked with shifts and a mask on [BN, SUB_K / 8, 8] and reshaped to [BN, SUB_K] (``unpack_nibbles``).
-- int4 (``sparrow.kernels.int4``'s layout): a code u becomes the fp32 u - zero exactly by the magic-number
-  trick ((u | 0x4B000000) as fp32 is 2^23 + u), which is exact in x's dtype; the dot sums x * (u - zero) in
-  fp32 and its result is multiplied by the group's scale (one [BN] load per group and tile; SUB_K divides the
-  group). With SCALE_W (GEMM tiles) the scale multiplies the weight tile before the dot instead, rounded to
-  x's dtype once, so each K step is one accumulating dot;
-- NVFP4 (``sparrow.kernels.nvfp4``): e2m1 codes decoded by bit arithmetic (``e2m1_value``), times their
-  16-column group's e4m3 scale (exact in bf16 / fp16: a 2-bit by 4-bit significand product), one dot per
-  tile; the fp32 global multiplier of each output row (or each expert half) is applied to the accumulator.
-Accumulation is fp32; the outputs are rounded once to x's dtype. UPCAST / RNE_OUT: the interpreter's
+so nibble j of word w is column 8w + j in both): one wide, coalesced load of BN x SUB_K / 8 words per tile
+(16-byte vectors: whole K steps carry no K mask, one masked tail step ends the range), decoded in place, plane by
+plane (nibble j of every word), and put in column order by three rounds of ``tl.interleave`` (register moves).
+- int4 (``sparrow.kernels.int4``'s layout, ``int4_values``): the word's nibble kept beside the fp32 exponent
+  bits of 2^23 (one AND) is the fp32 2^23 + u 2^j; one FFMA gives u - zero exactly, exact in x's dtype; the
+  dot sums x * (u - zero) in fp32 and its result is multiplied by the group's scale (one [BN] load per group and
+  tile; SUB_K divides the group). With SCALE_W (GEMM tiles) the scale multiplies the weight tile before the dot
+  instead, rounded to x's dtype once, so each K step is one accumulating dot;
+- NVFP4 (``sparrow.kernels.nvfp4``, ``e2m1_values``): each code's sign and magnitude bits moved into an fp32
+  bit pattern worth e2m1 * 2^-126 (e2m1's subnormal is fp32's), times its 16-column group's e4m3 scale * 2^64,
+  rounded to x's dtype (exact: a 2-bit by 4-bit significand product), one dot per tile; the sums times 2^62
+  and the fp32 global multiplier of each output row (or each expert half). fp16 activations (whose range ends
+  at 2^-24) take the weights unscaled.
+Dots are plain (rows as the MMA's M side, padded to 16) or swapped (SWAP_AB: the weight tile as M, wgmma from
+BN = 64). Accumulation is fp32; outputs are rounded once to x's dtype. UPCAST / RNE_OUT: the interpreter's
 workarounds (``_fp8_jit``: dots on exactly widened fp32 operands, bf16 outputs rounded to nearest).
 """
 import triton
