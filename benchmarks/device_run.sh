@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call on the H200 (device tool); logs and JSON under $OUT.
 #   bash benchmarks/device_run.sh [STAGE ...]   stages: tests packaged profile prefill attn gemv moe tune
-#   gemma4 llama fp8 eager ab verify spec serve
+#   int4 gemma4 llama fp8 eager ab verify spec serve
 # (no stage: tests gemma4 llama eager). Each stage has its own time limit (T_<STAGE> seconds). GPU_TESTS picks
 # the test files of the `tests` stage (default: tests without tests/server, whose `openai` import the device image
 # lacks) and TEST_ARGS adds pytest options (e.g. "-k 'bf16 and mixtral'"; "-n 8":
@@ -12,6 +12,10 @@
 # FP8_BATCHES / FP8_PROMPTS / FP8_ARGS, LL_BATCHES / LL_PROMPTS, PROFILE_SHAPES / PROFILE_BATCH / PROFILE_ARGS / PROFILE_TAG
 # (PROFILE_BATCH: the decode batch timed and profiled, default 1). The device image lacks `gguf`: its wheel travels
 # in .whl (see ../.library/device/README.md).
+# Stage `int4`: the 4-bit kernels' micro-benchmarks: kernels_micro.py int4 (int4 / NVFP4 W4A16 linears at 1-16 and
+# 2,048 rows beside FP8's, % of the bytes bound), then moe_layer.py at INT4_ROWS (default 1 8 64) rows for fp8 int4
+# nvfp4 (one gemma4 MoE layer); INT4_ARGS adds kernels_micro.py commands (e.g. tune_int4); T_INT4 (default 400 s).
+# Logs: int4_micro.log, moe_layer_int4.log / .json.
 # Stage `ab`: the same `sparrow bench` (AB_ARGS, default gemma4-26b-a4b FP8 at batch 1 and 8) on this tree and on an
 # older one, alternating, AB_REPEATS rounds, on one machine (runs of one tree on one machine spread by up to ~5 %:
 # benchmarks/README.md, "Running an A/B"). Make the older tree first, here: `mkdir -p .ab/old && git archive REV sparrow | tar -x -C .ab/old`,
@@ -73,6 +77,9 @@ for stage in ${@:-tests gemma4 llama eager}; do
             | tee "$OUT/kernels_micro.log" ;;
     moe) timeout "${T_MOE:-120}" python3 benchmarks/moe_layer.py --rows 1 8 64 1024 --out "$OUT/moe_layer.json" 2>&1 \
            | tee "$OUT/moe_layer.log" ;;
+    int4) timeout "${T_INT4:-400}" bash -c "python3 benchmarks/kernels_micro.py int4 ${INT4_ARGS:-} 2>&1 \
+            | tee '$OUT/int4_micro.log'; python3 benchmarks/moe_layer.py --rows ${INT4_ROWS:-1 8 64} \
+            --dtypes fp8 int4 nvfp4 --out '$OUT/moe_layer_int4.json' 2>&1 | tee '$OUT/moe_layer_int4.log'" ;;
     tune) timeout "${T_TUNE:-300}" python3 benchmarks/moe_layer.py --tune ${TUNE_ARGS:-} --rows ${TUNE_ROWS:-1 8 64 1024} --dtypes ${TUNE_DTYPES:-bf16 fp8} 2>&1 \
             | tee "$OUT/moe_tune.log" | grep -v skip; cp sparrow/kernels/configs/*H200*.json "$OUT/" ;;
     gemma4) bench gemma4 "${T_G4:-400}" --model-shape gemma4-26b-a4b --batch-sizes ${G4_BATCHES:-1,8,64} \

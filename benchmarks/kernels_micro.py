@@ -8,6 +8,9 @@
     python benchmarks/kernels_micro.py tune_w8a8_launch          (the shipped W8A8 tile's warps / stages / split-K)
     python benchmarks/kernels_micro.py fp8_linears               (every FP8 linear kernel by row count, with
                                                                   cuBLAS's block-scaled FP8 GEMM)
+    python benchmarks/kernels_micro.py int4                      (4-bit linears: int4 and NVFP4 W4A16 at 1-16 rows
+                                                                  and 2,048, FP8 beside; % = of the bytes bound)
+    python benchmarks/kernels_micro.py tune_int4                 (sweep Int4Config for INT4_CONFIGS' GEMV entry)
     python benchmarks/kernels_micro.py router_logits             (Gemma 4's router logits: kernel vs torch)
     python benchmarks/kernels_micro.py tune_router_logits        (its tiles and H splits above 16 rows)
 
@@ -151,6 +154,79 @@ def tune_gemv(peak: float, dtypes=(False, True)) -> None:
                 print(f"tune {'fp8 ' if fp8 else 'bf16'} R={rows:<2} K={k} N={n}: {t * 1e6:6.1f} us "
                       f"{nbytes / t / 1e9:7.1f} GB/s {100 * nbytes / t / peak:5.1f} %  programs {programs:4d}  {cfg}",
                       flush=True)
+
+
+# (N, K) of the 4-bit micro-benchmark: Gemma 4 26B-A4B's q projection, o_proj, and an 8192-wide output.
+INT4_SHAPES = ((4096, 2816), (2816, 4096), (8192, 2816))
+
+
+def _w4_weights(n: int, k: int):
+    """(bf16 w [N, K], int4 next-copy fn -> (packed, scale, None, 128), NVFP4 next-copy fn -> (codes, scale, g),
+    int4 bytes, NVFP4 bytes)."""
+    from sparrow.kernels.int4 import quantize_int4_ref
+    from sparrow.kernels.nvfp4 import quantize_nvfp4_ref
+
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    packed, scale, _ = quantize_int4_ref(w, 128, True, torch.bfloat16)
+    codes, s4, g2 = quantize_nvfp4_ref(w)
+    g = g2.expand(n).contiguous()
+    int4_bytes, nvfp4_bytes = n * k // 2 + 2 * scale.numel(), n * k // 2 + s4.numel() + 4 * n
+    int4_next = _rotating(lambda: (packed.clone(), scale.clone(), None, 128), int4_bytes)
+    nvfp4_next = _rotating(lambda: (codes.clone(), s4.clone(), g), nvfp4_bytes)
+    return w, int4_next, nvfp4_next, int4_bytes, nvfp4_bytes
+
+
+def bench_int4(peak: float) -> None:
+    """int4 and NVFP4 W4A16 linears (``int4_linear_triton``, ``nvfp4_linear_triton``) beside the FP8 path's kernels
+    (W8A8 GEMV at <= 16 rows, fp8_gemm above) at 1, 2, 5, 8, 16 and 2,048 rows. Each line's % is the achieved
+    fraction of the bytes bound (weights + scales + x + y at the measured copy bandwidth); the 2,048-row lines add
+    TFLOP/s (the GEMMs are compute-bound there)."""
+    from sparrow.kernels.fp8 import quantize_fp8_block_ref
+    from sparrow.kernels.fp8_gemm import fp8_gemm_triton
+    from sparrow.kernels.gemv import gemv_w8a8_triton
+    from sparrow.kernels.int4 import int4_linear_triton
+    from sparrow.kernels.nvfp4_linear import nvfp4_linear_triton
+
+    for n, k in INT4_SHAPES:
+        w, int4_next, nvfp4_next, int4_bytes, nvfp4_bytes = _w4_weights(n, k)
+        fp8_bytes = n * k + 4 * -(-n // 128) * -(-k // 128)
+        fp8_next = _rotating(lambda: quantize_fp8_block_ref(w), fp8_bytes)
+        for rows in (1, 2, 5, 8, 16, 2048):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            io = 2 * rows * (k + n)
+            shape = f"R={rows} N={n} K={k}"
+            fp8 = (lambda: gemv_w8a8_triton(x, *fp8_next())) if rows <= 16 else (lambda: fp8_gemm_triton(x, *fp8_next()))
+            for name, fn, nbytes in (("int4 W4A16", lambda: int4_linear_triton(x, *int4_next()), int4_bytes),
+                                     ("nvfp4 W4A16", lambda: nvfp4_linear_triton(x, *nvfp4_next()), nvfp4_bytes),
+                                     ("  fp8 (W8A8)", fp8, fp8_bytes)):
+                if rows <= 16:
+                    _report(name, shape, fn, nbytes + io, peak)
+                else:
+                    t = time_s(fn)
+                    print(f"{name:<22} {shape:<24} {t * 1e6:9.2f} us {2 * rows * n * k / t / 1e12:9.1f} TFLOP/s",
+                          flush=True)
+        del w, int4_next, nvfp4_next, fp8_next
+
+
+def tune_int4(peak: float) -> None:
+    """Sweep Int4Config (swapped and plain dots, BLOCK_N x BLOCK_K x split-K, stages; BLOCK_M 16) at R = 1 and 8
+    per INT4_SHAPES shape; print the best few, to fill INT4_CONFIGS' GEMV entry."""
+    import itertools
+
+    from sparrow.kernels.int4 import Int4Config, forced_config, int4_linear_triton
+
+    configs = [Int4Config(16, bn, bk, split_k=sk, swap_ab=True)
+               for bn, bk, sk in itertools.product((64, 128), (128, 256), (0, 1, 2, 4))]
+    configs += [Int4Config(16, bn, bk, split_k=sk) for bn, bk, sk in itertools.product((32, 64), (128, 256), (0, 1))]
+    configs += [Int4Config(16, 64, 128, num_stages=s, split_k=0, swap_ab=True) for s in (2, 4, 5)]
+    for n, k in INT4_SHAPES:
+        _, int4_next, _, nbytes, _ = _w4_weights(n, k)
+        for rows in (1, 8):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            results = _sweep(configs, forced_config, lambda: int4_linear_triton(x, *int4_next()))
+            for t, cfg in results[:4]:
+                print(f"tune int4 R={rows:<2} N={n} K={k}: {t * 1e6:6.1f} us {nbytes / t / 1e9:7.1f} GB/s "
+                      f"{100 * nbytes / t / peak:5.1f} %  {cfg}", flush=True)
 
 
 def tune_fp8_gemm(peak: float) -> None:
@@ -394,7 +470,7 @@ def main(which: list[str]) -> None:
          "tune_gemv_fp8": lambda p: tune_gemv(p, (True,)),
          "tune_gemv_bf16": lambda p: tune_gemv(p, (False,)), "tune_fp8_gemm": tune_fp8_gemm,
          "tune_fp8_rows": tune_fp8_rows, "tune_w8a8": tune_w8a8, "tune_w8a8_launch": tune_w8a8_launch,
-         "fp8_linears": fp8_linears,
+         "fp8_linears": fp8_linears, "int4": bench_int4, "tune_int4": tune_int4,
          "router_logits": bench_router_logits, "tune_router_logits": tune_router_logits}[name](peak)
 
 

@@ -1,8 +1,10 @@
 """GPU micro-benchmark of one MoE layer (router output -> experts -> weighted reduce) at the Gemma 4 26B-A4B
-shape: H = 2816, E = 128, K = 8, I = 704 (or another MoE shape of ``sparrow bench``: ``--shape``), bf16 and
-FP8 (e4m3, 128 x 128 block scales, W8A8).
+shape: H = 2816, E = 128, K = 8, I = 704 (or another MoE shape of ``sparrow bench``: ``--shape``), bf16,
+FP8 (e4m3, 128 x 128 block scales, W8A8), int4 (W4A16, symmetric, group 128, bf16 scales) and NVFP4 (W4A16,
+ModelOpt's formula, one global scale per projection).
 
-    python benchmarks/moe_layer.py [--rows 1 8 64 1024] [--dtypes bf16 fp8] [--out result.json] [--torch]
+    python benchmarks/moe_layer.py [--rows 1 8 64 1024] [--dtypes bf16 fp8 int4 nvfp4] [--out result.json] [--torch]
+    python benchmarks/moe_layer.py --rows 1 8 --dtypes fp8 int4 nvfp4    (the 4-bit experts beside FP8)
     python benchmarks/moe_layer.py --shape qwen3-30b-a3b      (H 2048, E 128, K 8, I 768: its own config file)
     python benchmarks/moe_layer.py --tune [--rows ...]     (sweep tiles, write sparrow/kernels/configs/*.json)
     python benchmarks/moe_layer.py --tune --quick --rows 2048 8192 --dtypes fp8   (prefill sizes: a short list)
@@ -47,14 +49,36 @@ def set_shape(name: str) -> None:
     K = cfg.get("num_experts_per_tok") or cfg["top_k_experts"]
 
 
-def make_layer(fp8: bool, seed: int = 0):
+def _fp8_kind(dtype: str) -> tuple[bool, str | None]:
+    """(FP8 weights, the config-file kind of moe_configs: None for bf16 / fp8, else "int4" / "nvfp4")."""
+    return dtype == "fp8", (dtype if dtype in ("int4", "nvfp4") else None)
+
+
+def make_layer(dtype: str, seed: int = 0):
+    """The experts' keyword arguments of the dtype's launcher (``_launchers``)."""
     from sparrow.kernels.fp8 import quantize_fp8_block_ref
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
     w2 = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).to(torch.bfloat16)
-    if not fp8:
+    if dtype == "bf16":
         return dict(gate_up_proj=w13, down_proj=w2)
+    if dtype == "int4":
+        from sparrow.kernels.int4 import quantize_int4_ref
+
+        (p13, s13, _), (p2, s2, _) = (quantize_int4_ref(w, 128, True, torch.bfloat16) for w in (w13, w2))
+        return dict(w13=p13, w13_scale=s13, w13_zero=None, w2=p2, w2_scale=s2, w2_zero=None, group=128)
+    if dtype == "nvfp4":
+        from sparrow.kernels.nvfp4 import quantize_nvfp4_ref
+
+        out = {}
+        for name, w, blocks in (("w13", w13, 2), ("w2", w2, 1)):
+            rows = w.shape[1] // blocks
+            parts = [[quantize_nvfp4_ref(we[b * rows:(b + 1) * rows]) for b in range(blocks)] for we in w]
+            out[name] = torch.stack([torch.cat([q for q, _, _ in ps]) for ps in parts])
+            out[f"{name}_scale"] = torch.stack([torch.cat([s for _, s, _ in ps]) for ps in parts])
+            out[f"{name}_global"] = torch.stack([torch.stack([g2 for _, _, g2 in ps]) for ps in parts])
+        return out
     out = {}
     for name, w, sname in (("gate_up_proj", w13, "w13_scale"), ("down_proj", w2, "w2_scale")):
         qs = [quantize_fp8_block_ref(we) for we in w]
@@ -74,19 +98,36 @@ def make_routings(rows: int, seed: int = 0):
     return routings
 
 
-def bytes_bound(rows: int, fp8: bool, routings) -> float:
+def _launchers(dtype: str):
+    """(Triton launcher, torch twin) of the dtype's experts, both called with make_layer's keywords."""
+    if dtype == "int4":
+        from sparrow.kernels.int4_moe import int4_fused_moe_ref, int4_fused_moe_triton
+
+        return int4_fused_moe_triton, int4_fused_moe_ref
+    if dtype == "nvfp4":
+        from sparrow.kernels.nvfp4_moe import nvfp4_fused_moe_ref, nvfp4_fused_moe_triton
+
+        return nvfp4_fused_moe_triton, nvfp4_fused_moe_ref
+    from sparrow.kernels.moe import fused_moe_ref, fused_moe_triton
+
+    return fused_moe_triton, fused_moe_ref
+
+
+def bytes_bound(rows: int, dtype: str, routings) -> float:
     """Bytes a call must move: the distinct experts' weights (mean over routings) + x + routing + out."""
-    per_expert = 3 * I * H * (1 if fp8 else 2)
-    if fp8:
+    per_expert = {"bf16": 2 * 3 * I * H, "fp8": 3 * I * H, "int4": 3 * I * H // 2 + 2 * 3 * I * H // 128,
+                  "nvfp4": 3 * I * H // 2 + 3 * I * H // 16}[dtype]
+    if dtype == "fp8":
         per_expert += 4 * (-(-2 * I // 128) * -(-H // 128) + -(-H // 128) * -(-I // 128))
     experts = sum(len(torch.unique(ids)) for _, ids in routings) / len(routings)
     return experts * per_expert + rows * H * 2 * 2 + rows * K * 8
 
 
-def make_call(rows: int, layer):
-    """(x [rows, H] bf16, the routings, call): each ``call()`` runs ``fused_moe_triton`` on the next of the
-    N_ROUTINGS routings, so a captured sequence of calls reads the experts from HBM, not L2."""
-    from sparrow.kernels.moe import fused_moe_triton
+def make_call(rows: int, layer, dtype: str = "bf16"):
+    """(x [rows, H] bf16, the routings, call): each ``call()`` runs the dtype's launcher (``fused_moe_triton``,
+    ``int4_fused_moe_triton``, ``nvfp4_fused_moe_triton``) on the next of the N_ROUTINGS routings, so a captured
+    sequence of calls reads the experts from HBM, not L2."""
+    fused_moe_triton = _launchers(dtype)[0]
 
     x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
     routings = make_routings(rows)
@@ -100,14 +141,13 @@ def make_call(rows: int, layer):
     return x, routings, call
 
 
-def bench_one(rows: int, fp8: bool, layer, peak: float, with_torch: bool = False) -> dict:
-    from sparrow.kernels.moe import fused_moe_ref
-
-    x, routings, call = make_call(rows, layer)
+def bench_one(rows: int, dtype: str, layer, peak: float, with_torch: bool = False) -> dict:
+    fused_moe_ref = _launchers(dtype)[1]
+    x, routings, call = make_call(rows, layer, dtype)
     call()  # compile outside the capture
     t = time_s(call)
-    nbytes = bytes_bound(rows, fp8, routings)
-    res = dict(rows=rows, dtype="fp8" if fp8 else "bf16", path="small" if rows * K <= 64 else "grouped",
+    nbytes = bytes_bound(rows, dtype, routings)
+    res = dict(rows=rows, dtype=dtype, path="small" if rows * K <= 64 else "grouped",
                us=t * 1e6, bound_us=nbytes / peak * 1e6, gbps=nbytes / t / 1e9, pct_copy=100 * nbytes / t / peak,
                tflops=2 * rows * K * 3 * I * H / t / 1e12)  # the experts' multiply-adds, x 2
     if with_torch:
@@ -119,23 +159,25 @@ def bench_one(rows: int, fp8: bool, layer, peak: float, with_torch: bool = False
     return res
 
 
-def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path, verbose: bool = False,
+def tune(rows_list, dtype: str, layer, out_dir: pathlib.Path, verbose: bool = False,
          swapped_only: bool = False, warps_stages_only: bool = False) -> pathlib.Path:
     """Coordinate search per rows, from the data file's entry for those rows (else the default): BLOCK_M (on the
     grouped path also paired with each swapped tile, and for FP8 with the pre-quantized-activation tiles), then
     the gate|up tile, then the down tile (45 tiles each on the small path, 18 with ``swapped_only``; 24 grouped,
     32 FP8 grouped (16 and the same with ``a_fp8``), 6 / 8 with ``swapped_only``), then each GEMM's num_warps x
-    num_stages (12 each; ``warps_stages_only``: only this last step, from the current entry).
+    num_stages (12 each; ``warps_stages_only``: only this last step, from the current entry). The 4-bit kernels
+    (int4, nvfp4): 24 small-path tiles (16 swapped; K steps 128 / 256), 12 grouped (4 swapped).
     Writes the data file ``pick_config`` reads for this shape and device."""
+    fp8, kind = _fp8_kind(dtype)
     from sparrow.kernels import moe_configs
     from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config
 
     table = {}
     for rows in rows_list:
-        _, _, call = make_call(rows, layer)
+        _, _, call = make_call(rows, layer, dtype)
         small = rows * K <= 64
-        old = moe_configs.tuned_configs(E, H, I, fp8, torch.cuda.get_device_name())
-        best = old.get(rows) or moe_configs.default_config(rows, rows * K, E, small, fp8)  # the search starts here
+        old = moe_configs.tuned_configs(E, H, I, fp8, torch.cuda.get_device_name(), kind)
+        best = old.get(rows) or moe_configs.pick_config(rows, K, E, H, I, small, fp8, None, kind)  # the search starts here
         ms = (16,) if small else (16, 32, 64, 128)
         if small:  # 45 tiles per GEMM: K split over programs (reduced in the kernel), FP8 up to 1024-wide K steps
             ks = (256, 512, 1024) if fp8 else (128, 256, 512)
@@ -143,6 +185,11 @@ def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path, verbose: bool = Fal
             # swapped dots: the weight tile as the wgmma's M side (64 / 128 rows)
             swapped = [Tile(n, k, 4, 3, split, swap_ab=True) for n, k, split in itertools.product((64, 128), ks, (1, 2, 4))]
             tiles = swapped if swapped_only else tiles + swapped
+            if kind:  # the 4-bit kernels: K steps of 128 or more (a group of 128 per dot), split-K 0 = automatic
+                tiles = [Tile(n, k, 4, 3, split, swap_ab=True)
+                         for n, k, split in itertools.product((64, 128), (128, 256), (0, 1, 2, 4))]
+                tiles += [Tile(n, k, 4, 3, split) for n, k, split in itertools.product((32, 64), (128, 256), (0, 1))]
+                swapped = []
         else:  # 24 tiles per GEMM (16 for FP8), the last 6 (4) with swapped dots
             ks = (128,) if fp8 else (32, 64, 128)
             stages = (3, 4) if fp8 else (3,)
@@ -151,6 +198,10 @@ def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path, verbose: bool = Fal
             tiles = swapped if swapped_only else tiles + swapped
             if fp8:  # each also with its activations quantized by a launch of their own (Tile.a_fp8)
                 tiles += [dataclasses.replace(t, a_fp8=True) for t in tiles]
+            if kind:
+                tiles = [Tile(n, k, w, 3) for n, k, w in itertools.product((64, 128), (64, 128), (4, 8))]
+                swapped = [Tile(n, k, 4, 3, swap_ab=True) for n, k in itertools.product((64, 128), (64, 128))]
+                tiles += swapped
 
         def timed(cfg):
             try:
@@ -192,10 +243,10 @@ def tune(rows_list, fp8: bool, layer, out_dir: pathlib.Path, verbose: bool = Fal
                     t = timed(cand)
                     if t < best_t:
                         best, best_t = cand, t
-        print(f"rows {rows:5d} {'fp8' if fp8 else 'bf16'}: {best_t * 1e6:8.2f} us  {best}", flush=True)
+        print(f"rows {rows:5d} {dtype}: {best_t * 1e6:8.2f} us  {best}", flush=True)
         table[str(rows)] = best.to_json()
         # after each row count, so a run cut short keeps what it tuned
-        path = write_table(table, fp8, out_dir, torch.cuda.get_device_name(), torch.__version__)
+        path = write_table(table, dtype, out_dir, torch.cuda.get_device_name(), torch.__version__)
     return path
 
 
@@ -217,18 +268,21 @@ def prefill_candidates(fp8: bool):
                              dataclasses.replace(c.down, a_fp8=True)) for c in base]
 
 
-def tune_quick(rows_list, fp8: bool, layer, out_dir: pathlib.Path) -> pathlib.Path:
+def tune_quick(rows_list, dtype: str, layer, out_dir: pathlib.Path) -> pathlib.Path:
     """Time the table's current entry and ``prefill_candidates`` at each row count (a few compiles instead of
     the coordinate search's hundred: minutes on a fresh machine) and write the fastest into the data file."""
     from sparrow.kernels import moe_configs
     from sparrow.kernels.moe_configs import forced_config
 
+    fp8, kind = _fp8_kind(dtype)
+    if kind:
+        raise SystemExit(f"--quick: FP8 / bf16 tiles only; tune {dtype} without it")
     table = {}
     for rows in rows_list:
         if rows * K <= 64:
             print(f"rows {rows}: the small path; --quick times grouped-path tiles only (use --tune without it)")
             continue
-        _, _, call = make_call(rows, layer)
+        _, _, call = make_call(rows, layer, dtype)
         current = moe_configs.pick_config(rows, K, E, H, I, False, fp8, torch.cuda.get_device_name())
         best, best_t = None, float("inf")
         for cfg in [current] + prefill_candidates(fp8):
@@ -244,18 +298,19 @@ def tune_quick(rows_list, fp8: bool, layer, out_dir: pathlib.Path) -> pathlib.Pa
         if best is None:
             print(f"rows {rows}: no candidate ran")
             continue
-        print(f"rows {rows:5d} {'fp8' if fp8 else 'bf16'}: {best_t * 1e6:8.2f} us  {best}", flush=True)
+        print(f"rows {rows:5d} {dtype}: {best_t * 1e6:8.2f} us  {best}", flush=True)
         table[str(rows)] = best.to_json()
-        write_table(table, fp8, out_dir, torch.cuda.get_device_name(), torch.__version__)
+        write_table(table, dtype, out_dir, torch.cuda.get_device_name(), torch.__version__)
     return out_dir / moe_configs.config_file(E, H, I, fp8, torch.cuda.get_device_name()).name
 
 
-def write_table(table: dict, fp8: bool, out_dir: pathlib.Path, device_name: str, torch_version: str) -> pathlib.Path:
-    """Write (or rewrite) the data file ``pick_config`` reads for this shape and device. Entries of the existing
-    file for row counts not in ``table`` are kept; meta ``tuned_rows`` lists the entries a sweep chose."""
+def write_table(table: dict, dtype: str, out_dir: pathlib.Path, device_name: str, torch_version: str) -> pathlib.Path:
+    """Write (or rewrite) the data file ``pick_config`` reads for this shape, expert dtype and device. Entries of
+    the existing file for row counts not in ``table`` are kept; meta ``tuned_rows`` lists the entries a sweep chose."""
     from sparrow.kernels import moe_configs
 
-    path = out_dir / moe_configs.config_file(E, H, I, fp8, device_name).name
+    fp8, kind = _fp8_kind(dtype)
+    path = out_dir / moe_configs.config_file(E, H, I, fp8, device_name, kind).name
     old = json.loads(path.read_text()) if path.exists() else {}
     configs = {**old.get("configs", {}), **table}
     tuned = sorted({*old.get("meta", {}).get("tuned_rows", []), *map(int, table)})
@@ -271,7 +326,7 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 1024])
     p.add_argument("--shape", default="gemma4-26b-a4b", help="MoE model shape (sparrow bench's --model-shape names)")
-    p.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    p.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8", "int4", "nvfp4"])
     p.add_argument("--out", type=pathlib.Path, help="write the results as JSON here")
     p.add_argument("--torch", action="store_true", help="also time the torch reference path")
     p.add_argument("--tune", action="store_true", help="sweep tiles and write the config data files")
@@ -293,16 +348,16 @@ def main(argv=None) -> list[dict]:
           f"MoE layer H={H} E={E} K={K} I={I}")
     results = []
     for dtype in args.dtypes:
-        layer = make_layer(dtype == "fp8")
+        layer = make_layer(dtype)
         if args.tune and args.quick:
-            print("wrote", tune_quick(args.rows, dtype == "fp8", layer, CONFIG_DIR))
+            print("wrote", tune_quick(args.rows, dtype, layer, CONFIG_DIR))
         elif args.tune:
-            print("wrote", tune(args.rows, dtype == "fp8", layer, CONFIG_DIR, args.verbose, args.swapped_only,
+            print("wrote", tune(args.rows, dtype, layer, CONFIG_DIR, args.verbose, args.swapped_only,
                                 args.warps_stages))
         print(f"{'rows':>5} {'dtype':>5} {'path':>8} {'us':>9} {'bound us':>9} {'GB/s':>8} {'% copy':>7} "
               f"{'x bound':>7} {'TFLOP/s':>7}" + (f" {'torch us':>9}" if args.torch else ""))
         for rows in args.rows:
-            r = bench_one(rows, dtype == "fp8", layer, peak, args.torch)
+            r = bench_one(rows, dtype, layer, peak, args.torch)
             results.append(r)
             print(f"{r['rows']:5d} {r['dtype']:>5} {r['path']:>8} {r['us']:9.2f} {r['bound_us']:9.2f} "
                   f"{r['gbps']:8.1f} {r['pct_copy']:6.1f}% {r['us'] / r['bound_us']:7.2f} {r['tflops']:7.1f}"

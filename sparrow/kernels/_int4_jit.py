@@ -1,122 +1,371 @@
-"""Triton bodies of the int4 W4A16 kernels (launchers: ``sparrow.kernels.int4``, ``sparrow.kernels.int4_moe``).
+"""Triton bodies of the 4-bit weight kernels, int4 W4A16 and NVFP4 W4A16 (launchers: ``sparrow.kernels.int4``,
+``sparrow.kernels.int4_moe``, ``sparrow.kernels.nvfp4_moe``, ``sparrow.kernels.nvfp4_linear``).
 
-Weights are ``sparrow.kernels.int4``'s layout: codes u packed 8 per int32 along K, scale / zero per ``group``
-columns; each tile is dequantized in registers, w = (u - zero) * scale in fp32, rounded as the torch twin
-rounds it (to the scale dtype, then to the activation dtype: W_ROUND 0 none, 1 bf16, 2 fp16, 3 fp16 then
-bf16), and multiplied with fp32 accumulation. Under TRITON_INTERPRET (``RNE``, ``RNE_OUT`` for bf16 outputs) bf16
-rounding is done in fp32 arithmetic and dots run on fp32 operands (``_fp8_jit``'s note on the interpreter).
+Shapes: R = rows, N = output width, K = input width, BN x SUB_K = one weight tile of a dot.
+Both formats are read as int32 words [N, K / 8] (NVFP4's uint8 [N, K / 2] codes viewed as int32: little-endian,
+so nibble j of word w is column 8w + j in both): one wide, coalesced load of BN x SUB_K / 8 words per tile
+(16-byte vectors: whole K steps carry no K mask, one masked tail step ends the range), decoded in place, plane by
+plane (nibble j of every word), and put in column order by three rounds of ``tl.interleave`` (register moves).
+- int4 (``sparrow.kernels.int4``'s layout, ``int4_values``): the word's nibble kept beside the fp32 exponent
+  bits of 2^23 (one AND) is the fp32 2^23 + u 2^j; one FFMA gives u - zero exactly, exact in x's dtype; the
+  dot sums x * (u - zero) in fp32 and its result is multiplied by the group's scale (one [BN] load per group and
+  tile; SUB_K divides the group). With SCALE_W (GEMM tiles) the scale multiplies the weight tile before the dot
+  instead, rounded to x's dtype once, so each K step is one accumulating dot;
+- NVFP4 (``sparrow.kernels.nvfp4``, ``e2m1_values``): each code's sign and magnitude bits moved into an fp32
+  bit pattern worth e2m1 * 2^-126 (e2m1's subnormal is fp32's), times its 16-column group's e4m3 scale * 2^64,
+  rounded to x's dtype (exact: a 2-bit by 4-bit significand product), one dot per tile; the sums times 2^62
+  and the fp32 global multiplier of each output row (or each expert half). fp16 activations (whose range ends
+  at 2^-24) take the weights unscaled.
+Dots are plain (rows as the MMA's M side, padded to 16) or swapped (SWAP_AB: the weight tile as M, wgmma from
+BN = 64). Accumulation is fp32; outputs are rounded once to x's dtype. UPCAST / RNE_OUT: the interpreter's
+workarounds (``_fp8_jit``: dots on exactly widened fp32 operands, bf16 outputs rounded to nearest).
 """
 import triton
 import triton.language as tl
 
-from sparrow.kernels._fp8_jit import rne_bf16 as _rne_bf16
+from sparrow.kernels._fp8_jit import dot_upcast as _dot, rne_bf16 as _rne_bf16
 from sparrow.kernels._moe_jit import _epilogue
+from sparrow.kernels._pdl_jit import pdl_enter
+from sparrow.kernels._split_k_jit import split_k_and, split_k_arrive, split_k_range, split_k_reduce, split_k_store, \
+    split_k_sum
+
+
+# ---------------------------------------------------------------------------------------------- helpers
 
 
 @triton.jit
-def _round_w(w, W_ROUND: tl.constexpr, RNE: tl.constexpr):
-    if W_ROUND >= 2:
-        w = w.to(tl.float16).to(tl.float32)
-    if W_ROUND == 1 or W_ROUND == 3:
-        if RNE:
-            w = _rne_bf16(w)
-        else:
-            w = w.to(tl.bfloat16).to(tl.float32)
-    return w
+def _int4_plane(base, zero, POS: tl.constexpr):
+    """u - zero in fp32 for the nibble u at bits POS..POS + 3 (POS <= 16) of ``base``, a word whose bits 23..31
+    are the fp32 exponent of 2^23 (0x4B000000): keeping those bits and the nibble (one AND) gives the fp32
+    2^23 + u 2^POS; times 2^-POS minus (2^(23 - POS) + zero) is exact (one FFMA)."""
+    v = (base & (0x4B000000 | (15 << POS))).to(tl.float32, bitcast=True)
+    return v * (1.0 / (1 << POS)) - ((1 << (23 - POS)) + zero)
 
 
 @triton.jit
-def _dequant_tile(w_ptr, s_ptr, z_ptr, rn, n_mask, rk, k_mask, stride_w, stride_s, stride_z, group,
-                  HAS_ZERO: tl.constexpr, W_ROUND: tl.constexpr, RNE: tl.constexpr):
-    """The weight tile [BN, BK] (rows rn, columns rk) in fp32, rounded as the twin rounds it."""
-    mask = n_mask[:, None] & k_mask[None, :]
-    rows = rn[:, None].to(tl.int64)
-    words = tl.load(w_ptr + rows * stride_w + (rk // 8)[None, :], mask=mask, other=0)
-    u = (words >> ((rk % 8) * 4)[None, :]) & 0xF
-    gi = (rk // group)[None, :]
-    scale = tl.load(s_ptr + rows * stride_s + gi, mask=mask, other=0.0).to(tl.float32)
-    if HAS_ZERO:
-        zero = tl.load(z_ptr + rows * stride_z + gi, mask=mask, other=8).to(tl.float32)
+def int4_values(words, zero, BN: tl.constexpr, BK: tl.constexpr):
+    """int32 words [BN, BK / 8], zero fp32 [BN, 1] -> fp32 u - zero [BN, BK] (column k: nibble k % 8 of word
+    k // 8): nibbles 0..4 read in place from (words & 0xFFFFF) | 0x4B000000, 5..7 from the word shifted right
+    by 12, each with one AND and one FFMA (a few operations per word besides)."""
+    lo = (words & 0xFFFFF) | 0x4B000000
+    hi = ((words >> 12) & 0xFFF00) | 0x4B000000
+    return tl.interleave(
+        tl.interleave(tl.interleave(_int4_plane(lo, zero, 0), _int4_plane(lo, zero, 16)),
+                      tl.interleave(_int4_plane(lo, zero, 8), _int4_plane(hi, zero, 12))),
+        tl.interleave(tl.interleave(_int4_plane(lo, zero, 4), _int4_plane(hi, zero, 8)),
+                      tl.interleave(_int4_plane(lo, zero, 12), _int4_plane(hi, zero, 16))))
+
+
+@triton.jit
+def _e2m1_plane(words, POS: tl.constexpr):
+    """The e2m1 code at bits POS..POS + 3 of ``words`` as fp32 times 2^-126: its sign to bit 31 and its 3
+    magnitude bits (e1 e0 m) to bits 24..22, so the fp32 exponent field is e and the top mantissa bit m (e = 0:
+    an fp32 subnormal, as e2m1's own subnormal). Callers scale by 2^126 in two exact steps (``NV_PRE`` on the
+    block scales, ``NV_POST`` on the sums)."""
+    if POS <= 22:
+        x = words << (22 - POS)
     else:
-        zero = 8.0
-    return _round_w((u.to(tl.float32) - zero) * scale, W_ROUND, RNE)
+        x = words >> (POS - 22)
+    return ((x & 0x01C00000) | ((x << 6) & -2147483648)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def int4_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, R, N, K, stride_x, stride_w, stride_s, stride_z, stride_y,
-                       group, HAS_ZERO: tl.constexpr, W_ROUND: tl.constexpr, RNE: tl.constexpr,
-                       RNE_OUT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y [R, N] = x [R, K] @ w.T; grid (cdiv(N, BLOCK_N), cdiv(R, BLOCK_M)). At R <= 16 (one M tile, the GEMV
-    configs) every weight element is read once for all rows."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+def e2m1_values(words, BN: tl.constexpr, BK: tl.constexpr):
+    """int32 words [BN, BK / 8] of e2m1 codes -> fp32 [BN, BK] holding e2m1 * 2^-126 (``_e2m1_plane``), in
+    column order (nibble k % 8 of word k // 8)."""
+    return tl.interleave(
+        tl.interleave(tl.interleave(_e2m1_plane(words, 0), _e2m1_plane(words, 16)),
+                      tl.interleave(_e2m1_plane(words, 8), _e2m1_plane(words, 24))),
+        tl.interleave(tl.interleave(_e2m1_plane(words, 4), _e2m1_plane(words, 20)),
+                      tl.interleave(_e2m1_plane(words, 12), _e2m1_plane(words, 28))))
+
+
+@triton.jit
+def _nv_post(x_ptr):
+    """The factor on NVFP4 sums for activations of x_ptr's dtype: NV_POST, or 1 for fp16 (``_w4_dot``)."""
+    if x_ptr.dtype.element_ty == tl.float16:
+        return 1.0
+    else:
+        return NV_POST
+
+
+NV_PRE = tl.constexpr(18446744073709551616.0)  # 2^64: times the e4m3 block scales (<= 448 * 2^64, no overflow)
+NV_POST = tl.constexpr(4611686018427387904.0)  # 2^62: times the sums (2^64 * 2^62 = 2^126 undoes e2m1_values' 2^-126)
+
+
+@triton.jit
+def _w4_dot(a, w_rows, s_rows, z_rows, ks, k_end, n_mask, group,
+            NVFP4: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_W: tl.constexpr, UPCAST: tl.constexpr,
+            RNE: tl.constexpr, BN: tl.constexpr, SUB_K: tl.constexpr, MASK_K: tl.constexpr, SWAP: tl.constexpr):
+    """a [BM, SUB_K] (columns ks.., zero past k_end) @ W[:, ks:ks + SUB_K]^T -> fp32 [BM, BN] (SWAP: the transposed
+    product W @ a^T [BN, BM], the weight tile as the dot's first operand), int4 group scales
+    applied (NVFP4: block scales; not the global multiplier). w_rows [BN, 1]: the rows' word pointers; s_rows /
+    z_rows [BN]: the rows' scale / zero pointers (int4: [N, G]; NVFP4: e4m3 [N, K / 16]). RNE: bf16 x under the
+    interpreter (SCALE_W tiles rounded to nearest in fp32 first). MASK_K: the tile may reach past k_end (a tail
+    step); without it the loads are masked by rows only, so they vectorize (16-byte loads)."""
+    kw = tl.max_contiguous(tl.multiple_of(ks // 8 + tl.arange(0, SUB_K // 8), SUB_K // 8), SUB_K // 8)
+    if MASK_K:
+        words = tl.load(w_rows + kw[None, :], mask=n_mask[:, None] & (kw < k_end // 8)[None, :], other=0)
+    else:
+        words = tl.load(w_rows + kw[None, :], mask=n_mask[:, None], other=0)
+    if NVFP4:
+        kg = tl.max_contiguous(tl.multiple_of(ks // 16 + tl.arange(0, SUB_K // 16), SUB_K // 16), SUB_K // 16)
+        if MASK_K:
+            s_mask = n_mask[:, None] & (kg < k_end // 16)[None, :]
+        else:
+            s_mask = n_mask[:, None]
+        sc = tl.load(s_rows[:, None] + kg[None, :], mask=s_mask, other=0.0).to(tl.float32) * NV_PRE
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, SUB_K // 16, 16]), [BN, SUB_K])
+        w = e2m1_values(words, BN, SUB_K) * sc  # e2m1 * scale * 2^-62 (2^-72 .. 2^-50): normal in bf16 / fp32
+        if a.dtype == tl.float16:  # fp16 holds e2m1 * scale (2^-10 .. 2688) only unscaled
+            w = w * NV_POST
+        wt = w.to(a.dtype)  # exact (module doc)
+    else:
+        gi = tl.minimum(ks, k_end - 1) // group  # a sub-step wholly past K adds 0; keep the scale in bounds
+        s = tl.load(s_rows + gi, mask=n_mask, other=0.0).to(tl.float32)
+        if HAS_ZERO:
+            z = tl.load(z_rows + gi, mask=n_mask, other=8).to(tl.float32)
+        else:
+            z = tl.full([BN], 8.0, tl.float32)
+        w = int4_values(words, z[:, None], BN, SUB_K)  # u - zero, exact
+        if SCALE_W:
+            w = w * s[:, None]
+            if RNE:  # the interpreter truncates fp32 -> bf16
+                w = _rne_bf16(w)
+        wt = w.to(a.dtype)
+    if SWAP:
+        part = _dot(wt, tl.trans(a), UPCAST)
+    else:
+        part = _dot(a, tl.trans(wt), UPCAST)
+    if not NVFP4 and not SCALE_W:
+        if SWAP:
+            part = part * s[:, None]
+        else:
+            part = part * s[None, :]
+    return part
+
+
+# ----------------------------------------------------------------------------------------------- dense
+
+
+@triton.jit
+def w4_matmul_kernel(
+    x_ptr,  # [R, K], unit stride on K
+    w_ptr,  # int32 words [N, K / 8], unit last stride
+    s_ptr,  # int4: scales [N, G] (fp32 / bf16 / fp16); NVFP4: e4m3 [N, K / 16]; unit last stride
+    z_ptr,  # int4 HAS_ZERO: uint8 zero points [N, G]; else dummy
+    g_ptr,  # NVFP4: fp32 [N] global multipliers; else dummy
+    y_ptr,  # [R, N], x's dtype, unit last stride
+    ws_ptr, lock_ptr,  # SPLIT_K > 1: split-K workspace and counters (_split_k_jit); else dummies
+    R, N, K, stride_x, stride_w, stride_s, stride_z, stride_y, GROUP: tl.constexpr,
+    NVFP4: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_W: tl.constexpr, UPCAST: tl.constexpr,
+    RNE_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SUB_K: tl.constexpr,  # K per dot: divides BLOCK_K (int4: and the group)
+    SPLIT_K: tl.constexpr,  # programs per output tile (grid axis 2), each over a contiguous run of BLOCK_K steps
+    USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
+    SWAP_AB: tl.constexpr = False,  # the weight tile as the dots' first operand (``_w4_dot``)
+):
+    """y [R, N] = x [R, K] @ W^T; grid (cdiv(N, BLOCK_N), cdiv(R, BLOCK_M), SPLIT_K). At R <= BLOCK_M (the GEMV
+    configs, rows padded to 16 for the dot) every weight word is read once for all rows."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    pdl_enter(USE_PDL)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_mask = rn < N
     m_mask = rm < R
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_mask = rk < K
-        a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_x + rk[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = _dequant_tile(w_ptr, s_ptr, z_ptr, rn, n_mask, rk, k_mask, stride_w, stride_s, stride_z, group,
-                          HAS_ZERO, W_ROUND, RNE)
-        if UPCAST:
-            acc += tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(a, tl.trans(w.to(x_ptr.dtype.element_ty)))
-    out = acc
+    k_start, k_end = split_k_range(K, pid_k, SPLIT_K, BLOCK_K)
+    acc, _ = _w4_mm_rows(x_ptr, rm.to(tl.int64), m_mask, stride_x, w_ptr, stride_w, s_ptr, z_ptr, stride_s, stride_z,
+                         rn, n_mask, 0, k_start, k_end, GROUP, False, NVFP4, HAS_ZERO, SCALE_W, UPCAST, RNE_OUT,
+                         BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, SWAP_AB)
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K > 1:
+        acc, last = split_k_reduce(acc, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K,
+                                   BLOCK_M, BLOCK_N)
+        mask = split_k_and(mask, last)
+    if NVFP4:
+        acc = acc * (tl.load(g_ptr + rn, mask=n_mask, other=0.0) * _nv_post(x_ptr))[None, :]
     if RNE_OUT:
-        out = _rne_bf16(out)
-    tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_y + rn[None, :], out.to(y_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+        acc = _rne_bf16(acc)
+    tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------------------ routed experts
 
 
 @triton.jit
-def int4_moe_pair_kernel(a_ptr, w_ptr, s_ptr, z_ptr, c_ptr, ids_ptr, N, K, a_row_div, stride_a,
-                         stride_we, stride_wn, stride_se, stride_sn, group, limit,
-                         GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_ZERO: tl.constexpr,
-                         W_ROUND: tl.constexpr, RNE: tl.constexpr, RNE_OUT: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
-    """The small MoE path, one program per (pair, N tile): c[p, n] = act(gate) * up (GATED, rows n and N + n of
-    expert ids[p]) or the plain product, of a's row p // a_row_div; grid (P, cdiv(N, BLOCK_N)). Zero points share
-    the scales' strides."""
-    p = tl.program_id(0)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = rn < N
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    w_e = w_ptr + e * stride_we
-    s_e = s_ptr + e * stride_se
-    z_e = z_ptr + e * stride_se
-    row = (p // a_row_div).to(tl.int64)
-    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_mask = rk < K
-        a = tl.load(a_ptr + row * stride_a + rk, mask=k_mask, other=0.0).to(tl.float32)
-        w = _dequant_tile(w_e, s_e, z_e, rn, n_mask, rk, k_mask, stride_wn, stride_sn, stride_sn, group,
-                          HAS_ZERO, W_ROUND, RNE)
-        acc_g += tl.sum(w * a[None, :], axis=1)
+def _w4_load_a(a_rows, m_mask, kk, k_end, MASK_K: tl.constexpr):
+    if MASK_K:
+        return tl.load(a_rows + kk[None, :], mask=m_mask[:, None] & (kk < k_end)[None, :], other=0.0)
+    else:
+        return tl.load(a_rows + kk[None, :], mask=m_mask[:, None], other=0.0)
+
+
+@triton.jit
+def _w4_step(acc_g, acc_u, a_rows, m_mask, wg_rows, wu_rows, sg_rows, su_rows, zg_rows, zu_rows, k0, k_end, n_mask,
+             group, GATED: tl.constexpr, NVFP4: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_W: tl.constexpr,
+             UPCAST: tl.constexpr, RNE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             SUB_K: tl.constexpr, MASK_K: tl.constexpr, SWAP: tl.constexpr):
+    """One BLOCK_K step of ``_w4_mm_rows`` at k0: BLOCK_K / SUB_K dots per weight."""
+    for j in tl.static_range(BLOCK_K // SUB_K):
+        ks = k0 + j * SUB_K
+        kk = tl.max_contiguous(tl.multiple_of(ks + tl.arange(0, SUB_K), SUB_K), SUB_K)  # ks: a multiple of SUB_K
+        a = _w4_load_a(a_rows, m_mask, kk, k_end, MASK_K)
+        acc_g += _w4_dot(a, wg_rows, sg_rows, zg_rows, ks, k_end, n_mask, group, NVFP4, HAS_ZERO, SCALE_W, UPCAST,
+                         RNE, BLOCK_N, SUB_K, MASK_K, SWAP)
         if GATED:
-            w = _dequant_tile(w_e, s_e, z_e, rn + N, n_mask, rk, k_mask, stride_wn, stride_sn, stride_sn, group,
-                              HAS_ZERO, W_ROUND, RNE)
-            acc_u += tl.sum(w * a[None, :], axis=1)
-    pair = p + tl.arange(0, 1)
-    _epilogue(acc_g[None, :], acc_u[None, :], c_ptr, pair, pair >= 0, rn, n_mask, N, limit, GATED, ACT,
-              HAS_LIMIT, RNE_OUT)
+            acc_u += _w4_dot(a, wu_rows, su_rows, zu_rows, ks, k_end, n_mask, group, NVFP4, HAS_ZERO, SCALE_W,
+                             UPCAST, RNE, BLOCK_N, SUB_K, MASK_K, SWAP)
+    return acc_g, acc_u
 
 
 @triton.jit
-def int4_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_w, stride_s, group,
-                        HAS_ZERO: tl.constexpr, W_ROUND: tl.constexpr, RNE: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out [N, K] (the activation dtype) = the dequantized rows of a contiguous [N, K / 8] weight (stacked experts
-    flattened to E N rows); grid (cdiv(N, BLOCK_N), cdiv(K, BLOCK_K))."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    n_mask = rn < N
-    k_mask = rk < K
-    w = _dequant_tile(w_ptr, s_ptr, z_ptr, rn, n_mask, rk, k_mask, stride_w, stride_s, stride_s, group,
-                      HAS_ZERO, W_ROUND, RNE)
-    tl.store(out_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], w.to(out_ptr.dtype.element_ty),
-             mask=n_mask[:, None] & k_mask[None, :])
+def _w4_mm_rows(
+    a_ptr, arow, m_mask, stride_ar,  # A rows arow [BM] (int64) of a [*, K]
+    w_ptr, stride_wn,  # the weight's words [N_w, K / 8]
+    s_ptr, z_ptr, stride_sn, stride_zn,  # its scales (and int4 zero points)
+    rn, n_mask, N_UP, k_start, k_end, group,  # output columns [BN] (the up half N_UP rows further, GATED)
+    GATED: tl.constexpr, NVFP4: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_W: tl.constexpr, UPCAST: tl.constexpr,
+    RNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+    SWAP: tl.constexpr = False,  # swapped dots (``_w4_dot``): accumulators [BN, BM], transposed once at the end
+):
+    """(acc_gate, acc_up) [BM, BN] fp32 = A @ W[rn]^T (and A @ W[N_UP + rn]^T when GATED) over k_start:k_end
+    (k_start a multiple of BLOCK_K): whole BLOCK_K steps without K masks, then one masked tail step."""
+    if SWAP:
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    a_rows = a_ptr + arow[:, None] * stride_ar
+    rg = rn.to(tl.int64)
+    ru = (rn + N_UP).to(tl.int64)
+    wg_rows = w_ptr + rg[:, None] * stride_wn
+    wu_rows = w_ptr + ru[:, None] * stride_wn
+    k_full = k_start + (k_end - k_start) // BLOCK_K * BLOCK_K
+    for k0 in range(k_start, k_full, BLOCK_K):
+        acc_g, acc_u = _w4_step(acc_g, acc_u, a_rows, m_mask, wg_rows, wu_rows, s_ptr + rg * stride_sn,
+                                s_ptr + ru * stride_sn, z_ptr + rg * stride_zn, z_ptr + ru * stride_zn, k0, k_end,
+                                n_mask, group, GATED, NVFP4, HAS_ZERO, SCALE_W, UPCAST, RNE, BLOCK_N, BLOCK_K, SUB_K,
+                                False, SWAP)
+    if k_full < k_end:
+        acc_g, acc_u = _w4_step(acc_g, acc_u, a_rows, m_mask, wg_rows, wu_rows, s_ptr + rg * stride_sn,
+                                s_ptr + ru * stride_sn, z_ptr + rg * stride_zn, z_ptr + ru * stride_zn, k_full, k_end,
+                                n_mask, group, GATED, NVFP4, HAS_ZERO, SCALE_W, UPCAST, RNE, BLOCK_N, BLOCK_K, SUB_K,
+                                True, SWAP)
+    if SWAP:  # one return statement (Triton refuses returns of different shapes, even under a constexpr if)
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _w4_global(acc_g, acc_u, g_ptr, a_ptr, expert, stride_ge, GATED: tl.constexpr, NVFP4: tl.constexpr,
+               DIVIDE_G: tl.constexpr):
+    """NVFP4: the accumulators times the expert's global multipliers g [E, 1 + GATED] (divided by them with
+    DIVIDE_G: compressed-tensors' weight_global_scale) and ``_nv_post(a_ptr)``; int4: unchanged."""
+    if NVFP4:
+        UP: tl.constexpr = 1 if GATED else 0
+        gg = tl.load(g_ptr + expert * stride_ge)
+        gu = tl.load(g_ptr + expert * stride_ge + UP)
+        post = _nv_post(a_ptr)
+        if DIVIDE_G:
+            acc_g = acc_g * (post / gg)
+            acc_u = acc_u * (post / gu)
+        else:
+            acc_g = acc_g * (gg * post)
+            acc_u = acc_u * (gu * post)
+    return acc_g, acc_u
+
+
+@triton.jit
+def w4_moe_gemv_kernel(
+    a_ptr,  # GATED: x [R, H]; else the activations [P, I]; unit last stride
+    w_ptr,  # int32 words, GATED: [E, 2I, H / 8]; else [E, H, I / 8]; unit last stride
+    s_ptr, z_ptr,  # int4: scales [E, N_w, G] (+ uint8 zeros, same strides); NVFP4: e4m3 [E, N_w, K / 16]
+    g_ptr,  # NVFP4: fp32 [E, 1 + GATED] global multipliers (gate, up); else dummy
+    c_ptr,  # out [P, N] contiguous, a's dtype
+    ids_ptr,  # [P] flattened topk_ids
+    ws_ptr, lock_ptr,  # SPLIT_K > 1: split-K workspace, (1 + GATED) tiles per (pair, N tile), and counters
+    P, N, K, A_ROW_DIV, stride_ar, stride_we, stride_wn, stride_se, stride_sn, stride_ge, GROUP: tl.constexpr, limit,
+    GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, NVFP4: tl.constexpr, HAS_ZERO: tl.constexpr,
+    DIVIDE_G: tl.constexpr, SCALE_W: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
+    P_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
+):
+    """The small path (``_moe_jit.moe_gemv_kernel``'s scheme on 4-bit weights): program per (pair, N tile, K split);
+    the first pair of each expert gathers all pairs routed to it into BLOCK_R dot rows and streams the expert's
+    words once for all of them, the other programs exit at once."""
+    p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    pdl_enter(USE_PDL)
+    q = tl.arange(0, P_PAD)
+    eid = tl.load(ids_ptr + q, mask=q < P, other=-1)
+    mine = tl.load(ids_ptr + p)
+    member = (eid == mine) & (q < P)
+    first = tl.min(tl.where(member, q, P_PAD), axis=0)
+    if first == p:
+        count = tl.sum(member.to(tl.int32), axis=0)
+        rank = tl.cumsum(member.to(tl.int32), axis=0) - 1
+        expert = mine.to(tl.int64)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = rn < N
+        sl = tl.arange(0, BLOCK_R)
+        k_start, k_end = split_k_range(K, pid_k, SPLIT_K, BLOCK_K)
+        for c0 in range(0, count, BLOCK_R):
+            match = member[None, :] & (rank[None, :] == (c0 + sl)[:, None])  # [BLOCK_R, P_PAD]
+            pair = tl.sum(tl.where(match, q[None, :], 0), axis=1)
+            m_mask = (c0 + sl) < count
+            arow = (pair // A_ROW_DIV).to(tl.int64)
+            acc_g, acc_u = _w4_mm_rows(
+                a_ptr, arow, m_mask, stride_ar, w_ptr + expert * stride_we, stride_wn, s_ptr + expert * stride_se,
+                z_ptr + expert * stride_se, stride_sn, stride_sn, rn, n_mask, N, k_start, k_end, GROUP,
+                GATED, NVFP4, HAS_ZERO, SCALE_W, UPCAST, RNE_BF16, BLOCK_R, BLOCK_N, BLOCK_K, SUB_K, SWAP_AB)
+            acc_g, acc_u = _w4_global(acc_g, acc_u, g_ptr, a_ptr, expert, stride_ge, GATED, NVFP4, DIVIDE_G)
+            if SPLIT_K > 1:
+                tile = tl.sum(tl.where(sl == 0, pair, 0), axis=0) * tl.num_programs(1) + pid_n
+                NACC: tl.constexpr = 2 if GATED else 1
+                split_k_store(acc_g, ws_ptr, (tile * SPLIT_K + pid_k) * NACC, BLOCK_R, BLOCK_N)
+                if GATED:
+                    split_k_store(acc_u, ws_ptr, (tile * SPLIT_K + pid_k) * NACC + 1, BLOCK_R, BLOCK_N)
+                last = split_k_arrive(lock_ptr, tile, SPLIT_K)
+                acc_g = split_k_sum(ws_ptr, tile * SPLIT_K * NACC, last, SPLIT_K, NACC, BLOCK_R, BLOCK_N)
+                if GATED:
+                    acc_u = split_k_sum(ws_ptr, tile * SPLIT_K * NACC + 1, last, SPLIT_K, NACC, BLOCK_R, BLOCK_N)
+                m_mask = split_k_and(m_mask, last)
+            _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit, GATED, ACT, HAS_LIMIT, RNE_BF16)
+
+
+@triton.jit
+def w4_moe_gemm_kernel(
+    a_ptr, w_ptr, s_ptr, z_ptr, g_ptr, c_ptr,  # as w4_moe_gemv_kernel
+    sorted_ptr,  # [S] int32 sorted pair ids, P = padding (moe_align)
+    block_expert_ptr,  # [NB] int32 expert of each block
+    total_ptr,  # [1] int32 padded pair count
+    P, N, K, A_ROW_DIV, stride_ar, stride_we, stride_wn, stride_se, stride_sn, stride_ge, GROUP: tl.constexpr, limit,
+    GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, NVFP4: tl.constexpr, HAS_ZERO: tl.constexpr,
+    DIVIDE_G: tl.constexpr, SCALE_W: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
+):
+    """The grouped path (``_moe_jit.moe_gemm_kernel``'s scheme on 4-bit weights): program per (block of BLOCK_M
+    sorted pairs, BLOCK_N outputs); each block reads only its expert's words."""
+    pdl_enter(USE_PDL)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    total = tl.load(total_ptr)
+    if pid_m * BLOCK_M < total:
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        m_mask = pair < P
+        arow = (pair // A_ROW_DIV).to(tl.int64)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = rn < N
+        acc_g, acc_u = _w4_mm_rows(
+            a_ptr, arow, m_mask, stride_ar, w_ptr + expert * stride_we, stride_wn, s_ptr + expert * stride_se,
+            z_ptr + expert * stride_se, stride_sn, stride_sn, rn, n_mask, N, 0, K, GROUP,
+            GATED, NVFP4, HAS_ZERO, SCALE_W, UPCAST, RNE_BF16, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, SWAP_AB)
+        acc_g, acc_u = _w4_global(acc_g, acc_u, g_ptr, a_ptr, expert, stride_ge, GATED, NVFP4, DIVIDE_G)
+        _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit, GATED, ACT, HAS_LIMIT, RNE_BF16)

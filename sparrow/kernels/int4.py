@@ -131,57 +131,97 @@ def int4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
 
 @dataclasses.dataclass(frozen=True)
 class Int4Config:
-    """A tile config of ``int4_matmul_kernel``: rows, output columns and K elements per program / step."""
+    """A tile config of ``w4_matmul_kernel`` (int4 and NVFP4 W4A16 linears)."""
     block_m: int
+    """Rows per program (power of two, >= 16); at most GEMV_MAX_ROWS rows take one M tile (weights read once)."""
     block_n: int
+    """Output columns per program (power of two, >= 16)."""
     block_k: int
+    """K elements per loop step (power of two, >= 16); split into dots of SUB_K = min(block_k, group) for int4
+    (each inside one scale group) and min(block_k, 128) for NVFP4."""
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
+    """Programs per output tile over contiguous K ranges, reduced in the kernel (``split_k``); 0: enough for
+    ``split_k.FILL_PROGRAMS`` programs. Only with one M tile (R <= block_m)."""
+    scale_w: bool = False
+    """int4: group scales multiply the weight tile before the dot (one accumulating dot per step: GEMM tiles)
+    instead of the dot's result (fewer operations per weight element: GEMV tiles)."""
+    swap_ab: bool = False
+    """Dots as W tile [block_n, K step] @ rows^T: the weight fills the MMA's M side (Hopper wgmma from
+    block_n = 64) and the few rows its N side."""
 
 
 GEMV_MAX_ROWS = 16
-"""Rows up to which one M tile covers the batch (decode, verify): each weight element is read once."""
-# (largest R, config): first entry whose bound covers R. Untuned defaults (tile configs as data, style.md 9):
-# a GEMV-shaped tile at <= 16 rows (rows padded to 16 for tl.dot), a GEMM tile above.
+"""Rows up to which one M tile covers the batch (decode, verify): each weight word is read once."""
+# (largest R, config): the first entry whose bound covers R (tile configs as data, style.md 9). Not measured on
+# the H200 yet (benchmarks/kernels_micro.py tune_int4 sweeps the GEMV tiles); chosen from the sm_90 SASS of the
+# loop bodies (Triton 3.9, ahead-of-time compile): swapped 64 x 128 tiles run wgmma and cost ~5.4 instructions
+# per weight element (int4; NVFP4 ~8.6), against ~7.5 for plain 32 x 256 tiles on mma.sync; automatic split-K
+# gives N = 2816..8192 (44..128 tiles) ~352 programs on 132 SMs. Above 64 rows a 128 x 128 x 64 tile on wgmma
+# with the scales on the weights (no spills at 8 warps).
 INT4_CONFIGS: tuple[tuple[int, Int4Config], ...] = (
-    (GEMV_MAX_ROWS, Int4Config(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=3)),
-    (1 << 62, Int4Config(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)),
+    (GEMV_MAX_ROWS, Int4Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=0,
+                               swap_ab=True)),
+    (64, Int4Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=0, swap_ab=True)),
+    (1 << 62, Int4Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, scale_w=True)),
 )
 forced_config = ForcedConfig()  # ``with forced_config(Int4Config(...)):`` overrides the table
 
 
-def w_round(scale_dtype: torch.dtype, x_dtype: torch.dtype) -> int:
-    """The kernels' W_ROUND code: the roundings the twin applies to a dequantized fp32 weight (to the scale
-    dtype, then to x's dtype)."""
-    if scale_dtype == torch.float16:
-        return 3 if x_dtype == torch.bfloat16 else 2
-    if scale_dtype == torch.bfloat16:  # a bf16 value is exact in fp16 / fp32
-        return 1
-    return {torch.bfloat16: 1, torch.float16: 2}.get(x_dtype, 0)
+def FP32_CONFIG(rows: int) -> Int4Config:  # noqa: N802  (a table entry computed from R)
+    """fp32 activations on CUDA (dots on fp32 operands: twice the registers per tile; the bf16 tiles spill):
+    swapped 64 x 64 tiles, 16 or 64 rows each, two stages (no spills in the sm_90 SASS)."""
+    return Int4Config(block_m=16 if rows <= GEMV_MAX_ROWS else 64, block_n=64, block_k=64, num_warps=4,
+                      num_stages=2, split_k=0 if rows <= 64 else 1, swap_ab=True)
+
+
+def pick_config(rows: int) -> Int4Config:
+    """The forced config, else the first INT4_CONFIGS entry whose bound covers ``rows``."""
+    return forced_config.value or next(c for bound, c in INT4_CONFIGS if rows <= bound)
 
 
 def int4_linear_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                        group: int) -> torch.Tensor:
-    """Triton launcher of ``int4_linear_ref`` (same contract), any R."""
-    from sparrow.kernels._int4_jit import int4_matmul_kernel
-
+    """Triton launcher of ``int4_linear_ref`` (same contract), any R: the W4A16 kernel ``w4_matmul_kernel``
+    (fp32 sums of x * (u - zero), times the group scale)."""
     _check(x, packed, scale, zero, group, "int4_linear")
+    return w4_linear_launch(x, packed, scale, zero, None, group)
+
+
+def w4_linear_launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                     g: torch.Tensor | None, group: int) -> torch.Tensor:
+    """y [R, N] = x [R, K] @ W^T for 4-bit weights as int32 words [N, K / 8]: int4 (``g`` None: scale [N, G],
+    zero [N, G] uint8 | None) or NVFP4 W4A16 (``g`` fp32 [N]: scale e4m3 [N, K / 16], group 16). Operands checked
+    by the caller. Raises ValueError for a forced config the kernel cannot run."""
+    from sparrow.kernels._int4_jit import w4_matmul_kernel
+    from sparrow.kernels import pdl_kwargs, split_k
+
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows, k = x.shape
-    n = packed.shape[0]
+    n = words.shape[0]
+    nvfp4 = g is not None
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return y
-    cfg = forced_config.value or next(c for bound, c in INT4_CONFIGS if rows <= bound)
+    cfg = pick_config(rows)
+    if x.dtype == torch.float32 and x.is_cuda and forced_config.value is None:
+        cfg = FP32_CONFIG(rows)
+    sub_k = min(cfg.block_k, 128 if nvfp4 else group)
+    if cfg.block_k % sub_k or sub_k < 16 or cfg.block_m < 16 or cfg.block_n < 16:
+        raise ValueError(f"int4_linear: {cfg} does not fit group {group} (block_k a multiple of the group or "
+                         "dividing it, tiles >= 16)")
     interp = interpreting()
-    grid = (triton_cdiv(n, cfg.block_n), triton_cdiv(rows, cfg.block_m))
-    int4_matmul_kernel[grid](
-        x, packed, scale, zero if zero is not None else scale, y, rows, n, k, x.stride(0), packed.stride(0),
-        scale.stride(0), zero.stride(0) if zero is not None else 0, y.stride(0), group,
-        HAS_ZERO=zero is not None, W_ROUND=w_round(scale.dtype, x.dtype), RNE=interp,
-        RNE_OUT=interp and x.dtype == torch.bfloat16, UPCAST=interp or x.dtype == torch.float32,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+    m_tiles, n_tiles = triton_cdiv(rows, cfg.block_m), triton_cdiv(n, cfg.block_n)
+    split, ws, locks = split_k.plan(x.device, n_tiles, triton_cdiv(k, cfg.block_k), cfg.split_k if m_tiles == 1 else 1,
+                                    cfg.block_m * cfg.block_n, y)
+    w4_matmul_kernel[(n_tiles, m_tiles, split)](
+        x, words, scale, zero if zero is not None else scale, g if nvfp4 else scale, y, ws, locks, rows, n, k,
+        x.stride(0), words.stride(0), scale.stride(0), zero.stride(0) if zero is not None else 0, y.stride(0), group,
+        NVFP4=nvfp4, HAS_ZERO=zero is not None, SCALE_W=cfg.scale_w, UPCAST=interp or x.dtype == torch.float32,
+        RNE_OUT=interp and x.dtype == torch.bfloat16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, SUB_K=sub_k, SPLIT_K=split, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_kwargs(x))
     return y
 
 

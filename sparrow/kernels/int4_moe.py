@@ -11,9 +11,11 @@ G2 = ceil(I / group).
 The weights are ``sparrow.kernels.int4``'s layout. The twin ``int4_fused_moe_ref`` dequantizes the selected
 experts to x's dtype (``dequantize_int4_ref``) and runs the float twins of ``moe_ref`` (grouped for
 P > pair_threshold, per pair otherwise), so its numbers are the float experts' on the dequantized weights.
-The Triton path (``int4_fused_moe_triton``): the small path is a per-(pair, N tile) W4A16 kernel (weights
-dequantized in registers, fp32 accumulation, activation fused into gate|up) and ``moe_reduce``; the grouped
-path dequantizes the experts to x's dtype (one Triton pass) and runs the float grouped GEMM.
+The Triton path (``w4_fused_moe_triton``, shared with the NVFP4 experts of ``nvfp4_moe``) follows the FP8
+experts of ``moe``: the small path (P <= pair_threshold) a per-(pair, N tile, K split) GEMV whose expert leader
+streams the int32 words once for all the expert's pairs (dot rows padded to 16, group scales on the dot's
+result), the grouped path ``moe_align`` + a grouped GEMM (scales on the weight tile, rounded to x's dtype),
+activation fused into gate|up, then ``moe_reduce``. The kernels: ``_int4_jit``.
 """
 from __future__ import annotations
 
@@ -55,62 +57,82 @@ def int4_fused_moe(x, w13, w13_scale, w13_zero, w2, w2_scale, w2_zero, group, to
                               activation, pair_threshold=pair_threshold, swiglu_limit=swiglu_limit, reduce=reduce)
 
 
-SMALL_BLOCK_N = 32
-SMALL_BLOCK_K = 128
-"""Tile of the per-pair kernel (untuned default)."""
-DEQUANT_BLOCK = (32, 128)
+def int4_fused_moe_triton(x, w13, w13_scale, w13_zero, w2, w2_scale, w2_zero, group, topk_weights, topk_ids,
+                          activation="silu", *, pair_threshold=64, swiglu_limit=None, reduce=True):
+    """Triton launcher of ``int4_fused_moe`` (same contract; weights contiguous): ``w4_fused_moe_triton``."""
+    return w4_fused_moe_triton(x, w13, w13_scale, w13_zero, None, w2, w2_scale, w2_zero, None, group, topk_weights,
+                               topk_ids, activation, pair_threshold=pair_threshold, swiglu_limit=swiglu_limit,
+                               reduce=reduce)
+
+
 _ACT_CODE = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
 
 
-def dequantize_experts_triton(w, scale, zero, group, dtype):
-    """Triton twin of ``dequantize_experts`` (all experts): [E, N, K / 8] -> [E, N, K] in ``dtype``."""
-    from sparrow.kernels import interpreting
-    from sparrow.kernels._int4_jit import int4_dequant_kernel
-    from sparrow.kernels.int4 import w_round
+def w4_fused_moe_triton(x, w13, s13, z13, g13, w2, s2, z2, g2, group, topk_weights, topk_ids, activation="silu", *,
+                        pair_threshold=64, swiglu_limit=None, reduce=True, divide_global=False):
+    """The 4-bit routed experts on Triton, int4 (``g13`` / ``g2`` None) or NVFP4 W4A16 (``kernels.nvfp4_moe``).
 
-    e, n, words = w.shape
-    k = words * 8
-    out = torch.empty(e, n, k, dtype=dtype, device=w.device)
-    bn, bk = DEQUANT_BLOCK
-    grid = (-(-(e * n) // bn), -(-k // bk))
-    int4_dequant_kernel[grid](w, scale, zero if zero is not None else scale, out, e * n, k, words, scale.shape[-1],
-                              group, HAS_ZERO=zero is not None, W_ROUND=w_round(scale.dtype, dtype),
-                              RNE=interpreting(), BLOCK_N=bn, BLOCK_K=bk)
-    return out
-
-
-def int4_fused_moe_triton(x, w13, w13_scale, w13_zero, w2, w2_scale, w2_zero, group, topk_weights, topk_ids,
-                          activation="silu", *, pair_threshold=64, swiglu_limit=None, reduce=True):
-    """Triton launcher of ``int4_fused_moe``: P <= pair_threshold (and <= moe.SMALL_MAX_PAIRS): the per-pair W4A16
-    kernel (gate|up + activation, then down; each pair reads its expert's int4 rows once) and ``moe_reduce``;
-    more pairs: the experts dequantized to x's dtype by a Triton kernel, then the float grouped GEMM
-    (``moe.fused_moe_triton``). Weights must be contiguous."""
-    from sparrow.kernels import interpreting
-    from sparrow.kernels._int4_jit import int4_moe_pair_kernel
-    from sparrow.kernels.int4 import w_round
-    from sparrow.kernels.moe import SMALL_MAX_PAIRS, fused_moe_triton
-    from sparrow.kernels.moe_reduce import moe_reduce
+    w13 int32 words [E, 2I, H / 8], w2 [E, H, I / 8] (NVFP4: the uint8 codes viewed as int32); int4: s13 / s2 the
+    group scales [E, N_w, G], z13 / z2 uint8 zeros or None; NVFP4: s13 / s2 e4m3 [E, N_w, K / 16], g13 fp32 [E, 2]
+    and g2 [E, 1] the global multipliers (divisors with ``divide_global``), group 16. Paths as ``moe.fused_moe``:
+    P <= min(pair_threshold, moe.SMALL_MAX_PAIRS): ``w4_moe_gemv_kernel`` per (pair, N tile, K split), experts'
+    words streamed once for all their pairs; more pairs: ``moe_align`` then ``w4_moe_gemm_kernel`` per block of
+    sorted pairs; then ``moe_reduce``. Tiles: ``moe_configs.pick_config`` with kind "int4" / "nvfp4". No host
+    sync. Raises ValueError for a tile the kernels cannot run."""
+    from sparrow.kernels import interpreting, pdl_kwargs, split_k
+    from sparrow.kernels.moe import SMALL_MAX_PAIRS, _next_pow2
+    from sparrow.kernels.moe_align import moe_align_triton
+    from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config, pick_config
+    from sparrow.kernels.moe_reduce import moe_reduce_triton
 
     rows, hidden = x.shape
+    num_experts, two_width = w13.shape[:2]
+    width = two_width // 2
     pairs = topk_ids.numel()
-    width = w13.shape[1] // 2
-    if pairs > min(pair_threshold, SMALL_MAX_PAIRS):
-        deq = lambda w, s, z: dequantize_experts_triton(w, s, z, group, x.dtype)  # noqa: E731
-        return fused_moe_triton(x, deq(w13, w13_scale, w13_zero), deq(w2, w2_scale, w2_zero), topk_weights,
-                                topk_ids, activation, pair_threshold=-1, swiglu_limit=swiglu_limit, reduce=reduce)
     if rows == 0:
         return torch.zeros_like(x) if reduce else x.new_zeros(0, hidden)
+    nvfp4 = g13 is not None
+    small = pairs <= min(pair_threshold, SMALL_MAX_PAIRS)
+    cfg = pick_config(rows, topk_ids.shape[1], num_experts, hidden, width, small, False,
+                      torch.cuda.get_device_name(x.device) if x.is_cuda else None, "nvfp4" if nvfp4 else "int4")
+    if x.dtype == torch.float32 and x.is_cuda and forced_config.value is None:  # fp32 dots: smaller tiles
+        fp32_tile = lambda t: Tile(32, 64, 4, 2, split_k=t.split_k, swap_ab=True)  # noqa: E731  (no spills)
+        cfg = MoeConfig(16, fp32_tile(cfg.gate_up), fp32_tile(cfg.down))
     x = x if x.stride(1) == 1 else x.contiguous()
-    ids = topk_ids.reshape(-1).contiguous()
-    act = torch.empty(pairs, width, dtype=x.dtype, device=x.device)
-    y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    act = torch.empty(pairs, width, dtype=x.dtype, device=x.device)  # [P, I]
+    y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)  # [P, H]
     interp = interpreting()
-    for a, div, w, s, z, out, n, k, gated in ((x, topk_ids.shape[1], w13, w13_scale, w13_zero, act, width, hidden, True),
-                                              (act, 1, w2, w2_scale, w2_zero, y, hidden, width, False)):
-        int4_moe_pair_kernel[(pairs, -(-n // SMALL_BLOCK_N))](
-            a, w, s, z if z is not None else s, out, ids, n, k, div, a.stride(0), w.stride(0), w.stride(1),
-            s.stride(0), s.stride(1), group, float(swiglu_limit) if swiglu_limit is not None else 0.0,
-            GATED=gated, ACT=_ACT_CODE[activation], HAS_LIMIT=swiglu_limit is not None, HAS_ZERO=z is not None,
-            W_ROUND=w_round(s.dtype, x.dtype), RNE=interp, RNE_OUT=interp and x.dtype == torch.bfloat16,
-            BLOCK_N=SMALL_BLOCK_N, BLOCK_K=SMALL_BLOCK_K)
-    return moe_reduce(y, topk_weights, x.dtype) if reduce else y
+    common = dict(limit=float(swiglu_limit) if swiglu_limit is not None else 0.0, ACT=_ACT_CODE[activation],
+                  HAS_LIMIT=swiglu_limit is not None, NVFP4=nvfp4, DIVIDE_G=divide_global,
+                  UPCAST=interp or x.dtype == torch.float32, RNE_BF16=interp and x.dtype == torch.bfloat16)
+    gemms = ((x, topk_ids.shape[1], w13, s13, z13, g13, act, width, hidden, True, cfg.gate_up),
+             (act, 1, w2, s2, z2, g2, y, hidden, width, False, cfg.down))
+    if not small:
+        sorted_ids, block_expert, total = moe_align_triton(topk_ids, num_experts, cfg.block_m)
+    for a, div, w, s, z, g, out, n, k, gated, tile in gemms:
+        sub_k = min(tile.block_k, 128 if nvfp4 else group)
+        if tile.block_k % sub_k or min(sub_k, tile.block_n, cfg.block_m) < 16:
+            raise ValueError(f"int4 / NVFP4 fused_moe: tile {tile} (block_m {cfg.block_m}) does not fit group "
+                             f"{group} (block_k a multiple of the group or dividing it, tiles >= 16)")
+        args = (a, w, s, z if z is not None else s, g if nvfp4 else s, out)
+        strides = (pairs, n, k, div, a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
+                   g.stride(0) if nvfp4 else 0, group)
+        flags = dict(GATED=gated, HAS_ZERO=z is not None, SCALE_W=not small, SWAP_AB=tile.swap_ab, BLOCK_N=tile.block_n,
+                     BLOCK_K=tile.block_k, SUB_K=sub_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
+                     **common, **pdl_kwargs(x))
+        if small:
+            from sparrow.kernels._int4_jit import w4_moe_gemv_kernel
+
+            block_r = max(16, min(_next_pow2(pairs), _next_pow2(rows)))  # an expert appears once per row at most
+            n_tiles = -(-n // tile.block_n)
+            split, ws, locks = split_k.plan(x.device, pairs * n_tiles, -(-k // tile.block_k), tile.split_k,
+                                            (2 if gated else 1) * block_r * tile.block_n, out)
+            w4_moe_gemv_kernel[(pairs, n_tiles, split)](
+                *args, topk_ids.reshape(-1), ws, locks, *strides, P_PAD=_next_pow2(pairs), BLOCK_R=block_r,
+                SPLIT_K=split, **flags)
+        else:
+            from sparrow.kernels._int4_jit import w4_moe_gemm_kernel
+
+            w4_moe_gemm_kernel[(block_expert.numel(), -(-n // tile.block_n))](
+                *args, sorted_ids, block_expert, total, *strides, BLOCK_M=cfg.block_m, **flags)
+    return moe_reduce_triton(y, topk_weights, x.dtype) if reduce else y

@@ -6,8 +6,8 @@ A ``MoeConfig`` holds BLOCK_M (sorted pairs per program of the grouped path, als
 the small-batch path ignores it) and one ``Tile`` per GEMM (gate|up, down). ``pick_config`` returns, in
 order: the config forced by ``forced_config`` (tests, tuning); the entry with the nearest row count in
 ``configs/E{E}_H{H}_I{I}_{kind}_{device}.json`` (kind = the element type of the expert weights the kernels
-stream: ``bf16`` for float weights, ``fp8`` for e4m3; a format with expert kernels of its own brings its own
-configs; device = ``torch.cuda.get_device_name()`` with spaces as underscores), written by
+stream: ``bf16`` for float weights, ``fp8`` for e4m3, ``int4`` / ``nvfp4`` for the 4-bit kernels of
+``int4_moe`` (their own files and ``default_w4_config``); device = ``torch.cuda.get_device_name()`` with spaces as underscores), written by
 ``benchmarks/moe_layer.py --tune``; else ``default_config``.
 """
 from __future__ import annotations
@@ -85,9 +85,30 @@ def default_config(rows: int, pairs: int, num_experts: int, small: bool, fp8: bo
     return MoeConfig(block_m, tile, tile)
 
 
-def config_file(num_experts: int, hidden: int, width: int, fp8: bool, device_name: str) -> pathlib.Path:
-    """The tuned-config data file of this shape, expert-weight kind (``fp8``: e4m3) and device."""
-    kind = "fp8" if fp8 else "bf16"  # the kernels' expert-weight element type (float weights of any width: bf16)
+def default_w4_config(rows: int, pairs: int, num_experts: int, small: bool) -> MoeConfig:
+    """Heuristic of the 4-bit expert kernels (``int4_moe``; not measured on the H200 yet: ``moe_layer.py --dtypes
+    int4 nvfp4 --tune`` writes their files), from the sm_90 SASS of their loops (no spills, wgmma): small path -
+    swapped 64 x 128 tiles with automatic split-K (gemma4's shape at one row: 8 experts x 11 gate|up tiles x 4
+    splits = 352 programs, 8 x 44 down tiles); grouped path - BLOCK_M from the mean pairs per expert as for
+    float weights, swapped 64-wide tiles up to 32 pairs a block, else 128 x 64 tiles on 8 warps, the scales on
+    the weight tiles."""
+    if small:
+        tile = Tile(block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=0, swap_ab=True)
+        return MoeConfig(16, tile, tile)
+    per_expert = pairs / max(num_experts, 1)
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+    if block_m >= 64:
+        tile = Tile(block_n=128, block_k=64, num_warps=8, num_stages=3)
+    else:
+        tile = Tile(block_n=64, block_k=128, num_warps=4, num_stages=3, swap_ab=True)
+    return MoeConfig(block_m, tile, tile)
+
+
+def config_file(num_experts: int, hidden: int, width: int, fp8: bool, device_name: str,
+                kind: str | None = None) -> pathlib.Path:
+    """The tuned-config data file of this shape, expert-weight kind (``fp8``: e4m3; ``kind`` names another:
+    "int4", "nvfp4") and device."""
+    kind = kind or ("fp8" if fp8 else "bf16")  # the kernels' expert-weight element type (float weights: bf16)
     return CONFIG_DIR / f"E{num_experts}_H{hidden}_I{width}_{kind}_{device_name.replace(' ', '_')}.json"
 
 
@@ -99,19 +120,23 @@ def _load(path: pathlib.Path) -> dict[int, MoeConfig]:
     return {int(rows): MoeConfig.from_json(c) for rows, c in data["configs"].items()}
 
 
-def tuned_configs(num_experts: int, hidden: int, width: int, fp8: bool, device_name: str) -> dict[int, MoeConfig]:
+def tuned_configs(num_experts: int, hidden: int, width: int, fp8: bool, device_name: str,
+                  kind: str | None = None) -> dict[int, MoeConfig]:
     """Row count -> config from the data file of this shape and device ({} when there is none)."""
-    return _load(config_file(num_experts, hidden, width, fp8, device_name))
+    return _load(config_file(num_experts, hidden, width, fp8, device_name, kind))
 
 
 def pick_config(rows: int, top_k: int, num_experts: int, hidden: int, width: int, small: bool, fp8: bool,
-                device_name: str | None) -> MoeConfig:
-    """The forced config, else the tuned entry of the nearest row count, else ``default_config``.
-    A tuned entry is used on either path (its block_m only matters on the grouped one)."""
+                device_name: str | None, kind: str | None = None) -> MoeConfig:
+    """The forced config, else the tuned entry of the nearest row count, else ``default_config`` (``kind``
+    "int4" / "nvfp4": ``default_w4_config``). A tuned entry is used on either path (its block_m only matters on
+    the grouped one)."""
     if forced_config.value is not None:
         return forced_config.value
     if device_name is not None:
-        table = tuned_configs(num_experts, hidden, width, fp8, device_name)
+        table = tuned_configs(num_experts, hidden, width, fp8, device_name, kind)
         if table:
             return table[min(table, key=lambda r: (abs(r - rows), r))]
+    if kind in ("int4", "nvfp4"):
+        return default_w4_config(rows, rows * top_k, num_experts, small)
     return default_config(rows, rows * top_k, num_experts, small, fp8)

@@ -10,8 +10,10 @@ compressed-tensors' weight_global_scale). Twins (CPU path and oracle, fp32 arith
 - ``nvfp4_linear_w4a8_ref``: x quantized per row and 16-column group to e4m3 (scale max(amax, 1e-10) / 448),
   dequantized, then the same product.
 ``nvfp4_linear`` runs the Triton kernel on CUDA tensors (or anywhere under ``backend("triton")``), else the twin.
-Tile configs are data: ``NVFP4_CONFIGS`` maps a row bound to (BLOCK_R, BLOCK_N, num_warps, num_stages); the
-first entry whose bound covers R is used. The entries are starting points, not measured on the H200 yet.
+W4A16 runs ``_int4_jit.w4_matmul_kernel`` (the int4 linears' kernel: one int32 word load per 8 codes, split-K
+GEMV at <= 16 rows; its tiles: ``int4.INT4_CONFIGS``), W4A8 ``_nvfp4_jit.nvfp4_linear_kernel``, whose tile
+configs are data: ``NVFP4_CONFIGS`` maps a row bound to (BLOCK_R, BLOCK_N, num_warps, num_stages); the first
+entry whose bound covers R is used (starting points, not measured on the H200 yet).
 """
 from __future__ import annotations
 
@@ -75,6 +77,10 @@ def nvfp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tenso
         raise ValueError(f"nvfp4_linear_triton: K = {k} is not a multiple of 32")
     x = x if x.stride(1) == 1 else x.contiguous()
     codes, scale = codes.contiguous(), scale.contiguous()
+    if not w4a8:  # the 4-bit kernel of the int4 linears, codes read as int32 words [N, K/8]
+        from sparrow.kernels.int4 import w4_linear_launch
+
+        return w4_linear_launch(x, codes.view(torch.int32), scale, None, g.contiguous(), GROUP)
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return y

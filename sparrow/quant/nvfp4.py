@@ -22,10 +22,11 @@ On-load quantization (``quantization="nvfp4"`` on a float checkpoint / named sha
 shard is quantized by ModelOpt's formula (global = amax / (6 * 448), ``quantize_nvfp4_ref``) into the
 "modelopt" parameters, so an offline ModelOpt export of the same shards loads to the same bytes.
 
-apply(x [R, K]) -> [R, N] in x's dtype: on CUDA the Triton kernel of ``sparrow.kernels.nvfp4_linear`` at every
-row count (K a multiple of 32), W4A16 by default, W4A8 with SPARROW_NVFP4_W4A8=1; elsewhere (CPU) the weight
-dequantized to x's dtype (fp32 products, as the format's library dequantizes) and ``F.linear``. The routed
-experts: ``sparrow.quant.nvfp4_moe`` (torch path only so far).
+apply(x [R, K]) -> [R, N] in x's dtype: on CUDA the Triton kernels of ``sparrow.kernels.nvfp4_linear`` at every
+row count (K a multiple of 32), W4A16 by default (the int4 linears' 4-bit kernel), W4A8 with
+SPARROW_NVFP4_W4A8=1; elsewhere (CPU) the weight dequantized to x's dtype (fp32 products, as the format's library
+dequantizes) and ``F.linear``. The routed experts: ``sparrow.quant.nvfp4_moe`` (W4A16 Triton kernels on CUDA,
+``sparrow.kernels.nvfp4_moe``).
 """
 from __future__ import annotations
 

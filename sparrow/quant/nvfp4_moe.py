@@ -10,8 +10,8 @@ and the unused activation scales ``w13_input_scale`` / ``w2_input_scale`` (optio
 On-load mode (``quantization="nvfp4"``): the experts load in the model dtype, then
 ``process_weights_after_loading`` quantizes each expert's gate, up and down projection by ModelOpt's formula
 (one global scale each, as an offline per-expert export has) into those parameters ("modelopt" convention).
-apply: every expert dequantized to x's dtype (fp32 products) and the float torch paths of
-``sparrow.kernels.moe_ref`` (grouped above ``pair_threshold`` pairs, else per pair).
+apply: ``sparrow.kernels.nvfp4_moe`` (W4A16 Triton kernels on CUDA; on CPU its twin: the selected experts
+dequantized to x's dtype, fp32 products, and the float paths of ``sparrow.kernels.moe_ref``).
 """
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ import torch
 from torch import nn
 
 from sparrow.errors import ModelLoadError
-from sparrow.kernels.moe_ref import fused_moe_grouped_ref, fused_moe_per_pair_ref
-from sparrow.kernels.nvfp4 import GROUP, SCALE_DTYPE, dequantize_nvfp4_ref, quantize_nvfp4_ref
+from sparrow.kernels.nvfp4 import GROUP, SCALE_DTYPE, quantize_nvfp4_ref
 from sparrow.quant.base import FusedMoEMethodBase
 from sparrow.quant.unquantized import UnquantizedFusedMoEMethod, stacked_expert_param
 
@@ -94,10 +93,10 @@ class Nvfp4MoEMethod(FusedMoEMethodBase):
 
     def dequantized(self, layer: nn.Module, stacked: str) -> torch.Tensor:
         """The stacked weight ``stacked`` ("gate_up_proj" / "down_proj") as fp32 [E, rows, cols]."""
+        from sparrow.kernels.nvfp4_moe import dequantize_nvfp4_experts
+
         codes, scale, glob, _ = (getattr(layer, p) for p in _PARAMS[stacked])
-        rows = codes.shape[1]
-        per_row = glob.reshape(glob.shape[0], -1).repeat_interleave(rows // glob.shape[1], dim=1)  # [E, rows]
-        return dequantize_nvfp4_ref(codes, scale, per_row, self.divide_global)
+        return dequantize_nvfp4_experts(codes, scale, glob, self.divide_global)
 
     @torch.no_grad()
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -127,7 +126,11 @@ class Nvfp4MoEMethod(FusedMoEMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               reduce: bool = True) -> torch.Tensor:
-        w13 = self.dequantized(layer, "gate_up_proj").to(x.dtype)
-        w2 = self.dequantized(layer, "down_proj").to(x.dtype)
-        path = fused_moe_grouped_ref if topk_ids.numel() > layer.pair_threshold else fused_moe_per_pair_ref
-        return path(x, w13, w2, topk_weights, topk_ids, layer.activation, layer.swiglu_limit, reduce=reduce)
+        """``sparrow.kernels.nvfp4_moe.nvfp4_fused_moe``: the W4A16 Triton kernels where Triton runs, else the twin
+        (the selected experts dequantized, the float paths of ``moe_ref``)."""
+        from sparrow.kernels.nvfp4_moe import nvfp4_fused_moe
+
+        return nvfp4_fused_moe(x, layer.gate_up_proj, layer.w13_weight_scale, layer.w13_global, layer.down_proj,
+                               layer.w2_weight_scale, layer.w2_global, topk_weights, topk_ids, layer.activation,
+                               divide_global=self.divide_global, pair_threshold=layer.pair_threshold,
+                               swiglu_limit=layer.swiglu_limit, reduce=reduce)

@@ -1,11 +1,13 @@
 """int4 W4A16 Triton kernels (``sparrow.kernels.int4`` / ``int4_moe``) against their torch twins (the
 dequantize-then-matmul references). CPU: TRITON_INTERPRET=1 at tiny shapes (tests/conftest.py; the same tests run the kernels on a GPU); GPU-marked tests at model shapes.
 
-Budgets: fp32 activations and scales: both sides multiply the same dequantized fp32 weights and sum in fp32, so
-they differ only in summation order (atol 1e-4 on outputs of magnitude ~1). bf16: the same bf16-rounded
-weights, fp32 accumulation, one rounding of the output to bf16 (NMSE <= 1e-5; a bf16 rounding alone is
-~1e-6). MoE in bf16: the twin rounds gate|up to bf16 before the activation and the kernel applies it to the
-fp32 sums, so the intermediate [P, I] carries one more bf16 rounding on one side (NMSE <= 1e-4)."""
+Budgets: fp32 activations and scales: the twin multiplies x by the dequantized fp32 weights, the kernel sums
+x * (u - zero) and scales the sums per group (GEMV tiles) or scales the weight tile (GEMM tiles), all in fp32,
+so they differ only in rounding order (atol 1e-4 on outputs of magnitude ~1). bf16: the twin rounds each weight
+to bf16 (2^-9 relative), the GEMV tiles keep it exact (the GEMM tiles round it as the twin does), fp32
+accumulation, one rounding of the output to bf16 (NMSE <= 1e-5; one bf16 rounding alone is ~1e-6). MoE in bf16:
+the twin rounds gate|up to bf16 before the activation and the kernel applies it to the fp32 sums, so the
+intermediate [P, I] carries one more bf16 rounding on one side (NMSE <= 1e-4)."""
 from __future__ import annotations
 
 import functools
@@ -14,7 +16,8 @@ import pytest
 import torch
 
 from sparrow.kernels import backend
-from sparrow.kernels.int4 import int4_linear, int4_linear_ref, quantize_int4_ref
+from sparrow.kernels.int4 import Int4Config, forced_config, int4_linear, int4_linear_ref, quantize_int4_ref
+from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config as moe_forced_config
 from sparrow.kernels.int4_moe import int4_fused_moe, int4_fused_moe_ref
 
 FP32_ATOL = 1e-4
@@ -53,6 +56,42 @@ def test_int4_linear_interpreter(rows, symmetric, group, scale_dtype, dtype):
     with backend("triton"):
         got = int4_linear(x, packed, scale, zero, group)
     _check(got, int4_linear_ref(x, packed, scale, zero, group), dtype)
+
+
+@pytest.mark.parametrize("rows", (1, 3, 17))
+def test_int4_gemv_split_k_interpreter(rows):
+    """Forced tiles, asymmetric fp32 (equal to the twin up to summation order): K split over 3 programs (reduced
+    in the kernel) with BLOCK_K below the group (SUB_K = BLOCK_K, several steps per group); plain dots with
+    automatic split-K; a GEMM tile (scales on the weight tile, several M tiles at 17 rows)."""
+    n, k, group = 40, 192, 64
+    packed, scale, zero = _weights(n, k, group, False, torch.float32, DEVICE)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
+    for cfg in (Int4Config(block_m=16, block_n=16, block_k=32, split_k=3, swap_ab=True),
+                Int4Config(block_m=16, block_n=32, block_k=128, split_k=0),
+                Int4Config(block_m=16, block_n=16, block_k=64, scale_w=True)):
+        with backend("triton"), forced_config(cfg):
+            got = int4_linear(x, packed, scale, zero, group)
+        _check(got, int4_linear_ref(x, packed, scale, zero, group), torch.float32)
+
+
+def test_int4_moe_small_split_k_interpreter():
+    """The small MoE path with K split over 2 programs per (pair, N tile), 3 rows, bf16."""
+    x, w13, w2, wts, ids = _moe_case(3, 4, 64, 32, 2, 32, True, torch.bfloat16, torch.bfloat16, DEVICE)
+    want = int4_fused_moe_ref(x, *w13, *w2, 32, wts, ids, "gelu_pytorch_tanh")
+    for tile in (Tile(block_n=16, block_k=32, split_k=2), Tile(block_n=16, block_k=32, split_k=2, swap_ab=True)):
+        with backend("triton"), moe_forced_config(MoeConfig(16, tile, tile)):
+            got = int4_fused_moe(x, *w13, *w2, 32, wts, ids, "gelu_pytorch_tanh")
+        _check(got, want, torch.bfloat16, MOE_BF16_NMSE)
+
+
+def test_int4_moe_grouped_plain_tiles_interpreter():
+    """The grouped path with plain (unswapped) dots, the default's choice from 64 pairs an expert, 17 rows."""
+    x, w13, w2, wts, ids = _moe_case(17, 4, 64, 32, 2, 32, False, torch.float32, torch.float32, DEVICE)
+    want = int4_fused_moe_ref(x, *w13, *w2, 32, wts, ids, "silu", pair_threshold=0)
+    tile = Tile(block_n=32, block_k=32)
+    with backend("triton"), moe_forced_config(MoeConfig(16, tile, tile)):
+        got = int4_fused_moe(x, *w13, *w2, 32, wts, ids, "silu", pair_threshold=0)
+    _check(got, want, torch.float32)
 
 
 @functools.lru_cache(maxsize=2)

@@ -434,8 +434,8 @@ def test_tune_writes_after_each_row_count_and_keeps_other_entries(tmp_path):
     def cfg(n):
         return MoeConfig(16, Tile(n, 128), Tile(n, 256)).to_json()
 
-    moe_layer.write_table({"64": cfg(32)}, True, tmp_path, "Some GPU", "x")
-    path = moe_layer.write_table({"1": cfg(16)}, True, tmp_path, "Some GPU", "x")
+    moe_layer.write_table({"64": cfg(32)}, "fp8", tmp_path, "Some GPU", "x")
+    path = moe_layer.write_table({"1": cfg(16)}, "fp8", tmp_path, "Some GPU", "x")
     data = json.loads(path.read_text())
     assert list(data["configs"]) == ["1", "64"] and data["meta"]["tuned_rows"] == [1, 64]
     assert MoeConfig.from_json(data["configs"]["1"]).gate_up.block_n == 16
@@ -455,9 +455,12 @@ def test_moe_layer_bench_shapes(tmp_path, monkeypatch):
         monkeypatch.setattr(moe_layer, name, getattr(moe_layer, name))
     moe_layer.set_shape("qwen3-30b-a3b")
     assert (moe_layer.H, moe_layer.E, moe_layer.K, moe_layer.I) == (2048, 128, 8, 768)
-    path = moe_layer.write_table({"1": MoeConfig(16, Tile(32, 128), Tile(32, 128)).to_json()}, True, tmp_path,
+    path = moe_layer.write_table({"1": MoeConfig(16, Tile(32, 128), Tile(32, 128)).to_json()}, "fp8", tmp_path,
                                  "Some GPU", "x")
     assert path.name == "E128_H2048_I768_fp8_Some_GPU.json"
+    path = moe_layer.write_table({"1": MoeConfig(16, Tile(32, 128), Tile(32, 128)).to_json()}, "int4", tmp_path,
+                                 "Some GPU", "x")
+    assert path.name == "E128_H2048_I768_int4_Some_GPU.json"
     moe_layer.set_shape("gemma4-26b-a4b")
     assert (moe_layer.H, moe_layer.E, moe_layer.K, moe_layer.I) == (2816, 128, 8, 704)
     with pytest.raises(SystemExit, match="llama3-8b.*not an MoE model shape"):
