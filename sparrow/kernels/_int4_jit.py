@@ -103,7 +103,7 @@ def int4_moe_pair_kernel(a_ptr, w_ptr, s_ptr, z_ptr, c_ptr, ids_ptr, N, K, a_row
             acc_u += tl.sum(w * a[None, :], axis=1)
     pair = p + tl.arange(0, 1)
     _epilogue(acc_g[None, :], acc_u[None, :], c_ptr, pair, pair >= 0, rn, n_mask, N, limit, GATED, ACT,
-              HAS_LIMIT, RNE_OUT)
+              HAS_LIMIT, RNE_OUT, c_ptr, False)
 
 
 @triton.jit

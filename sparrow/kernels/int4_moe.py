@@ -36,23 +36,26 @@ def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor 
 
 
 def int4_fused_moe_ref(x, w13, w13_scale, w13_zero, w2, w2_scale, w2_zero, group, topk_weights, topk_ids,
-                       activation="silu", *, pair_threshold=64, swiglu_limit=None, reduce=True):
+                       activation="silu", *, pair_threshold=64, swiglu_limit=None, reduce=True, lora=None):
     """The torch twin of ``int4_fused_moe`` (module doc)."""
     used = torch.unique(topk_ids.reshape(-1))
     gate_up = dequantize_experts(w13, w13_scale, w13_zero, group, x.dtype, used)
     down = dequantize_experts(w2, w2_scale, w2_zero, group, x.dtype, used)
     path = fused_moe_grouped_ref if topk_ids.numel() > pair_threshold else fused_moe_per_pair_ref
-    return path(x, gate_up, down, topk_weights, topk_ids, activation, swiglu_limit, reduce=reduce)
+    return path(x, gate_up, down, topk_weights, topk_ids, activation, swiglu_limit, reduce=reduce, lora=lora)
 
 
 def int4_fused_moe(x, w13, w13_scale, w13_zero, w2, w2_scale, w2_zero, group, topk_weights, topk_ids,
-                   activation="silu", *, pair_threshold=64, swiglu_limit=None, reduce=True):
-    """Routed int4 experts; see the module doc. Triton (``int4_fused_moe_triton``) where ``use_triton(x)``."""
+                   activation="silu", *, pair_threshold=64, swiglu_limit=None, reduce=True, lora=None):
+    """Routed int4 experts; see the module doc. Triton (``int4_fused_moe_triton``) where ``use_triton(x)``.
+    ``lora``: per-pair adapter deltas (``sparrow.kernels.moe.fused_moe``'s); on Triton they take the
+    dequantize + grouped GEMM path at every size."""
     from sparrow.kernels import use_triton
 
     fn = int4_fused_moe_triton if use_triton(x) else int4_fused_moe_ref
     return fn(x, w13, w13_scale, w13_zero, w2, w2_scale, w2_zero, group, topk_weights, topk_ids,
-                              activation, pair_threshold=pair_threshold, swiglu_limit=swiglu_limit, reduce=reduce)
+                              activation, pair_threshold=pair_threshold, swiglu_limit=swiglu_limit, reduce=reduce,
+              lora=lora)
 
 
 SMALL_BLOCK_N = 32
@@ -80,7 +83,7 @@ def dequantize_experts_triton(w, scale, zero, group, dtype):
 
 
 def int4_fused_moe_triton(x, w13, w13_scale, w13_zero, w2, w2_scale, w2_zero, group, topk_weights, topk_ids,
-                          activation="silu", *, pair_threshold=64, swiglu_limit=None, reduce=True):
+                          activation="silu", *, pair_threshold=64, swiglu_limit=None, reduce=True, lora=None):
     """Triton launcher of ``int4_fused_moe``: P <= pair_threshold (and <= moe.SMALL_MAX_PAIRS): the per-pair W4A16
     kernel (gate|up + activation, then down; each pair reads its expert's int4 rows once) and ``moe_reduce``;
     more pairs: the experts dequantized to x's dtype by a Triton kernel, then the float grouped GEMM
@@ -94,10 +97,11 @@ def int4_fused_moe_triton(x, w13, w13_scale, w13_zero, w2, w2_scale, w2_zero, gr
     rows, hidden = x.shape
     pairs = topk_ids.numel()
     width = w13.shape[1] // 2
-    if pairs > min(pair_threshold, SMALL_MAX_PAIRS):
+    if pairs > min(pair_threshold, SMALL_MAX_PAIRS) or lora is not None:
         deq = lambda w, s, z: dequantize_experts_triton(w, s, z, group, x.dtype)  # noqa: E731
         return fused_moe_triton(x, deq(w13, w13_scale, w13_zero), deq(w2, w2_scale, w2_zero), topk_weights,
-                                topk_ids, activation, pair_threshold=-1, swiglu_limit=swiglu_limit, reduce=reduce)
+                                topk_ids, activation, pair_threshold=-1, swiglu_limit=swiglu_limit, reduce=reduce,
+                                lora=lora)
     if rows == 0:
         return torch.zeros_like(x) if reduce else x.new_zeros(0, hidden)
     x = x if x.stride(1) == 1 else x.contiguous()

@@ -126,8 +126,9 @@ class Nvfp4MoEMethod(FusedMoEMethodBase):
                 setattr(layer, pname, nn.Parameter(t, requires_grad=False))  # the float tensor is freed here
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              reduce: bool = True) -> torch.Tensor:
+              reduce: bool = True, lora=None) -> torch.Tensor:
         w13 = self.dequantized(layer, "gate_up_proj").to(x.dtype)
         w2 = self.dequantized(layer, "down_proj").to(x.dtype)
         path = fused_moe_grouped_ref if topk_ids.numel() > layer.pair_threshold else fused_moe_per_pair_ref
-        return path(x, w13, w2, topk_weights, topk_ids, layer.activation, layer.swiglu_limit, reduce=reduce)
+        return path(x, w13, w2, topk_weights, topk_ids, layer.activation, layer.swiglu_limit, reduce=reduce,
+                    lora=lora)
