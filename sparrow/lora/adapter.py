@@ -119,11 +119,12 @@ def load_adapter(request: LoRARequest, model: torch.nn.Module, max_lora_rank: in
     except Exception as e:  # a truncated or foreign file
         raise LoRAAdapterError(f"LoRA adapter {name!r}: cannot read {path}: {e}") from None
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    stray = []  # tensors other than lora_A / lora_B weights: refused after the targets (a bad target names itself)
     for key, t in tensors.items():
         m = _KEY.match(key)
         if m is None:
-            raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {key!r} is not supported (only lora_A / lora_B "
-                                   "weights: no DoRA magnitudes, biases, embeddings or saved modules)")
+            stray.append(key)
+            continue
         pairs.setdefault(m.group(1), {})[m.group(2)] = t.float()
     adapter = Adapter(request)
     linear_parts: dict[str, list] = {}
@@ -212,6 +213,9 @@ def load_adapter(request: LoRARequest, model: torch.nn.Module, max_lora_rank: in
             a3[ex, : a.shape[0]], b3[ex, :, : b.shape[1]] = a, b
         adapter.targets[mpath, stacked] = (a3, b3)
         adapter.rank = max(adapter.rank, max(p[1].shape[0] for ps in experts.values() for p in ps))
+    if stray:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {stray[0]!r} is not supported (only lora_A / lora_B "
+                               "weights: no DoRA magnitudes, biases, embeddings or saved modules)")
     if not adapter.targets:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {path} holds no LoRA weights")
     return adapter

@@ -13,9 +13,10 @@ EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 ROUTER_PARAMS = ["mlp.gate.weight"]
 
 
-def base_model(family: str, path: Path):
-    """Build and save a tiny random model of ``family`` (a DENSE or MoE family of tests/models/_hf_tiny)."""
-    return build(DENSE if family in DENSE else FAMILIES, family, path)
+def base_model(family: str, path: Path) -> Path:
+    """Build and save a tiny random model of ``family`` (a DENSE or MoE family of tests/models/_hf_tiny) at ``path``."""
+    build(DENSE if family in DENSE else FAMILIES, family, path)
+    return path
 
 
 def hf_base(family: str, path: Path):
