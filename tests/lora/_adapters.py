@@ -11,6 +11,7 @@ from tests.models._hf_tiny import DENSE, FAMILIES, build, hf_greedy
 DENSE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 ROUTER_PARAMS = ["mlp.gate.weight"]
+GEMMA4_EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 
 
 def base_model(family: str, path: Path) -> Path:
