@@ -6,8 +6,8 @@ static buffers sized for the largest bucket and q; sequences n..bucket-1 are pad
 to a reserved pad block (never handed out by the block manager) and attend over q tokens of it, so no step
 needs a host sync. The graph covers the model forward and the LM head for every row; sampling runs eagerly on
 the logits. A step's inputs reach the graph in two host-to-device copies from pinned staging buffers
-(``DecodeInputs``): the int64 ones (input ids, positions, slot mapping; with LoRA the adapter slots) and the int32 ones (seq_lens, the block
-tables' used columns), padding rows included, then one device copy spreads the tables; then the replay.
+(``DecodeInputs``): the int64 ones (input ids, positions, slot mapping; with LoRA the adapter slots) and the
+int32 ones (seq_lens, the block tables' used columns), padding rows included, then one device copy spreads the tables; then the replay.
 Shapes: Bmax = largest bucket, Q = largest q, M = blocks per sequence at max_model_len, V = vocab.
 """
 from __future__ import annotations

@@ -123,9 +123,11 @@ def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activat
             a_fp8 = fp8 and tile.a_fp8
             a, a_s = quantize_fp8_per_group_triton(a) if a_fp8 else (a, a)  # e4m3 a + [rows, G] scales
             moe_gemm_kernel[(block_expert.numel(), -(-n // tile.block_n))](
-                a, a_s, w, s if fp8 else w, out, delta if delta is not None else out, sorted_ids, block_expert, total, pairs, n, k, div, a.stride(0),
+                a, a_s, w, s if fp8 else w, out, delta if delta is not None else out, sorted_ids, block_expert,
+                total, pairs, n, k, div, a.stride(0),
                 a_s.stride(0) if a_fp8 else 0, w.stride(0), w.stride(1), s.stride(0) if fp8 else 0,
-                s.stride(1) if fp8 else 0, GATED=gated, HAS_DELTA=delta is not None, BLOCK_M=cfg.block_m, BLOCK_N=tile.block_n,
+                s.stride(1) if fp8 else 0, GATED=gated, HAS_DELTA=delta is not None, BLOCK_M=cfg.block_m,
+                BLOCK_N=tile.block_n,
                 BLOCK_K=tile.block_k, SUB_K=min(tile.block_k, GROUP) if fp8 else tile.block_k,
                 SWAP_AB=tile.swap_ab, A_FP8=a_fp8,
                 num_warps=tile.num_warps, num_stages=tile.num_stages, **common, **pdl_kwargs(x),

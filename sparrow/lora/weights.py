@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from sparrow.kernels.lora import lora_expand, lora_shrink
+from sparrow.kernels.lora import lora_delta, lora_index
 
 
 class LoRABuffers:
@@ -47,10 +47,10 @@ class LoRABuffers:
             b[:, :, :r].copy_(fb)
         self.ranks[slot] = r
 
-    def add(self, x: torch.Tensor, out: torch.Tensor, idx: torch.Tensor, row_div: int = 1) -> torch.Tensor:
-        """out[p] += B[idx[p]] @ (A[idx[p]] @ x[p // row_div]) in place (fp32 math, one rounding); returns out."""
-        t = lora_shrink(x, self.a, idx, self.ranks, row_div, self.experts)
-        return lora_expand(t, self.b, idx, self.ranks, out, self.experts)
+    def add(self, x: torch.Tensor, out: torch.Tensor, slots: torch.Tensor, **kw) -> torch.Tensor:
+        """out[p] (+)= B[w(p)] @ (A[w(p)] @ x[..]) in place (``sparrow.kernels.lora.lora_delta``, whose keywords
+        ``kw`` are); returns out."""
+        return lora_delta(x, self.a, self.b, slots, self.ranks, out, **kw)
 
 
 def add_linear_delta(lora: LoRABuffers, x: torch.Tensor, y: torch.Tensor, adapter_ids: torch.Tensor) -> torch.Tensor:
@@ -64,26 +64,31 @@ def add_linear_delta(lora: LoRABuffers, x: torch.Tensor, y: torch.Tensor, adapte
 class ExpertDelta:
     """One step's expert deltas of a FusedMoE (``FusedMoE.lora`` bound to the step's rows): what the experts'
     paths add per (row, expert) pair before the weighted reduce, so the routing weight multiplies base + delta.
+    Pair p (row p // Kt, expert topk_ids[p]) uses weight set adapter_ids[p // Kt] x E + topk_ids[p].
 
-    gate_up(x [R, H]) -> [P, 2I] fp32 in pair order (gate columns first), added to gate_up_proj's output before
-    the activation; down(a [P', I], y [P', H], order=None) adds the down_proj delta of the activations into y in
-    place, rows in pair order or, with ``order`` [P'] (the grouped path's sorted pairs), row j = pair order[j]."""
+    gate_up(x [R, H]) -> [P, 2I] fp32 in pair order (gate columns first; zeros for rows without an adapter), added
+    to gate_up_proj's output before the activation; down(a [P, I], y [P, H], order=None) adds the down_proj delta
+    of the activations into y in place, rows in pair order or, with ``order`` [P] (the torch grouped path's
+    sorted pairs), row j = pair order[j]."""
 
     def __init__(self, gate_up: LoRABuffers, down: LoRABuffers, adapter_ids: torch.Tensor, topk_ids: torch.Tensor):
-        experts = gate_up.experts
-        top_k = topk_ids.shape[1]
-        slots = adapter_ids.to(torch.int64)[:, None]
-        self.top_k = top_k
-        self.idx = torch.where(slots >= 0, slots * experts + topk_ids.to(torch.int64), -1).reshape(-1)  # [P]
+        self.top_k, self.experts = topk_ids.shape[1], gate_up.experts
+        self.slots, self.expert_ids = adapter_ids, topk_ids.reshape(-1)
         self.gate_up_buffers, self.down_buffers = gate_up, down
 
+    def _pairs(self, x_div: int) -> dict:
+        return dict(expert_ids=self.expert_ids, num_experts=self.experts, slot_div=self.top_k, x_div=x_div)
+
     def gate_up(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(self.idx.shape[0], self.gate_up_buffers.b.shape[1], dtype=torch.float32, device=x.device)
-        return self.gate_up_buffers.add(x, out, self.idx, row_div=self.top_k)
+        out = torch.empty(self.expert_ids.numel(), self.gate_up_buffers.b.shape[1], dtype=torch.float32,
+                          device=x.device)
+        return self.gate_up_buffers.add(x, out, self.slots, accumulate=False, **self._pairs(self.top_k))
 
     def down(self, a: torch.Tensor, y: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
-        idx = self.idx if order is None else self.idx[order]
-        return self.down_buffers.add(a, y, idx)
+        if order is None:
+            return self.down_buffers.add(a, y, self.slots, **self._pairs(1))
+        idx = lora_index(self.slots, self.expert_ids, self.experts, self.top_k)[order]
+        return self.down_buffers.add(a, y, idx, rank_div=self.experts)
 
 
 class ExpertLoRA:

@@ -1,4 +1,5 @@
-"""LoRA shrink / expand kernels (sparrow/kernels/lora.py) against their torch twins, and the routed experts' LoRA
+"""LoRA shrink / expand kernels and the one-launch delta (sparrow/kernels/lora.py) against their torch twins (and
+the twins against the per-row definition), and the routed experts' LoRA
 deltas in both MoE paths (Triton grouped GEMM / per-expert GEMV epilogue vs the torch twins, and the twins vs
 experts with the merged weights W_e + B_e A_e of each row's adapter). Triton runs under the interpreter on CPU.
 Tolerances: fp32 1e-4, bf16 1e-2 (absolute and relative; bf16 experts 3e-2 against the fp32 merged-weight
@@ -9,7 +10,9 @@ import pytest
 import torch
 
 from sparrow.kernels import backend
-from sparrow.kernels.lora import lora_expand_ref, lora_expand_triton, lora_shrink_ref, lora_shrink_triton
+from sparrow.kernels import lora as lora_kernels
+from sparrow.kernels.lora import lora_delta_ref, lora_delta_triton, lora_expand_ref, lora_expand_triton, \
+    lora_shrink_ref, lora_shrink_triton
 from sparrow.kernels.moe import fused_moe_triton
 from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config
 from sparrow.kernels.moe_ref import fused_moe_grouped_ref, fused_moe_per_pair_ref, gate_up_act
@@ -42,39 +45,65 @@ def test_shrink_expand_match_twins(rows, dtype):
     k, n, width = 72, 100, 24
     buf = _buffers(1, width, k, n, dtype, ranks=[8, 24, 3], seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEVICE)
-    idx = _slots(rows, rows)
+    slots = _slots(rows, rows)
     y0 = torch.randn(rows, n, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEVICE)
-    t_ref = lora_shrink_ref(x, buf.a, idx, buf.ranks)
-    want = lora_expand_ref(t_ref, buf.b, idx, buf.ranks, y0.clone())
-    t = lora_shrink_triton(x, buf.a, idx, buf.ranks)
-    got = lora_expand_triton(t, buf.b, idx, buf.ranks, y0.clone())
-    mine = idx >= 0
+    t_ref = lora_shrink_ref(x, buf.a, slots, buf.ranks)
+    want = lora_expand_ref(t_ref, buf.b, slots, buf.ranks, y0.clone())
+    t = lora_shrink_triton(x, buf.a, slots, buf.ranks)
+    got = lora_expand_triton(t, buf.b, slots, buf.ranks, y0.clone())
+    mine = slots >= 0
     torch.testing.assert_close(t[mine], t_ref[mine], **TOL[torch.float32])
     torch.testing.assert_close(got, want, **TOL[dtype])
     assert torch.equal(got[~mine], y0[~mine])  # rows without an adapter are untouched
     # and the twin is the plain per-row product with each slot's factors
     for r in range(rows):
-        s = int(idx[r])
+        s = int(slots[r])
         if s >= 0:
             delta = buf.b[s].float() @ (buf.a[s].float() @ x[r].float())
             torch.testing.assert_close(want[r].float(), (y0[r].float() + delta), **TOL[dtype])
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("rows,accumulate", [(1, True), (5, False), (17, True)])
+def test_delta_fused_and_two_launches(fused, rows, accumulate, monkeypatch):
+    """lora_delta: the one-launch kernel (few rows) and shrink + expand give the twin's result."""
+    monkeypatch.setattr(lora_kernels, "FUSED_MAX_BYTES", 1 << 40 if fused else 0)
+    k, n = 40, 300  # two fused N tiles, the second ragged
+    buf = _buffers(1, 16, k, n, torch.float32, ranks=[16, 7, 0], seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    slots = _slots(rows, rows + 1)
+    y0 = torch.randn(rows, n, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    want = lora_delta_ref(x, buf.a, buf.b, slots, buf.ranks, y0.clone(), accumulate=accumulate)
+    got = lora_delta_triton(x, buf.a, buf.b, slots, buf.ranks, y0.clone(), accumulate=accumulate)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    if not accumulate:
+        assert torch.all(got[slots < 0] == 0)
+
+
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("rows,top_k", [(1, 2), (5, 3), (16, 1)])
-def test_pair_indexing(rows, top_k):
-    """Pairs index the weight set slot x E + expert and read row p // top_k; ranks are per slot."""
+def test_pair_indexing(rows, top_k, fused, monkeypatch):
+    """Pairs use the weight set slot x E + expert of their row's slot, read x row p // top_k (gate_up) or their
+    own row (down); ranks are per slot."""
+    monkeypatch.setattr(lora_kernels, "FUSED_MAX_BYTES", 1 << 40 if fused else 0)
     experts, k, n = 4, 40, 56
     buf = _buffers(experts, 16, k, n, torch.float32, ranks=[16, 5, 9], seed=rows)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     slots = _slots(rows, 3)
     ids = torch.randint(0, experts, (rows, top_k), generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    idx = torch.where(slots[:, None] >= 0, slots[:, None] * experts + ids, -1).reshape(-1)
-    out0 = torch.zeros(rows * top_k, n, device=DEVICE)
-    want = lora_expand_ref(lora_shrink_ref(x, buf.a, idx, buf.ranks, top_k, experts), buf.b, idx, buf.ranks,
-                           out0.clone(), experts)
-    t = lora_shrink_triton(x, buf.a, idx, buf.ranks, top_k, experts)
-    got = lora_expand_triton(t, buf.b, idx, buf.ranks, out0.clone(), experts)
-    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    for x_rows, x_div in ((rows, top_k), (rows * top_k, 1)):
+        x = torch.randn(x_rows, k, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        kw = dict(expert_ids=ids, num_experts=experts, slot_div=top_k, x_div=x_div)
+        out0 = torch.zeros(rows * top_k, n, device=DEVICE)
+        want = lora_delta_ref(x, buf.a, buf.b, slots, buf.ranks, out0.clone(), **kw)
+        got = lora_delta_triton(x, buf.a, buf.b, slots, buf.ranks, out0.clone(), **kw)
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
+        for p in range(rows * top_k):  # the twin against the definition
+            s, e = int(slots[p // top_k]), int(ids.reshape(-1)[p])
+            if s >= 0:
+                w = s * experts + e
+                torch.testing.assert_close(want[p], buf.b[w] @ (buf.a[w] @ x[p // x_div]), **TOL[torch.float32])
+            else:
+                assert torch.all(want[p] == 0)
 
 
 def _moe_case(rows, experts, top_k, dtype, h=48, i=40):
