@@ -144,7 +144,7 @@ def main(argv=None) -> list[dict]:
     max_len = args.prompt_len + args.decode_tokens
     gen = torch.Generator().manual_seed(args.seed)
     vocab = int(full["vocab_size"])
-    rows = []
+    rows, loaded = [], {}
     for b in batches:
         prompts = torch.randint(4, vocab, (b, args.prompt_len), generator=gen).tolist()
         adapters = requests[:1] if b == 1 else requests
@@ -154,6 +154,9 @@ def main(argv=None) -> list[dict]:
                               ("lora_tok_s", dict(enable_lora=True, max_loras=args.num_loras,
                                                   max_lora_rank=args.lora_rank), loras)):
             engine = _engine(model, args.device, dtype, b, max_len, lora)
+            if engine.runner.lora is not None:  # the adapters read by an earlier engine on the same model
+                engine.runner.lora.adapters.update(loaded)
+                loaded = engine.runner.lora.adapters
             decode_tok_s(engine, prompts, min(8, args.decode_tokens), lr)  # warm-up: slots filled, kernels built
             row[key] = decode_tok_s(engine, prompts, args.decode_tokens, lr)
             del engine

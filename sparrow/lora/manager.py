@@ -55,7 +55,8 @@ class LoRAManager:
 
     def load(self, request: LoRARequest) -> Adapter:
         """The adapter of ``request``, read and checked once per lora_int_id (LoRAAdapterError when it cannot be
-        used). An id seen before with another path is an error too."""
+        used; a folder already loaded under another id shares its host copy). An id seen before with another path
+        is an error too. Host copies (fp32) stay for every adapter seen."""
         from sparrow.errors import LoRAAdapterError
 
         known = self.adapters.get(request.lora_int_id)
@@ -64,6 +65,11 @@ class LoRAManager:
                 raise LoRAAdapterError(f"lora_int_id {request.lora_int_id} is already the adapter at "
                                        f"{known.request.lora_path!r}, not {request.lora_path!r}")
             return known
+        same = next((a for a in self.adapters.values() if a.request.lora_path == request.lora_path), None)
+        if same is not None:  # the folder is loaded under another id: share its factors
+            adapter = Adapter(request, same.targets, same.rank)
+            self.adapters[request.lora_int_id] = adapter
+            return adapter
         adapter = load_adapter(request, self.model, self.max_lora_rank)
         for key, (a, b) in adapter.targets.items():
             buf = self.buffers.get(key)
