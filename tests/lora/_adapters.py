@@ -27,8 +27,9 @@ def hf_base(family: str, path: Path):
     return getattr(transformers, table[family][1]).from_pretrained(str(path), dtype=torch.float32).eval()
 
 
-def make_adapter(family: str, base: Path, out: Path, seed: int, **lora_kw) -> Path:
-    """A PEFT LoRA adapter for the model at ``base`` with random A and B (seeded), saved to ``out``."""
+def make_adapter(family: str, base: Path, out: Path, seed: int, scale: float = 0.3, **lora_kw) -> Path:
+    """A PEFT LoRA adapter for the model at ``base`` with random A and B (seeded; entries of std scale / sqrt(fan
+    in)), saved to ``out``."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
@@ -36,7 +37,7 @@ def make_adapter(family: str, base: Path, out: Path, seed: int, **lora_kw) -> Pa
     with torch.no_grad():  # B random too, and small enough that outputs change without saturating
         for name, p in model.named_parameters():
             if "lora_" in name:
-                p.copy_(torch.randn_like(p) * 0.3 / p.shape[-1] ** 0.5)
+                p.copy_(torch.randn_like(p) * scale / p.shape[-1] ** 0.5)
     model.save_pretrained(str(out))
     return out
 

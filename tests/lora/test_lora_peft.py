@@ -73,7 +73,6 @@ class Case:
     def __init__(self, family, root):
         self.family, self.base = family, root / "base"
         base_model(family, self.base)
-        moe = family != "llama"
         experts, router = {"qwen2_moe": (EXPERT_PARAMS, ROUTER_PARAMS), "gemma4": (GEMMA4_EXPERTS, [])}.get(
             family, ([], []))
         self.adapters = [
@@ -84,9 +83,9 @@ class Case:
         ]
         # the oracle: each prompt under the base model and each adapter
         self.ref = {a: [peft_greedy(family, self.base, a, p, NEW) for p in PROMPTS] for a in [None, *self.adapters]}
-        if moe:  # the expert-delta and router paths really change the outputs
-            a2_ids = [ids for ids, _ in self.ref[self.adapters[1]]]
-            assert a2_ids != [ids for ids, _ in self.ref[None]]
+        base_ids = [ids for ids, _ in self.ref[None]]
+        for a in self.adapters:  # each adapter changes the outputs (a2 on MoE: mostly its experts and router)
+            assert [ids for ids, _ in self.ref[a]] != base_ids, a
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +156,21 @@ def test_speculative_verify_rows_run_each_adapter(case):
     assert llm.get_metrics()["sparrow:spec_decode_num_draft_tokens"] > 0  # verify steps ran
     for i, (a, out) in enumerate(zip(run, outs)):
         compare(*case.ref[a][i], out.outputs[0])
+
+
+def test_router_alone_and_experts_alone(tmp_path):
+    """Qwen2-MoE adapters on the router only and on the routed experts only: each changes PEFT's output, and
+    sparrow's matches it (so neither delta path can be silently dropped)."""
+    base = base_model("qwen2_moe", tmp_path / "base")
+    only = {"router": make_adapter("qwen2_moe", base, tmp_path / "router", 3, scale=2.0, r=4, target_modules=[],
+                                   target_parameters=ROUTER_PARAMS),
+            "experts": make_adapter("qwen2_moe", base, tmp_path / "experts", 4, scale=2.0, r=4, target_modules=[],
+                                    target_parameters=EXPERT_PARAMS)}
+    ps = PROMPTS[:2]
+    base_ids = [peft_greedy("qwen2_moe", base, None, p, NEW)[0] for p in ps]
+    llm = make_llm(base, max_model_len=128, enable_lora=True, max_loras=2, max_lora_rank=4)
+    for i, (what, a) in enumerate(only.items(), 1):
+        ref = [peft_greedy("qwen2_moe", base, a, p, NEW) for p in ps]
+        assert [ids for ids, _ in ref] != base_ids, f"the {what} adapter does not change PEFT's output"
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], _params(), lora_request=_request(a, i))
+        assert sum(compare(ids, logits, o.outputs[0]) for (ids, logits), o in zip(ref, outs)) >= NEW
