@@ -34,8 +34,7 @@ def case(request, tmp_path_factory):
 
 def _generate(llm, ps, loras):
     params = SamplingParams(temperature=0.0, max_tokens=NEW, logprobs=1, ignore_eos=True)
-    ids = {a: i for i, a in enumerate(dict.fromkeys(a for a in loras if a is not None), 1)}
-    reqs = [LoRARequest(a.name, ids[a], str(a)) if a is not None else None for a in loras]
+    reqs = [LoRARequest(a.name, int(a.name[1:]), str(a)) if a is not None else None for a in loras]  # a1 -> id 1
     return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in ps], params, lora_request=reqs)]
 
 
