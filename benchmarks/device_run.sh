@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call on the H200 (device tool); logs and JSON under $OUT.
 #   bash benchmarks/device_run.sh [STAGE ...]   stages: tests packaged profile prefill attn gemv moe tune
-#   int4 gemma4 llama fp8 eager ab verify spec serve
+#   int4 gemma4 llama fp8 eager ab verify spec serve lora
 # (no stage: tests gemma4 llama eager). Each stage has its own time limit (T_<STAGE> seconds). GPU_TESTS picks
 # the test files of the `tests` stage (default: tests without tests/server, whose `openai` import the device image
 # lacks) and TEST_ARGS adds pytest options (e.g. "-k 'bf16 and mixtral'"; "-n 8":
@@ -32,6 +32,9 @@
 # under 1, 8, 64 streaming clients beside the same load through LLM in-process, then the served / in-process tok/s
 # ratio and the added TTFT p50; serve.json + serve.log (+ serve.server.log) under $OUT. SERVE_ARGS replaces its
 # default flags (e.g. "--model-shape llama3-8b --streams 1,64 --max-tokens 64"); T_SERVE its limit (default 540 s).
+# Stage `lora`: benchmarks/lora.py (decode tok/s with 8 rank-16 adapters on every projection and the experts against
+# no LoRA, gemma4-26b-a4b FP8 at batch 1, 8, 64); LORA_ARGS replaces its flags, T_LORA its limit (default 540 s);
+# lora.json + lora.log. The LoRA GPU tests (tests/lora) need `peft` (a .whl, as gguf's).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -112,6 +115,9 @@ for stage in ${@:-tests gemma4 llama eager}; do
     serve) timeout "${T_SERVE:-540}" python3 benchmarks/serve.py --device cuda --out "$OUT/serve.json" \
              ${SERVE_ARGS:---model-shape gemma4-26b-a4b --quantization fp8 --streams 1,8,64 --prompt-len 128 --max-tokens 128} \
              2>&1 | tee "$OUT/serve.log" | tail -20 ;;
+    lora) timeout "${T_LORA:-540}" python3 benchmarks/lora.py --device cuda --out "$OUT/lora.json" \
+            ${LORA_ARGS:---model-shape gemma4-26b-a4b --quantization fp8 --lora-rank 16 --num-loras 8} 2>&1 \
+            | tee "$OUT/lora.log" | grep -v "capturing CUDA graphs" | tail -20 ;;
     eager) bench llama_eager "${T_EAGER:-60}" --model-shape llama3-8b --batch-sizes 1 --no-hf --enforce-eager \
              --prompt-len 128 --decode-tokens 64 ;;
     *) echo "unknown stage $stage" ;;

@@ -6,6 +6,7 @@
     print(out[0].outputs[0].text)
 """
 from sparrow.errors import SparrowError
+from sparrow.lora.request import LoRARequest
 from sparrow.outputs import CompletionOutput, Logprob, RequestOutput
 from sparrow.sampling_params import SamplingParams
 
@@ -18,5 +19,5 @@ def __getattr__(name):  # LLM pulls in torch models; import it lazily so `import
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "SparrowError"]
+__all__ = ["LLM", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput", "Logprob", "SparrowError"]
 __version__ = "0.1.0"

@@ -331,6 +331,20 @@ class SchedulerConfig:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens)
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's ``enable_lora`` arguments). Raises InvalidRequestError for a value below 1."""
+
+    max_loras: int = 4
+    """Adapters held on the device at once (slots); a step runs at most this many distinct adapters."""
+    max_lora_rank: int = 64
+    """Largest adapter rank accepted (the slot buffers' width per PEFT module)."""
+
+    def __post_init__(self):
+        _check_int("max_loras", self.max_loras)
+        _check_int("max_lora_rank", self.max_lora_rank)
+
+
 MAX_SPECULATIVE_TOKENS = 15
 """Most draft tokens per verify step (k + 1 <= 16 rows per sequence: the range of the small-row kernels)."""
 
@@ -429,6 +443,8 @@ class EngineConfig:
     """Never capture CUDA graphs."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding; None: off."""
+    lora: LoRAConfig | None = None
+    """LoRA adapters (LLM's ``enable_lora``); None: off."""
 
     def __post_init__(self):
         from sparrow.devices import resolve_device, resolve_dtype

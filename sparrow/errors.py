@@ -23,3 +23,8 @@ class UnsupportedGGUFTypeError(ModelLoadError):
 
 class InvalidRequestError(SparrowError, ValueError):
     """A prompt or sampling parameter is invalid (empty prompt, prompt too long, top_p=0, ...)."""
+
+
+class LoRAAdapterError(InvalidRequestError):
+    """A LoRA adapter cannot be used: missing or malformed folder, an unsupported PEFT feature (DoRA, biases,
+    modules_to_save), a rank over max_lora_rank, or a target module sparrow cannot adapt."""

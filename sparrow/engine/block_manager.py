@@ -1,6 +1,7 @@
 """Paged KV-cache bookkeeping: fixed-size blocks, reference counts, and prefix hashes.
 
-A full block of prompt tokens is hashed with its predecessor's hash (so the hash names the whole prefix);
+A full block of prompt tokens is hashed with its predecessor's hash (so the hash names the whole prefix; the
+first block's predecessor is the sequence's LoRA adapter id, so two adapters never share a block);
 a new sequence whose first blocks hash the same reuses them instead of recomputing. Freed blocks keep
 their hash until they are handed out again (least recently freed first), so a prefix outlives its request.
 """
@@ -44,7 +45,7 @@ class BlockManager:
         # only blocks before the one holding the last prompt token: that token must be computed for logits
         if seq.prefix_hashes is None:
             full = (seq.num_prompt_tokens - 1) // self.block_size
-            hashes, h = [], None
+            hashes, h = [], ("lora", seq.lora_int_id) if seq.lora_int_id else None  # blocks are keyed by adapter
             for i in range(full):
                 h = hash((h, tuple(seq.prompt_token_ids[i * self.block_size:(i + 1) * self.block_size])))
                 hashes.append(h)

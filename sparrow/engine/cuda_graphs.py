@@ -6,8 +6,8 @@ static buffers sized for the largest bucket and q; sequences n..bucket-1 are pad
 to a reserved pad block (never handed out by the block manager) and attend over q tokens of it, so no step
 needs a host sync. The graph covers the model forward and the LM head for every row; sampling runs eagerly on
 the logits. A step's inputs reach the graph in two host-to-device copies from pinned staging buffers
-(``DecodeInputs``): the int64 ones (input ids, positions, slot mapping) and the int32 ones (seq_lens, the block
-tables' used columns), padding rows included, then one device copy spreads the tables; then the replay.
+(``DecodeInputs``): the int64 ones (input ids, positions, slot mapping; with LoRA the adapter slots) and the
+int32 ones (seq_lens, the block tables' used columns), padding rows included, then one device copy spreads the tables; then the replay.
 Shapes: Bmax = largest bucket, Q = largest q, M = blocks per sequence at max_model_len, V = vocab.
 """
 from __future__ import annotations
@@ -39,17 +39,19 @@ class DecodeInputs:
     entries, not bs x M."""
 
     def __init__(self, device: torch.device, bmax: int, max_blocks: int, pad_block: int, block_size: int,
-                 max_query_len: int = 1):
+                 max_query_len: int = 1, lora: bool = False):
         self.device, self.bmax, self.max_blocks, self.block_size = device, bmax, max_blocks, block_size
         self.pad_block, self.pad_slot = pad_block, pad_block * block_size
         rows = bmax * max_query_len
         pin = device.type == "cuda"
-        self.i64_host = torch.zeros(3, rows, dtype=torch.int64, pin_memory=pin)
+        n64 = 4 if lora else 3  # with LoRA a fourth row: the adapter slot of each row (-1: none, and padding)
+        self.i64_host = torch.zeros(n64, rows, dtype=torch.int64, pin_memory=pin)
         self.i32_host = torch.zeros(bmax * (1 + max_blocks), dtype=torch.int32, pin_memory=pin)
         self._h64, self._h32 = self.i64_host.numpy(), self.i32_host.numpy()
-        self.i64 = torch.empty(3, rows, dtype=torch.int64, device=device)
+        self.i64 = torch.empty(n64, rows, dtype=torch.int64, device=device)
         self.i32 = torch.empty(bmax * (1 + max_blocks), dtype=torch.int32, device=device)
         self.input_ids, self.positions, self.slot_mapping = self.i64[0], self.i64[1], self.i64[2]
+        self.adapter_ids = self.i64[3] if lora else None
         self.seq_lens = self.i32[:bmax]
         self.block_tables = torch.full((bmax, max_blocks), pad_block, dtype=torch.int32, device=device)
         self._width = 1  # W of the staged tables
@@ -58,10 +60,11 @@ class DecodeInputs:
         self.upload(bmax)
 
     def stage(self, n: int, bs: int, input_ids: list[int], positions: list[int], slot_mapping: list[int],
-              seq_lens: list[int], block_tables: list[list[int]], q: int = 1) -> None:
+              seq_lens: list[int], block_tables: list[list[int]], q: int = 1,
+              adapter_ids: list[int] | None = None) -> None:
         """Write n sequences of q rows (row lists of n q entries, seq_lens and tables of n; tables of at most M
-        blocks each) and the padding up to bs sequences to the host copies. Raises ValueError when a block table
-        is longer than M."""
+        blocks each) and the padding up to bs sequences to the host copies; ``adapter_ids`` (n q LoRA slots, None:
+        all -1) when the buffers have the LoRA row. Raises ValueError when a block table is longer than M."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous upload may still be reading the pinned memory
         h64, m, nq, end = self._h64, self.max_blocks, n * q, bs * q
@@ -70,6 +73,9 @@ class DecodeInputs:
         h64[0, nq:end] = 0
         h64[1, nq:end] = pad_pos
         h64[2, nq:end] = self.pad_slot + pad_pos % self.block_size
+        if self.adapter_ids is not None:
+            h64[3, :nq] = adapter_ids if adapter_ids is not None else -1
+            h64[3, nq:end] = -1
         seq = self._h32[:self.bmax]
         seq[:n] = seq_lens
         seq[n:bs] = q
@@ -99,7 +105,9 @@ class DecodeGraphs:
     """Graphs keyed by (bucket, q) for q in ``query_lens`` (1: decode; k + 1: verify of k draft tokens)."""
 
     def __init__(self, model, device: torch.device, max_batch: int, max_blocks_per_seq: int, pad_block: int,
-                 block_size: int, query_lens: tuple[int, ...] = (1,)):
+                 block_size: int, query_lens: tuple[int, ...] = (1,), lora: bool = False):
+        """``lora``: the graphs read a static adapter-slot row (ForwardBatch.adapter_ids) and run the LoRA
+        kernels, whose rows of slot -1 add nothing."""
         self.model = model
         self.device = device
         self.buckets = [b for b in DEFAULT_BUCKETS if b <= max_batch] or [max_batch]
@@ -109,7 +117,7 @@ class DecodeGraphs:
         bmax, qmax = self.buckets[-1], self.query_lens[-1]
         self.max_blocks = max_blocks_per_seq
         self.block_size = block_size
-        self.inputs = DecodeInputs(device, bmax, max_blocks_per_seq, pad_block, block_size, qmax)
+        self.inputs = DecodeInputs(device, bmax, max_blocks_per_seq, pad_block, block_size, qmax, lora)
         self.rows = torch.arange(bmax * qmax + 1, dtype=torch.int64, device=device)
         self.query_start_loc = {q: torch.arange(0, (bmax + 1) * q, q, dtype=torch.int32, device=device)
                                 for q in self.query_lens}
@@ -124,6 +132,7 @@ class DecodeGraphs:
             query_start_loc=self.query_start_loc[q][: bs + 1], seq_lens=inp.seq_lens[:bs],
             block_tables=inp.block_tables[:bs], max_query_len=q, max_seq_len=self.max_blocks * self.block_size,
             sample_rows=self.rows[:rows],
+            adapter_ids=inp.adapter_ids[:rows] if inp.adapter_ids is not None else None,
         )
 
     def _forward(self, bs: int, q: int) -> torch.Tensor:
@@ -165,12 +174,13 @@ class DecodeGraphs:
         return None
 
     def run(self, n: int, q: int, input_ids: list[int], positions: list[int], slot_mapping: list[int],
-            seq_lens: list[int], block_tables: list[list[int]], feed: torch.Tensor | None = None) -> torch.Tensor:
+            seq_lens: list[int], block_tables: list[list[int]], feed: torch.Tensor | None = None,
+            adapter_ids: list[int] | None = None) -> torch.Tensor:
         """Replay the graph of n sequences of q rows (row lists of n q entries, seq_lens and block tables of n, at
         most M blocks each); returns logits [n q, V]. ``feed`` [n q] int64 on the device replaces ``input_ids``
         (a device-to-device copy after the upload: tokens the host has not read yet)."""
         bs = self.bucket_for(n, q)
-        self.inputs.stage(n, bs, input_ids, positions, slot_mapping, seq_lens, block_tables, q)
+        self.inputs.stage(n, bs, input_ids, positions, slot_mapping, seq_lens, block_tables, q, adapter_ids)
         self.inputs.upload(bs)
         if feed is not None:
             self.inputs.input_ids[:n * q].copy_(feed)

@@ -62,7 +62,8 @@ class Engine:
         self.spec = make_speculative_decoder(config, self.runner.num_blocks, draft_model) if spec else None
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.max_model_len,
+                                   max_loras=config.lora.max_loras if config.lora is not None else None)
         self.requests: dict[str, tuple[RequestOutput, list[Sequence]]] = {}
         self._ids = itertools.count()
         eos = set(config.model.eos_token_ids)
@@ -72,13 +73,25 @@ class Engine:
         self._ahead: tuple[StepPlan, StepResult] | None = None  # the next step, queued before the last was read
         self._last_step_end: float | None = None  # perf_counter() at the end of the last decode / verify step
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    lora_request=None) -> str:
         """Queue a prompt (text or {'prompt_token_ids': [...], optional 'soft_embeds', 'soft_positions'}); returns
         its request id. Raises InvalidRequestError for an empty prompt, one longer than max_model_len, bad token
         ids, a request id in use, or SamplingParams changed after construction into invalid values. The request
         keeps a copy of ``params`` (validated again here), so changing the caller's object later does not touch
-        it."""
+        it. ``lora_request``: a LoRARequest to run the request with (the adapter is read and checked here:
+        LoRAAdapterError when it cannot be used; InvalidRequestError when the engine runs without enable_lora)."""
         params = own_params(params)
+        if lora_request is not None:
+            from sparrow.lora.request import LoRARequest
+
+            if not isinstance(lora_request, LoRARequest):
+                raise InvalidRequestError(f"lora_request must be a LoRARequest or None, got "
+                                          f"{type(lora_request).__name__}")
+            if self.runner.lora is None:
+                raise InvalidRequestError(f"lora_request {lora_request.lora_name!r} given, but the engine was built "
+                                          "without LoRA support (LLM(..., enable_lora=True))")
+            self.runner.lora.load(lora_request)
         mc = self.config.model
         text, ids, soft, soft_pos = parse_prompt(prompt, self.tokenizer, mc.hidden_size, mc.vocab_size,
                                                  self.config.max_model_len)
@@ -90,7 +103,8 @@ class Engine:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         seqs = []
         for i in range(params.n):
-            seq = Sequence(rid, i, list(ids), params, self.eos_token_ids, soft_embeds=soft, soft_positions=soft_pos)
+            seq = Sequence(rid, i, list(ids), params, self.eos_token_ids, soft_embeds=soft, soft_positions=soft_pos,
+                           lora_request=lora_request)
             if params.seed is not None:
                 seq.generator = make_generator(params.seed, i, self.runner.device)
             if self.tokenizer is not None:

@@ -29,15 +29,22 @@ class StepRows:
     """(plan index, first row, count) of rows whose next token is a prompt token (prompt logprobs)."""
     soft_vecs: list[torch.Tensor] = field(default_factory=list)
     soft_mask: list[bool] = field(default_factory=list)
+    adapter_ids: list[int] | None = None
+    """[R] the LoRA slot of each row (-1: base model); None when LoRA is off."""
 
 
-def step_rows(plan: StepPlan, block_size: int) -> StepRows:
+def step_rows(plan: StepPlan, block_size: int, lora_slots: dict[int, int] | None = None) -> StepRows:
     """The rows of ``plan``: a sequence's rows are positions start .. start + num_new_tokens - 1, their K/V
-    slots read from its block table (allocated by the scheduler)."""
+    slots read from its block table (allocated by the scheduler). ``lora_slots``: lora_int_id -> adapter slot of
+    the plan's adapters when LoRA is on (rows of the base model get -1)."""
     r, bs = StepRows(), block_size
+    if lora_slots is not None:
+        r.adapter_ids = []
     for i, item in enumerate(plan.seqs):
         seq, n, start = item.seq, item.num_new_tokens, item.start
         row0 = len(r.input_ids)
+        if lora_slots is not None:
+            r.adapter_ids += [lora_slots.get(seq.lora_int_id, -1)] * n
         r.input_ids += item.input_ids()
         r.positions += range(start, start + n)
         table = seq.block_table
@@ -69,10 +76,14 @@ def pad_rows(plan: StepPlan, rows: StepRows, q: int, pad_slot: int, block_size: 
     (its output is dropped), writes its K/V to the pad block and the sequence's seq_len counts q rows, so its
     real rows keep their positions under the causal mask and never see a padding row's K/V."""
     out, keep = StepRows(), []
+    if rows.adapter_ids is not None:
+        out.adapter_ids = []
     r = 0
     for i, item in enumerate(plan.seqs):
         n = item.num_new_tokens
         extra = q - n
+        if out.adapter_ids is not None:
+            out.adapter_ids += rows.adapter_ids[r:r + n] + [-1] * extra
         out.input_ids += rows.input_ids[r:r + n] + [0] * extra
         out.positions += rows.positions[r:r + n] + [rows.positions[r + n - 1]] * extra
         out.slot_mapping += rows.slot_mapping[r:r + n] + [pad_slot + j % block_size for j in range(extra)]
@@ -112,6 +123,7 @@ def forward_batch(rows: StepRows, feed: torch.Tensor | None, pad_block: int, dev
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
     soft = rows.soft_vecs
+    lora = rows.adapter_ids is not None and any(s >= 0 for s in rows.adapter_ids)
     return ForwardBatch(
         input_ids=feed if feed is not None else dev(rows.input_ids, torch.int64),
         positions=dev(rows.positions, torch.int64),
@@ -124,4 +136,5 @@ def forward_batch(rows: StepRows, feed: torch.Tensor | None, pad_block: int, dev
         sample_rows=dev(rows.sample_rows, torch.int64),
         soft_embeds=torch.stack(soft).to(device) if soft else None,
         soft_mask=torch.tensor(rows.soft_mask, dtype=torch.bool, device=device) if soft else None,
+        adapter_ids=dev(rows.adapter_ids, torch.int32) if lora else None,
     )

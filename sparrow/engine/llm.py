@@ -8,7 +8,7 @@ from typing import Iterator, Sequence as Seq
 
 import torch
 
-from sparrow.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from sparrow.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from sparrow.devices import TORCH_DTYPES
 from sparrow.engine.engine import Engine
 from sparrow.errors import InvalidRequestError
@@ -26,7 +26,8 @@ def engine_config(model: ModelConfig, *, device: str = _E.device, dtype: str = _
                   max_num_seqs: int = _S.max_num_seqs, max_num_batched_tokens: int = _S.max_num_batched_tokens,
                   enforce_eager: bool = _E.enforce_eager,
                   gpu_memory_utilization: float = _C.gpu_memory_utilization,
-                  speculative_config: dict | None = None) -> EngineConfig:
+                  speculative_config: dict | None = None, enable_lora: bool = False,
+                  max_loras: int = LoRAConfig.max_loras, max_lora_rank: int = LoRAConfig.max_lora_rank) -> EngineConfig:
     """The EngineConfig for LLM's flat engine arguments (``num_kv_blocks`` is ``cache.num_blocks``;
     ``speculative_config``: vLLM's dict, ``SpeculativeConfig.from_dict``). The configs validate themselves:
     InvalidRequestError names the first bad argument (cache and scheduler settings, the speculative config,
@@ -34,9 +35,12 @@ def engine_config(model: ModelConfig, *, device: str = _E.device, dtype: str = _
     cache = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
                         gpu_memory_utilization=gpu_memory_utilization)
     scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    if not isinstance(enable_lora, bool):
+        raise InvalidRequestError(f"enable_lora={enable_lora!r} must be True or False")
+    lora = LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank) if enable_lora else None
     return EngineConfig(model=model, device=device, dtype=dtype, max_model_len=max_model_len, cache=cache,
                         scheduler=scheduler, enforce_eager=enforce_eager,
-                        speculative=SpeculativeConfig.from_dict(speculative_config))
+                        speculative=SpeculativeConfig.from_dict(speculative_config), lora=lora)
 
 
 def _model_placement(model: torch.nn.Module) -> tuple[str, str]:
@@ -51,6 +55,16 @@ def _model_placement(model: torch.nn.Module) -> tuple[str, str]:
     if not params:
         raise InvalidRequestError("the model has no float32 / bfloat16 / float16 parameter to take its dtype from")
     return str(params[0].device), names[params[0].dtype]
+
+
+def _per_prompt_loras(lora_request, n: int) -> list:
+    """One LoRARequest (or None) per prompt from ``generate``'s argument: None, one request for all, or a list of n."""
+    if lora_request is None or not isinstance(lora_request, (list, tuple)):
+        return [lora_request] * n
+    if len(lora_request) != n:
+        raise InvalidRequestError(f"got {len(lora_request)} lora_requests for {n} prompts (give one, or one per "
+                                  "prompt)")
+    return list(lora_request)
 
 
 class LLM:
@@ -71,6 +85,9 @@ class LLM:
     'prompt_lookup_min': 2} or {'method': 'draft_model', 'model': PATH, 'num_speculative_tokens': 4} (fields:
     ``sparrow.config.SpeculativeConfig``); None: no speculation. Outputs follow the target's distribution
     (greedy: the tokens of plain decoding).
+    enable_lora, max_loras, max_lora_rank: serve PEFT LoRA adapters (``generate(..., lora_request=LoRARequest(name,
+    int_id, path))``): at most max_loras adapters on the device at once (loaded on demand, least recently used
+    evicted), ranks up to max_lora_rank (``sparrow.lora``).
     tokenizer: a transformers tokenizer to use instead of the model's; skip_tokenizer_init=True runs without one.
     seed: seeds torch's global generator before loading.
     Raises sparrow errors (ModelNotFoundError, ModelLoadError, UnsupportedArchitectureError,
@@ -82,7 +99,9 @@ class LLM:
                  max_num_batched_tokens: int = _S.max_num_batched_tokens, enforce_eager: bool = _E.enforce_eager,
                  num_kv_blocks: int | None = _C.num_blocks, enable_prefix_caching: bool = _C.enable_prefix_caching,
                  seed: int = 0, tokenizer=None, skip_tokenizer_init: bool = False, quantize_lm_head: bool = False,
-                 gpu_memory_utilization: float = _C.gpu_memory_utilization, speculative_config: dict | None = None):
+                 gpu_memory_utilization: float = _C.gpu_memory_utilization, speculative_config: dict | None = None,
+                 enable_lora: bool = False, max_loras: int = LoRAConfig.max_loras,
+                 max_lora_rank: int = LoRAConfig.max_lora_rank):
         from sparrow.default_model import default_model_path
         from sparrow.loader.model_loader import load_model, read_model_config
         from sparrow.quant import check_quantization
@@ -100,7 +119,8 @@ class LLM:
             read_model_config(path)[0], device=device, dtype=dtype, max_model_len=max_model_len,
             block_size=block_size, num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
-            gpu_memory_utilization=gpu_memory_utilization, speculative_config=speculative_config)
+            gpu_memory_utilization=gpu_memory_utilization, speculative_config=speculative_config,
+            enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank)
         torch.manual_seed(seed)
         loaded = load_model(path, TORCH_DTYPES[config.dtype], config.device, quantization=quantization,
                             quantize_lm_head=quantize_lm_head)
@@ -126,7 +146,7 @@ class LLM:
         ``config`` is a ModelConfig, after ``loader.model_loader.finish_loading``), e.g. random weights copied
         from a transformers model. ``engine_args``: LLM's engine arguments (device, dtype, max_model_len,
         block_size, num_kv_blocks, enable_prefix_caching, max_num_seqs, max_num_batched_tokens, enforce_eager,
-        gpu_memory_utilization, speculative_config);
+        gpu_memory_utilization, speculative_config, enable_lora, max_loras, max_lora_rank);
         device and dtype ('auto' or left out) are the model's own (``_model_placement``). tokenizer: None runs
         without one (prompts as {'prompt_token_ids': [...]}). Raises InvalidRequestError for a model that is not
         a sparrow model, a device or dtype other than the model's, or a bad engine argument; TypeError for an
@@ -235,16 +255,18 @@ class LLM:
             self.engine.abort(rid)
 
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora_request=None) -> list[RequestOutput]:
         """Generate for one prompt or a list (text, or {'prompt_token_ids': [...]}); results in prompt order.
-        All prompts are validated before any runs, so a bad one raises without side effects. Requests of an
-        unfinished ``stream`` keep running and keep their outputs; if this call raises (or is interrupted), its
-        own requests are aborted."""
+        ``lora_request``: a LoRARequest for every prompt, or a list of one per prompt (None: the base model);
+        needs ``enable_lora=True``. If a prompt or adapter is bad, the call raises and its requests added so far
+        are aborted. Requests of an unfinished ``stream`` keep running and keep their outputs; if this call raises
+        (or is interrupted), its own requests are aborted."""
         prompts, params = self._normalize(prompts, sampling_params)
+        loras = _per_prompt_loras(lora_request, len(prompts))
         ids: list[str] = []
         try:
-            for p, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(p, sp))
+            for p, sp, lr in zip(prompts, params, loras):
+                ids.append(self.engine.add_request(p, sp, lora_request=lr))
                 self._watched[ids[-1]] = None
             bar = None
             if use_tqdm:
@@ -271,11 +293,11 @@ class LLM:
             for rid in ids:
                 self._release(rid)
 
-    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(self, prompt, sampling_params: SamplingParams | None = None, lora_request=None) -> Iterator[str]:
         """Yield the text of one prompt's first completion as it is generated (new text per step). The engine
         holds back text a stop string may still remove, so the pieces always join to the final text. Closing
-        the iterator early aborts the request."""
-        rid = self.engine.add_request(prompt, sampling_params or SamplingParams())
+        the iterator early aborts the request. ``lora_request``: a LoRARequest, or None for the base model."""
+        rid = self.engine.add_request(prompt, sampling_params or SamplingParams(), lora_request=lora_request)
         self._watched[rid] = None
         sent = 0
         try:

@@ -34,6 +34,13 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = TORCH_DTYPES[config.dtype]
         self.block_size = config.cache.block_size
+        self.lora = None
+        """The LoRA adapter slots (``sparrow.lora.manager.LoRAManager``) when LoRA is enabled, made before the KV
+        pool is sized and the CUDA graphs are captured (they read its buffers)."""
+        if config.lora is not None:
+            from sparrow.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(model, config.lora.max_loras, config.lora.max_lora_rank, self.dtype, self.device)
         self.num_blocks = self._num_blocks(extra_kv_bytes_per_token)
         self.pad_block = self.num_blocks  # one extra block, never handed out: CUDA-graph padding rows write here
         self._allocate_kv_cache()
@@ -46,7 +53,7 @@ class ModelRunner:
 
             max_blocks = -(-config.max_model_len // self.block_size)
             self.graphs = DecodeGraphs(model, self.device, config.scheduler.max_num_seqs, max_blocks,
-                                       self.pad_block, self.block_size, query_lens)
+                                       self.pad_block, self.block_size, query_lens, lora=self.lora is not None)
             self.graphs.capture()
 
     def _num_blocks(self, extra_bytes_per_token: int = 0) -> int:
@@ -83,18 +90,21 @@ class ModelRunner:
         sampling). ``previous``: the step this one was queued behind (its sampled ids feed rows with
         ``fed_row``). A step whose sequences all have q rows, all sampled, replays the graph of (bucket, q) when
         one was captured; other steps run the model eagerly."""
-        rows = step_rows(plan, self.block_size)
+        slots = None
+        if self.lora is not None:  # the plan's adapters into device slots (loaded on demand, LRU evicted)
+            slots = self.lora.assign({item.seq.lora_int_id for item in plan.seqs} - {0})
+        rows = step_rows(plan, self.block_size, slots)
         feed = fed_tokens(plan, previous)
         q = self._graph_query_len(plan, rows)
         if q is not None:
             n = len(plan.seqs)
             if all(s.num_new_tokens == q for s in plan.seqs):  # uniform: no padding
                 logits = self.graphs.run(n, q, rows.input_ids, rows.positions, rows.slot_mapping, rows.seq_lens,
-                                         rows.block_tables, feed=feed)
+                                         rows.block_tables, feed=feed, adapter_ids=rows.adapter_ids)
             else:
                 padded, keep = pad_rows(plan, rows, q, self.pad_block * self.block_size, self.block_size)
                 logits = self.graphs.run(n, q, padded.input_ids, padded.positions, padded.slot_mapping,
-                                         padded.seq_lens, padded.block_tables)
+                                         padded.seq_lens, padded.block_tables, adapter_ids=padded.adapter_ids)
                 logits = logits[torch.tensor(keep, device=logits.device)]
             return self._sample(plan, logits)
         batch = forward_batch(rows, feed, self.pad_block, self.device)

@@ -4,7 +4,8 @@ prompt and output so far are prefilled again when it is readmitted), and the ove
 
 Each step, running sequences go first (a decode needs one row, or 1 + k' rows to verify k' draft tokens from
 the speculative decoder when they fit the budget and free blocks; an unfinished prefill takes a chunk), then
-waiting sequences are admitted while the budget, ``max_num_seqs`` and free blocks allow. A waiting sequence
+waiting sequences are admitted while the budget, ``max_num_seqs``, free blocks and the LoRA adapter slots
+(``max_loras`` distinct adapters among the running sequences) allow. A waiting sequence
 that cannot be admitted holds no blocks (the prefix-cache hits it took are given back), so it never starves
 the running ones. A plan whose rows are all plain greedy decode rows of every running sequence, with nothing
 waiting, may queue the next step before it is read (``queue_next``; ``switches.OVERLAP``): ``schedule_ahead``
@@ -31,8 +32,12 @@ def _plain_decode(item: ScheduledSeq) -> bool:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int | None = None):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int | None = None,
+                 max_loras: int | None = None):
+        """``max_loras``: most distinct LoRA adapters among the running sequences (the device's adapter slots);
+        a waiting sequence of another adapter waits until a running adapter's sequences are done."""
         self.config = config
+        self.max_loras = max_loras
         self.bm = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -97,8 +102,11 @@ class Scheduler:
             self.bm.allocate(seq, seq.num_computed_tokens + n)
             out.append(self._item(seq, n))
             budget -= n
+        adapters = {s.lora_int_id for s in self.running} - {0}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.lora_int_id and seq.lora_int_id not in adapters and len(adapters) >= (self.max_loras or 0):
+                break  # every adapter slot is taken by running sequences
             if not seq.block_table:
                 seq.num_cached_prefix_tokens = self.bm.allocate_prefix(seq)
                 seq.num_computed_tokens = seq.num_cached_prefix_tokens
@@ -117,6 +125,8 @@ class Scheduler:
             self.bm.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if seq.lora_int_id:
+                adapters.add(seq.lora_int_id)
             out.append(self._item(seq, n))
             budget -= n
         plan = StepPlan(out)

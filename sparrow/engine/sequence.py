@@ -50,6 +50,13 @@ class Sequence:
     """Leading prompt blocks already registered in the prefix cache (reset when the blocks are freed)."""
     num_sent_chars: int = 0
     """Characters of ``text`` already reported in a RequestOutput (the rest is held back for stop strings)."""
+    lora_request: object = None
+    """The LoRARequest the sequence runs with (None: the base model)."""
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's lora_int_id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_tokens(self) -> int:

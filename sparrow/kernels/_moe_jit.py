@@ -123,11 +123,19 @@ def _mm_rows(
 
 @triton.jit
 def _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit,
-              GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, RNE_BF16: tl.constexpr):
-    """Store act(gate) * up (GATED; DeepSeek-V4's clamp with HAS_LIMIT) or the plain product at c[pair, rn]."""
+              GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, RNE_BF16: tl.constexpr,
+              d_ptr, HAS_DELTA: tl.constexpr):
+    """Store act(gate) * up (GATED; DeepSeek-V4's clamp with HAS_LIMIT) or the plain product at c[pair, rn].
+    HAS_DELTA (GATED): d [P, 2N] fp32 per-pair LoRA deltas added to the gate (columns :N) and up (N:)
+    accumulators before the activation."""
     if GATED:
         g = acc_g
         u = acc_u
+        if HAS_DELTA:
+            d_mask = m_mask[:, None] & n_mask[None, :]
+            d_rows = d_ptr + pair[:, None].to(tl.int64) * (2 * N) + rn[None, :]
+            g = g + tl.load(d_rows, mask=d_mask, other=0.0)
+            u = u + tl.load(d_rows + N, mask=d_mask, other=0.0)
         if HAS_LIMIT:
             g = tl.minimum(g, limit)
             u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -158,6 +166,7 @@ def moe_gemm_kernel(
     w_ptr,  # GATED: gate_up [E, 2I, H]; else down [E, H, I]; unit stride on the last dim
     s_ptr,  # FP8_W: block scales [E, ceil(N_w / 128), ceil(K / 128)] fp32, unit last stride; else dummy
     c_ptr,  # out [P, N] contiguous (GATED: N = I, else N = H), a's dtype
+    d_ptr,  # HAS_DELTA: [P, 2N] fp32 LoRA deltas of gate|up (see _epilogue); else dummy
     sorted_ptr,  # [S] int32 sorted pair ids, P = padding
     block_expert_ptr,  # [NB] int32 expert of each block
     total_ptr,  # [1] int32 padded pair count
@@ -170,6 +179,7 @@ def moe_gemm_kernel(
     USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
     SWAP_AB: tl.constexpr = False,  # _mm_rows' swapped dots (the weight tile as the MMA's M side)
     A_FP8: tl.constexpr = False,  # FP8_W: a was quantized by its own launch (Tile.a_fp8)
+    HAS_DELTA: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     pid_m = tl.program_id(0)
@@ -187,12 +197,13 @@ def moe_gemm_kernel(
             s_ptr + expert * stride_se, stride_sn, rn, n_mask, N, 0, K,
             GATED, FP8_W, EMULATE_FP8, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, SWAP_AB, A_FP8,
         )
-        _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit, GATED, ACT, HAS_LIMIT, RNE_BF16)
+        _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit, GATED, ACT, HAS_LIMIT, RNE_BF16,
+                  d_ptr, HAS_DELTA)
 
 
 @triton.jit
 def moe_gemv_kernel(
-    a_ptr, w_ptr, s_ptr, c_ptr,  # as moe_gemm_kernel
+    a_ptr, w_ptr, s_ptr, c_ptr, d_ptr,  # as moe_gemm_kernel
     ids_ptr,  # [P] flattened topk_ids (int32 / int64)
     ws_ptr,  # SPLIT_K > 1: fp32 partials, (1 + GATED) * SPLIT_K * BLOCK_R * BLOCK_N per (pair, N tile); else dummy
     lock_ptr,  # SPLIT_K > 1: int32 [P * N tiles] counters, 0 on entry and on exit; else dummy
@@ -207,6 +218,7 @@ def moe_gemv_kernel(
     SPLIT_K: tl.constexpr,  # programs per (pair, N tile) (grid axis 2), each over a contiguous K range
     SWAP_AB: tl.constexpr = False,  # _mm_rows' swapped dots (the weight tile as the MMA's M side)
     USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
+    HAS_DELTA: tl.constexpr = False,
 ):
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -247,7 +259,8 @@ def moe_gemv_kernel(
                 if GATED:
                     acc_u = split_k_sum(ws_ptr, tile * SPLIT_K * NACC + 1, last, SPLIT_K, NACC, BLOCK_R, BLOCK_N)
                 m_mask = split_k_and(m_mask, last)
-            _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit, GATED, ACT, HAS_LIMIT, RNE_BF16)
+            _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit, GATED, ACT, HAS_LIMIT, RNE_BF16,
+                      d_ptr, HAS_DELTA)
 
 
 @triton.jit

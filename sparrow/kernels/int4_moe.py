@@ -38,23 +38,36 @@ def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor 
 
 
 def int4_fused_moe_ref(x, w13, w13_scale, w13_zero, w2, w2_scale, w2_zero, group, topk_weights, topk_ids,
-                       activation="silu", *, pair_threshold=64, swiglu_limit=None, reduce=True):
+                       activation="silu", *, pair_threshold=64, swiglu_limit=None, reduce=True, lora=None):
     """The torch twin of ``int4_fused_moe`` (module doc)."""
     used = torch.unique(topk_ids.reshape(-1))
     gate_up = dequantize_experts(w13, w13_scale, w13_zero, group, x.dtype, used)
     down = dequantize_experts(w2, w2_scale, w2_zero, group, x.dtype, used)
     path = fused_moe_grouped_ref if topk_ids.numel() > pair_threshold else fused_moe_per_pair_ref
-    return path(x, gate_up, down, topk_weights, topk_ids, activation, swiglu_limit, reduce=reduce)
+    return path(x, gate_up, down, topk_weights, topk_ids, activation, swiglu_limit, reduce=reduce, lora=lora)
 
 
 def int4_fused_moe(x, w13, w13_scale, w13_zero, w2, w2_scale, w2_zero, group, topk_weights, topk_ids,
-                   activation="silu", *, pair_threshold=64, swiglu_limit=None, reduce=True):
-    """Routed int4 experts; see the module doc. Triton (``int4_fused_moe_triton``) where ``use_triton(x)``."""
+                   activation="silu", *, pair_threshold=64, swiglu_limit=None, reduce=True, lora=None):
+    """Routed int4 experts; see the module doc. Triton (``int4_fused_moe_triton``) where ``use_triton(x)``.
+    ``lora``: per-pair adapter deltas (``sparrow.kernels.moe.fused_moe``'s); on Triton they take every expert
+    dequantized to x's dtype and the float kernels (``moe.fused_moe``), at every size."""
     from sparrow.kernels import use_triton
 
-    fn = int4_fused_moe_triton if use_triton(x) else int4_fused_moe_ref
-    return fn(x, w13, w13_scale, w13_zero, w2, w2_scale, w2_zero, group, topk_weights, topk_ids,
-                              activation, pair_threshold=pair_threshold, swiglu_limit=swiglu_limit, reduce=reduce)
+    if lora is not None and use_triton(x):
+        from sparrow.kernels.moe import fused_moe
+
+        return fused_moe(x, dequantize_experts(w13, w13_scale, w13_zero, group, x.dtype),
+                         dequantize_experts(w2, w2_scale, w2_zero, group, x.dtype), topk_weights, topk_ids,
+                         activation, pair_threshold=pair_threshold, swiglu_limit=swiglu_limit, reduce=reduce,
+                         lora=lora)
+    if use_triton(x):
+        return int4_fused_moe_triton(x, w13, w13_scale, w13_zero, w2, w2_scale, w2_zero, group, topk_weights,
+                                     topk_ids, activation, pair_threshold=pair_threshold, swiglu_limit=swiglu_limit,
+                                     reduce=reduce)
+    return int4_fused_moe_ref(x, w13, w13_scale, w13_zero, w2, w2_scale, w2_zero, group, topk_weights, topk_ids,
+                              activation, pair_threshold=pair_threshold, swiglu_limit=swiglu_limit, reduce=reduce,
+                              lora=lora)
 
 
 def int4_fused_moe_triton(x, w13, w13_scale, w13_zero, w2, w2_scale, w2_zero, group, topk_weights, topk_ids,

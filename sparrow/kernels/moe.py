@@ -61,10 +61,12 @@ _ACT_CODE = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu": 2}  # the ke
 
 
 def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu", *, w13_scale=None,
-                     w2_scale=None, pair_threshold=64, swiglu_limit=None, reduce=True):
+                     w2_scale=None, pair_threshold=64, swiglu_limit=None, reduce=True, lora=None):
     """Triton launcher of ``fused_moe`` (same contract): the small path for P <= pair_threshold (and
     <= SMALL_MAX_PAIRS), the grouped path above; 3 launches small, 6 grouped (one more per FP8 GEMM whose
-    tile has ``a_fp8``: its activation quantizer), no host sync."""
+    tile has ``a_fp8``: its activation quantizer), no host sync. ``lora``: per-pair adapter deltas
+    (``sparrow.lora.weights.ExpertDelta``): gate_up's [P, 2I] fp32 enters the gate|up kernel's epilogue (added to
+    its accumulators before the activation), down's is added to the per-pair outputs before the reduce."""
     _check_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, w13_scale, w2_scale)
     rows, hidden = x.shape
     num_experts, two_width = gate_up_proj.shape[:2]
@@ -82,13 +84,14 @@ def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activat
     x = x if x.stride(1) == 1 else x.contiguous()
     act = torch.empty(pairs, width, dtype=x.dtype, device=x.device)  # [P, I]
     y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)  # [P, H]
+    h_delta = lora.gate_up(x) if lora is not None else None  # [P, 2I] fp32
     common = dict(limit=float(swiglu_limit) if swiglu_limit is not None else 0.0,
                   HAS_LIMIT=swiglu_limit is not None, ACT=_ACT_CODE[activation], FP8_W=fp8,
                   EMULATE_FP8=_interpret(), UPCAST=_interpret() or x.dtype == torch.float32,
                   RNE_BF16=_interpret() and x.dtype == torch.bfloat16)
-    gemms = (  # (a, a_row_div, w, scale, out, n, k, gated, tile)
-        (x, topk_ids.shape[1], gate_up_proj, w13_scale, act, width, hidden, True, cfg.gate_up),
-        (act, 1, down_proj, w2_scale, y, hidden, width, False, cfg.down),
+    gemms = (  # (a, a_row_div, w, scale, out, n, k, gated, tile, delta)
+        (x, topk_ids.shape[1], gate_up_proj, w13_scale, act, width, hidden, True, cfg.gate_up, h_delta),
+        (act, 1, down_proj, w2_scale, y, hidden, width, False, cfg.down, None),
     )
     if small:
         from sparrow.kernels._moe_jit import moe_gemv_kernel
@@ -96,15 +99,16 @@ def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activat
         flat_ids = topk_ids.reshape(-1)
         p_pad = _next_pow2(pairs)
         block_r = max(16, min(p_pad, _next_pow2(rows)))  # an expert appears at most once per row
-        for a, div, w, s, out, n, k, gated, tile in gemms:
+        for a, div, w, s, out, n, k, gated, tile, delta in gemms:
             tile = _fit_shared_memory(tile, block_r, a.element_size(), w.element_size(), gated)
             n_tiles = -(-n // tile.block_n)
             split, ws, locks = split_k.plan(x.device, pairs * n_tiles, -(-k // tile.block_k), tile.split_k,
                                             (2 if gated else 1) * block_r * tile.block_n, out)
             moe_gemv_kernel[(pairs, n_tiles, split)](
-                a, w, s if fp8 else w, out, flat_ids, ws, locks,
+                a, w, s if fp8 else w, out, delta if delta is not None else out, flat_ids, ws, locks,
                 pairs, n, k, div, a.stride(0), w.stride(0), w.stride(1),
-                s.stride(0) if fp8 else 0, s.stride(1) if fp8 else 0, GATED=gated, P_PAD=p_pad,
+                s.stride(0) if fp8 else 0, s.stride(1) if fp8 else 0, GATED=gated, HAS_DELTA=delta is not None,
+                P_PAD=p_pad,
                 BLOCK_R=block_r, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                 SUB_K=min(tile.block_k, GROUP) if fp8 else tile.block_k, SPLIT_K=split, SWAP_AB=tile.swap_ab,
                 num_warps=tile.num_warps, num_stages=tile.num_stages, **common, **pdl_kwargs(x),
@@ -115,29 +119,33 @@ def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activat
         from sparrow.kernels.scaled_mm import quantize_fp8_per_group_triton
 
         sorted_ids, block_expert, total = moe_align_triton(topk_ids, num_experts, cfg.block_m)
-        for a, div, w, s, out, n, k, gated, tile in gemms:
+        for a, div, w, s, out, n, k, gated, tile, delta in gemms:
             a_fp8 = fp8 and tile.a_fp8
             a, a_s = quantize_fp8_per_group_triton(a) if a_fp8 else (a, a)  # e4m3 a + [rows, G] scales
             moe_gemm_kernel[(block_expert.numel(), -(-n // tile.block_n))](
-                a, a_s, w, s if fp8 else w, out, sorted_ids, block_expert, total, pairs, n, k, div, a.stride(0),
+                a, a_s, w, s if fp8 else w, out, delta if delta is not None else out, sorted_ids, block_expert,
+                total, pairs, n, k, div, a.stride(0),
                 a_s.stride(0) if a_fp8 else 0, w.stride(0), w.stride(1), s.stride(0) if fp8 else 0,
-                s.stride(1) if fp8 else 0, GATED=gated, BLOCK_M=cfg.block_m, BLOCK_N=tile.block_n,
+                s.stride(1) if fp8 else 0, GATED=gated, HAS_DELTA=delta is not None, BLOCK_M=cfg.block_m,
+                BLOCK_N=tile.block_n,
                 BLOCK_K=tile.block_k, SUB_K=min(tile.block_k, GROUP) if fp8 else tile.block_k,
                 SWAP_AB=tile.swap_ab, A_FP8=a_fp8,
                 num_warps=tile.num_warps, num_stages=tile.num_stages, **common, **pdl_kwargs(x),
             )
+    if lora is not None:
+        y = lora.down(act, y)
     return moe_reduce_triton(y, topk_weights, x.dtype) if reduce else y
 
 
 def fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu", *, w13_scale=None,
-              w2_scale=None, pair_threshold=64, swiglu_limit=None, reduce=True):
+              w2_scale=None, pair_threshold=64, swiglu_limit=None, reduce=True, lora=None):
     """Routed experts of x [R, H] -> [R, H] in x's dtype; see the module doc.
     ``reduce=False``: the unweighted per-pair outputs [P, H] in pair order instead, for a consumer that fuses
     the weighted reduce (``moe_reduce``'s y). Triton where ``use_triton(x)``, else ``fused_moe_ref``.
     Raises ValueError on bad shapes / dtypes."""
     fn = fused_moe_triton if use_triton(x) else fused_moe_ref
     return fn(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, w13_scale=w13_scale,
-              w2_scale=w2_scale, pair_threshold=pair_threshold, swiglu_limit=swiglu_limit, reduce=reduce)
+              w2_scale=w2_scale, pair_threshold=pair_threshold, swiglu_limit=swiglu_limit, reduce=reduce, lora=lora)
 
 
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100 / H200 allow 227 KB)

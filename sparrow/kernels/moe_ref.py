@@ -43,11 +43,13 @@ def fused_moe_grouped_ref(
     activation: str = "silu",
     swiglu_limit: float | None = None,
     reduce: bool = True,
+    lora=None,
 ) -> torch.Tensor:
     """Sorted / grouped expert path. x [R, H], gate_up_proj [E, 2I, H], down_proj [E, H, I],
     topk_weights [R, K] (any float dtype), topk_ids [R, K] int (each in [0, E)) -> [R, H] in x's dtype.
     ``reduce=False``: the per-pair outputs [R K, H] in pair order (pair p = row p // K, slot p % K), x's
-    dtype, unweighted (the caller reduces them, as ``moe_reduce``)."""
+    dtype, unweighted (the caller reduces them, as ``moe_reduce``). ``lora``: the step's per-pair adapter deltas
+    (``sparrow.lora.weights.ExpertDelta``): gate_up's added before the activation, down's before the reduce."""
     num_rows, top_k = topk_ids.shape
     num_experts = gate_up_proj.shape[0]
     flat_ids = topk_ids.reshape(-1).long()  # [P], pair p = row p // K, slot p % K
@@ -61,11 +63,15 @@ def fused_moe_grouped_ref(
     for e in active:
         s, t = offsets[e], offsets[e + 1]
         h[s:t] = xs[s:t] @ gate_up_proj[e].t()
+    if lora is not None:
+        h = (h.float() + lora.gate_up(x)[order]).to(h.dtype)
     a = gate_up_act(h, activation, swiglu_limit)  # [P, I]
     y = xs.new_empty(xs.shape[0], down_proj.shape[1])  # [P, H]
     for e in active:
         s, t = offsets[e], offsets[e + 1]
         y[s:t] = a[s:t] @ down_proj[e].t()
+    if lora is not None:
+        y = lora.down(a, y, order)
     if not reduce:
         pairs = torch.empty_like(y)
         pairs[order] = y
@@ -85,14 +91,19 @@ def fused_moe_per_pair_ref(
     activation: str = "silu",
     swiglu_limit: float | None = None,
     reduce: bool = True,
+    lora=None,
 ) -> torch.Tensor:
     """Per-pair GEMV path, no sort: same signature and result as ``fused_moe_grouped_ref``."""
     num_rows, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1).long()  # [P]
     xp = x.repeat_interleave(top_k, dim=0)  # [P, H]
     h = torch.bmm(gate_up_proj[flat_ids], xp.unsqueeze(-1)).squeeze(-1)  # [P, 2I, H] @ [P, H, 1] -> [P, 2I]
+    if lora is not None:
+        h = (h.float() + lora.gate_up(x)).to(h.dtype)
     a = gate_up_act(h, activation, swiglu_limit)  # [P, I]
     y = torch.bmm(down_proj[flat_ids], a.unsqueeze(-1)).squeeze(-1)  # [P, H]
+    if lora is not None:
+        y = lora.down(a, y.contiguous())
     if not reduce:
         return y
     out = (y.float().view(num_rows, top_k, -1) * topk_weights.float().unsqueeze(-1)).sum(dim=1)  # [R, H]
@@ -111,6 +122,7 @@ def fused_moe_fp8_ref(
     w13_scale: torch.Tensor,
     w2_scale: torch.Tensor,
     reduce: bool = True,
+    lora=None,
 ) -> torch.Tensor:
     """Torch twin of the FP8 W8A8 experts: x and the intermediate quantized per 128-column group
     (fp8.py), weights dequantized per 128 x 128 block, matmuls in fp32, the intermediate and each pair's
@@ -119,25 +131,33 @@ def fused_moe_fp8_ref(
     flat = topk_ids.reshape(-1).long()
     xq = dequantize_fp8_per_group_ref(*quantize_fp8_per_group_ref(x))  # [R, H] fp32
     y = torch.empty(flat.numel(), down_proj.shape[1], dtype=x.dtype, device=x.device)  # [P, H]
+    acts = torch.empty(flat.numel(), down_proj.shape[2], dtype=x.dtype, device=x.device)  # [P, I]
+    h_delta = lora.gate_up(x) if lora is not None else None  # [P, 2I] fp32
     for e in torch.unique(flat).tolist():
         pairs = (flat == e).nonzero().squeeze(1)
         h = xq[pairs // top_k] @ dequantize_fp8_block_ref(gate_up_proj[e], w13_scale[e]).t()  # [n, 2I] fp32
+        if h_delta is not None:
+            h = h + h_delta[pairs]
         a = gate_up_act(h, activation, swiglu_limit).to(x.dtype)  # [n, I]
+        acts[pairs] = a
         aq = dequantize_fp8_per_group_ref(*quantize_fp8_per_group_ref(a))
         y[pairs] = (aq @ dequantize_fp8_block_ref(down_proj[e], w2_scale[e]).t()).to(x.dtype)
+    if lora is not None:
+        y = lora.down(acts, y)
     return moe_reduce_ref(y, topk_weights, x.dtype) if reduce else y
 
 
 def fused_moe_ref(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu", *, w13_scale=None,
-                  w2_scale=None, pair_threshold=64, swiglu_limit=None, reduce=True):
+                  w2_scale=None, pair_threshold=64, swiglu_limit=None, reduce=True, lora=None):
     """Torch twin of ``fused_moe`` (same contract): the grouped / per-pair twins for x-dtype weights (by P vs
     ``pair_threshold``), the FP8 twin otherwise."""
     _check_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, w13_scale, w2_scale)
     if w13_scale is not None:
         return fused_moe_fp8_ref(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, swiglu_limit,
-                                 w13_scale=w13_scale, w2_scale=w2_scale, reduce=reduce)
+                                 w13_scale=w13_scale, w2_scale=w2_scale, reduce=reduce, lora=lora)
     ref = fused_moe_grouped_ref if topk_ids.numel() > pair_threshold else fused_moe_per_pair_ref
-    return ref(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, swiglu_limit, reduce=reduce)
+    return ref(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, swiglu_limit, reduce=reduce,
+               lora=lora)
 
 
 def _check_moe(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale) -> None:

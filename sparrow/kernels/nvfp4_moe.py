@@ -37,14 +37,15 @@ def dequantize_nvfp4_experts(codes: torch.Tensor, scale: torch.Tensor, glob: tor
 
 
 def nvfp4_fused_moe_ref(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids,
-                        activation="silu", *, divide_global=False, pair_threshold=64, swiglu_limit=None, reduce=True):
+                        activation="silu", *, divide_global=False, pair_threshold=64, swiglu_limit=None, reduce=True,
+                        lora=None):
     """The torch twin of ``nvfp4_fused_moe`` (module doc)."""
     _check(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global)
     used = torch.unique(topk_ids.reshape(-1))
     gate_up = dequantize_nvfp4_experts(w13, w13_scale, w13_global, divide_global, used).to(x.dtype)
     down = dequantize_nvfp4_experts(w2, w2_scale, w2_global, divide_global, used).to(x.dtype)
     path = fused_moe_grouped_ref if topk_ids.numel() > pair_threshold else fused_moe_per_pair_ref
-    return path(x, gate_up, down, topk_weights, topk_ids, activation, swiglu_limit, reduce=reduce)
+    return path(x, gate_up, down, topk_weights, topk_ids, activation, swiglu_limit, reduce=reduce, lora=lora)
 
 
 def nvfp4_fused_moe_triton(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids,
@@ -65,14 +66,28 @@ def nvfp4_fused_moe_triton(x, w13, w13_scale, w13_global, w2, w2_scale, w2_globa
 
 
 def nvfp4_fused_moe(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids,
-                    activation="silu", *, divide_global=False, pair_threshold=64, swiglu_limit=None, reduce=True):
+                    activation="silu", *, divide_global=False, pair_threshold=64, swiglu_limit=None, reduce=True,
+                    lora=None):
     """Routed NVFP4 experts; see the module doc. Triton (``nvfp4_fused_moe_triton``) where ``use_triton(x)``, else
-    the twin. Raises ValueError on bad shapes or dtypes."""
+    the twin. ``lora``: per-pair adapter deltas (``moe.fused_moe``'s); on Triton they take every expert
+    dequantized to x's dtype and the float kernels. Raises ValueError on bad shapes or dtypes."""
     from sparrow.kernels import use_triton
 
-    fn = nvfp4_fused_moe_triton if use_triton(x) else nvfp4_fused_moe_ref
-    return fn(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids, activation,
-              divide_global=divide_global, pair_threshold=pair_threshold, swiglu_limit=swiglu_limit, reduce=reduce)
+    if lora is not None and use_triton(x):
+        from sparrow.kernels.moe import fused_moe
+
+        _check(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global)
+        return fused_moe(x, dequantize_nvfp4_experts(w13, w13_scale, w13_global, divide_global).to(x.dtype),
+                         dequantize_nvfp4_experts(w2, w2_scale, w2_global, divide_global).to(x.dtype), topk_weights,
+                         topk_ids, activation, pair_threshold=pair_threshold, swiglu_limit=swiglu_limit,
+                         reduce=reduce, lora=lora)
+    if use_triton(x):
+        return nvfp4_fused_moe_triton(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights,
+                                      topk_ids, activation, divide_global=divide_global,
+                                      pair_threshold=pair_threshold, swiglu_limit=swiglu_limit, reduce=reduce)
+    return nvfp4_fused_moe_ref(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids,
+                               activation, divide_global=divide_global, pair_threshold=pair_threshold,
+                               swiglu_limit=swiglu_limit, reduce=reduce, lora=lora)
 
 
 def _check(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global) -> None:

@@ -37,4 +37,5 @@ class ForwardBatch:
     soft_mask: torch.Tensor | None = None
     """[R] bool: rows that take the next vector of ``soft_embeds``; None when no row does."""
     adapter_ids: torch.Tensor | None = None
-    """[R] int32: each row's adapter slot (-1: none); None when the step has no adapter rows."""
+    """[R] int32 (int64 in CUDA graphs): each row's LoRA adapter slot (-1: the base model); None when the step has
+    no adapter rows (eager steps) or LoRA is off."""

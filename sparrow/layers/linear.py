@@ -27,6 +27,8 @@ class Linear(nn.Module):
     loaded from its own checkpoint tensor by index."""
 
     quant_kind = "linear"
+    lora = None
+    """The adapter slots' buffers (``sparrow.lora.weights.LoRABuffers``) when LoRA is enabled."""
 
     def __init__(
         self,
@@ -76,5 +78,11 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         """x [R, K] -> [R, N]. ``batch``: the step's ForwardBatch (per-row facts such as adapter ids), when the
-        caller runs inside a model step."""
-        return self.quant_method.apply(self, x)
+        caller runs inside a model step: rows with an adapter get its delta B (A x), added to the base output in
+        the activation dtype whatever the weight format."""
+        y = self.quant_method.apply(self, x)
+        if self.lora is not None and batch is not None and batch.adapter_ids is not None:
+            from sparrow.lora.weights import add_linear_delta
+
+            y = add_linear_delta(self.lora, x, y, batch.adapter_ids)
+        return y

@@ -46,6 +46,8 @@ class FusedMoE(nn.Module):
     """
 
     quant_kind = "moe"
+    lora = None
+    """The adapter slots' expert buffers (``sparrow.lora.weights.ExpertLoRA``) when LoRA is enabled."""
 
     def __init__(
         self,
@@ -72,7 +74,12 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 reduce: bool = True, batch=None) -> torch.Tensor:
-        """``batch``: the step's ForwardBatch (per-row facts), when called inside a model step."""
+        """``batch``: the step's ForwardBatch (per-row facts), when called inside a model step: rows with an
+        adapter add its expert deltas per (row, expert) pair, before the activation (gate_up_proj) and before
+        the weighted reduce (down_proj)."""
+        if self.lora is not None and batch is not None and batch.adapter_ids is not None:
+            lora = self.lora.bind(batch.adapter_ids, topk_ids)
+            return self.quant_method.apply(self, x, topk_weights, topk_ids, reduce, lora=lora)
         return self.quant_method.apply(self, x, topk_weights, topk_ids, reduce)
 
     def extra_repr(self) -> str:
@@ -127,7 +134,7 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None,
                 expert_input: torch.Tensor | None = None, batch=None) -> torch.Tensor:
         """``batch``: the step's ForwardBatch, handed to the experts and the shared expert."""
-        topk_weights, topk_ids = self.gate(x) if input_ids is None else self.gate(x, input_ids)
+        topk_weights, topk_ids = self.gate(x, batch=batch) if input_ids is None else self.gate(x, input_ids)
         out = self.experts(x if expert_input is None else expert_input, topk_weights, topk_ids, batch=batch)
         if self.shared_expert is not None:
             shared = self.shared_expert(x, batch)

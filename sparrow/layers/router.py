@@ -77,9 +77,19 @@ class Router(nn.Module):
 
         return router_logits(x, self.weight)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    lora = None
+    """The adapter slots' buffers (``sparrow.lora.weights.LoRABuffers``, a delta [E] per row on the logits)."""
+
+    def forward(self, x: torch.Tensor, batch=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``batch``: the step's ForwardBatch; rows with an adapter add its router delta to the fp32 logits
+        before the scoring and top-k (PEFT's ``target_parameters`` on ``mlp.gate.weight``)."""
+        logits = self.logits(x)
+        if self.lora is not None and batch is not None and batch.adapter_ids is not None:
+            from sparrow.lora.weights import add_linear_delta
+
+            logits = add_linear_delta(self.lora, x, logits, batch.adapter_ids)
         return _selector(x)(
-            self.logits(x), self.top_k, self.scoring, self.renormalize, self.e_score_correction_bias,
+            logits, self.top_k, self.scoring, self.renormalize, self.e_score_correction_bias,
             self.n_group, self.topk_group, self.routed_scaling_factor,
         )
 

@@ -111,7 +111,7 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         layer.w2_scale = nn.Parameter(scales["down_proj"], requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              reduce: bool = True) -> torch.Tensor:
+              reduce: bool = True, lora=None) -> torch.Tensor:
         from sparrow.kernels import use_triton
 
         if use_triton(x):  # Triton grouped GEMM / per-expert GEMV (sparrow/kernels/moe.py)
@@ -119,12 +119,13 @@ class Fp8MoEMethod(FusedMoEMethodBase):
 
             return fused_moe(x, layer.gate_up_proj, layer.down_proj, topk_weights, topk_ids, layer.activation,
                              w13_scale=layer.w13_scale, w2_scale=layer.w2_scale,
-                             pair_threshold=layer.pair_threshold, swiglu_limit=layer.swiglu_limit, reduce=reduce)
+                             pair_threshold=layer.pair_threshold, swiglu_limit=layer.swiglu_limit, reduce=reduce,
+                             lora=lora)
         from sparrow.kernels.moe import fused_moe_fp8_ref
 
         return fused_moe_fp8_ref(x, layer.gate_up_proj, layer.down_proj, topk_weights, topk_ids,
                                  layer.activation, layer.swiglu_limit, w13_scale=layer.w13_scale,
-                                 w2_scale=layer.w2_scale, reduce=reduce)
+                                 w2_scale=layer.w2_scale, reduce=reduce, lora=lora)
 
 
 def quantize_experts(layer: nn.Module) -> None:

@@ -113,9 +113,10 @@ class Int4MoEMethod(FusedMoEMethodBase):
                 dequantize_int4_ref(layer.down_proj, layer.w2_scale, layer.w2_zero, g).to(dtype))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              reduce: bool = True) -> torch.Tensor:
+              reduce: bool = True, lora=None) -> torch.Tensor:
         from sparrow.kernels.int4_moe import int4_fused_moe
 
         return int4_fused_moe(x, layer.gate_up_proj, layer.w13_scale, layer.w13_zero, layer.down_proj, layer.w2_scale,
                               layer.w2_zero, layer.int4_group, topk_weights, topk_ids, layer.activation,
-                              pair_threshold=layer.pair_threshold, swiglu_limit=layer.swiglu_limit, reduce=reduce)
+                              pair_threshold=layer.pair_threshold, swiglu_limit=layer.swiglu_limit, reduce=reduce,
+                              lora=lora)

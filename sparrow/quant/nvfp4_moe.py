@@ -125,12 +125,12 @@ class Nvfp4MoEMethod(FusedMoEMethodBase):
                 setattr(layer, pname, nn.Parameter(t, requires_grad=False))  # the float tensor is freed here
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              reduce: bool = True) -> torch.Tensor:
+              reduce: bool = True, lora=None) -> torch.Tensor:
         """``sparrow.kernels.nvfp4_moe.nvfp4_fused_moe``: the W4A16 Triton kernels where Triton runs, else the twin
-        (the selected experts dequantized, the float paths of ``moe_ref``)."""
+        (the selected experts dequantized, the float paths of ``moe_ref``); ``lora``: per-pair adapter deltas."""
         from sparrow.kernels.nvfp4_moe import nvfp4_fused_moe
 
         return nvfp4_fused_moe(x, layer.gate_up_proj, layer.w13_weight_scale, layer.w13_global, layer.down_proj,
                                layer.w2_weight_scale, layer.w2_global, topk_weights, topk_ids, layer.activation,
                                divide_global=self.divide_global, pair_threshold=layer.pair_threshold,
-                               swiglu_limit=layer.swiglu_limit, reduce=reduce)
+                               swiglu_limit=layer.swiglu_limit, reduce=reduce, lora=lora)

@@ -43,7 +43,7 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
         layer.down_proj = stacked_expert_param(layer, h, i, 1, dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              reduce: bool = True) -> torch.Tensor:
+              reduce: bool = True, lora=None) -> torch.Tensor:
         from sparrow.kernels import use_triton
 
         if use_triton(x):  # Triton grouped GEMM / per-expert GEMV (sparrow/kernels/moe.py)
@@ -51,10 +51,11 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
 
             return fused_moe(x, layer.gate_up_proj, layer.down_proj, topk_weights, topk_ids, layer.activation,
                              w13_scale=None, w2_scale=None,
-                             pair_threshold=layer.pair_threshold, swiglu_limit=layer.swiglu_limit, reduce=reduce)
+                             pair_threshold=layer.pair_threshold, swiglu_limit=layer.swiglu_limit, reduce=reduce,
+                             lora=lora)
         path = fused_moe_grouped_ref if topk_ids.numel() > layer.pair_threshold else fused_moe_per_pair_ref
         return path(x, layer.gate_up_proj, layer.down_proj, topk_weights, topk_ids, layer.activation,
-                    layer.swiglu_limit, reduce=reduce)
+                    layer.swiglu_limit, reduce=reduce, lora=lora)
 
 
 class UnquantizedConfig(QuantizationConfig):

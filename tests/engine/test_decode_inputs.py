@@ -56,3 +56,17 @@ def test_block_table_longer_than_max_model_len_is_named():
     inp = DecodeInputs(torch.device("cpu"), BMAX, M, PAD_BLOCK, BLOCK)
     with pytest.raises(ValueError, match="6 blocks exceeds the 5"):
         inp.stage(1, 1, [1], [0], [0], [1], [[0, 1, 2, 3, 4, 5]])
+
+
+def test_lora_adapter_row():
+    """With LoRA the int64 buffer has a fourth row: each real row's adapter slot (None: -1), -1 in padding rows."""
+    inp = DecodeInputs(torch.device("cpu"), BMAX, M, PAD_BLOCK, BLOCK, lora=True)
+    assert torch.equal(inp.adapter_ids, torch.full((BMAX,), -1, dtype=torch.int64))
+    inp.stage(3, 4, [1, 2, 3], [0, 1, 2], [0, 1, 2], [1, 2, 3], [[0], [1], [2]], adapter_ids=[2, -1, 0])
+    inp.upload(4)
+    assert inp.adapter_ids[:4].tolist() == [2, -1, 0, -1]
+    i64, _, _ = expected(3, 4, [1, 2, 3], [0, 1, 2], [0, 1, 2], [1, 2, 3], [[0], [1], [2]])
+    assert torch.equal(inp.i64[:3, :4], i64)  # the other rows as without LoRA
+    inp.stage(2, 2, [1, 2], [0, 1], [0, 1], [1, 2], [[0], [1]])
+    inp.upload(2)
+    assert inp.adapter_ids[:2].tolist() == [-1, -1]

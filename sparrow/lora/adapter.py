@@ -1,0 +1,234 @@
+"""Read a PEFT LoRA adapter folder and map its tensors onto sparrow's modules.
+
+A folder holds ``adapter_config.json`` and ``adapter_model.safetensors`` with ``<module>.lora_A.weight``
+[r, in] and ``<module>.lora_B.weight`` [out, r] per adapted module, ``<module>`` under ``base_model.model.``.
+PEFT computes y = W x + s B (A x), s = lora_alpha / r (``use_rslora``: lora_alpha / sqrt(r); ``alpha_pattern``
+overrides alpha per module); here s is folded into B.
+
+Targets (sparrow module <- PEFT module):
+- dense linears (``Linear``): q / k / v / o, gate / up / down of dense MLPs and of shared experts; a packed
+  sparrow linear (``qkv_proj``, ``gate_up_proj``) takes its shards' factors side by side: A = [A_q; A_k; A_v]
+  [r_q + r_k + r_v, K], B block-diagonal [N, r_q + r_k + r_v];
+- the router (``Router``, HF ``mlp.gate``: PEFT ``target_parameters`` on ``mlp.gate.weight``): a delta on the
+  logits, A [r, H], B [E, r];
+- routed experts (``FusedMoE``): PEFT ``target_parameters`` on the fused 3-D ``experts.gate_up_proj`` [E, 2I, H] /
+  ``experts.down_proj`` [E, H, I] (PEFT's ParamWrapper: lora_A [E r, in] with expert e's rows e r .. e r + r - 1,
+  lora_B [out, r E] with expert e's rank j in column j E + e; which parameter a wrapper adapts is told by its
+  shapes, as nested wrappers of one module are saved as ``experts.lora_A`` / ``experts.base_layer.lora_A``), or
+  per-expert modules ``experts.N.gate_proj`` / ``up_proj`` / ``down_proj`` (Mixtral ``w1`` / ``w3`` / ``w2``),
+  gate and up side by side as for a packed linear.
+Per target the result is (A [.., R, K], B [.., N, R]) fp32 with s folded into B, a leading expert dim for experts.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from sparrow.errors import LoRAAdapterError
+from sparrow.lora.request import LoRARequest
+
+_KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.(lora_A|lora_B)\.weight$")
+_BASE_LAYER = ".base_layer"
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)$")
+
+
+@dataclass
+class Adapter:
+    """A loaded adapter: ``targets`` maps (sparrow module path, buffer name) to (A, B) fp32 CPU tensors with the
+    scaling folded into B (buffer names: ``weight`` for linears and routers, ``gate_up_proj`` / ``down_proj``
+    for experts); ``rank``: the adapter's largest per-module rank."""
+
+    request: LoRARequest
+    targets: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    rank: int = 0
+
+
+def _read_config(folder: Path, name: str) -> dict:
+    path = folder / "adapter_config.json"
+    if not path.is_file():
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: {path} does not exist")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: cannot read {path}: {e}") from None
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: peft_type {cfg.get('peft_type')!r} is not supported "
+                               "(only LORA)")
+    unsupported = [("use_dora", "DoRA"), ("use_qalora", "QALoRA"), ("use_bdlora", "BD-LoRA"),
+                   ("fan_in_fan_out", "fan_in_fan_out"), ("modules_to_save", "modules_to_save"),
+                   ("lora_bias", "lora_bias"), ("trainable_token_indices", "trainable_token_indices")]
+    for key, what in unsupported:
+        if cfg.get(key):
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: {what} ({key}={cfg[key]!r}) is not supported")
+    if cfg.get("bias", "none") != "none":
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: bias={cfg['bias']!r} is not supported (only 'none')")
+    if cfg.get("layer_replication"):
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: layer_replication is not supported")
+    return cfg
+
+
+def _alpha(cfg: dict, module: str) -> float:
+    """lora_alpha of PEFT ``module`` (``alpha_pattern``'s first key matching the module name's end, as PEFT)."""
+    for key, alpha in (cfg.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return float(alpha)
+    return float(cfg.get("lora_alpha", 8))
+
+
+def _scaling(cfg: dict, module: str, r: int) -> float:
+    alpha = _alpha(cfg, module)
+    return alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+
+
+def _side_by_side(parts: list[tuple[int, torch.Tensor, torch.Tensor]], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shards (first output row, A [r_i, K], B [n_i, r_i]) -> A [sum r_i, K], B [n, sum r_i] block-diagonal."""
+    a = torch.cat([p[1] for p in parts])
+    b = torch.zeros(n, a.shape[0])
+    col = 0
+    for row, _, bi in parts:
+        b[row:row + bi.shape[0], col:col + bi.shape[1]] = bi
+        col += bi.shape[1]
+    return a, b
+
+
+def load_adapter(request: LoRARequest, model: torch.nn.Module, max_lora_rank: int) -> Adapter:
+    """Read ``request``'s folder and map it onto ``model`` (a sparrow CausalLM). Raises LoRAAdapterError for a
+    missing or malformed folder, an unsupported PEFT feature (DoRA, biases, modules_to_save, ...), a tensor that
+    is not a lora_A / lora_B weight, a rank over ``max_lora_rank``, or a target sparrow cannot adapt (naming it)."""
+    from safetensors.torch import load_file
+
+    from sparrow.layers.linear import Linear
+    from sparrow.layers.moe import FusedMoE
+    from sparrow.layers.router import Router
+    from sparrow.models.base import EXPERT_TENSORS
+
+    name, folder = request.lora_name, Path(request.lora_path)
+    if not folder.is_dir():
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: {folder} is not a folder")
+    cfg = _read_config(folder, name)
+    path = folder / "adapter_model.safetensors"
+    if not path.is_file():
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: {path} does not exist (adapters are read from safetensors)")
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:  # a truncated or foreign file
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: cannot read {path}: {e}") from None
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    stray = []  # tensors other than lora_A / lora_B weights: refused after the targets (a bad target names itself)
+    for key, t in tensors.items():
+        m = _KEY.match(key)
+        if m is None:
+            stray.append(key)
+            continue
+        pairs.setdefault(m.group(1), {})[m.group(2)] = t.float()
+    adapter = Adapter(request)
+    linear_parts: dict[str, list] = {}
+    expert_parts: dict[tuple[str, str], dict[int, list]] = {}
+
+    def fail(module: str, why: str):
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: target module {module!r} {why}")
+
+    for module, ab in sorted(pairs.items()):
+        if set(ab) != {"lora_A", "lora_B"}:
+            fail(module, "lacks its lora_A or lora_B weight")
+        a, b = ab["lora_A"], ab["lora_B"]
+        if a.dim() != 2 or b.dim() != 2:
+            fail(module, f"has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}: both must be 2-D")
+        hf = module
+        while hf.endswith(_BASE_LAYER):
+            hf = hf[: -len(_BASE_LAYER)]
+        resolved = model.resolve_weight(hf + ".weight")
+        if resolved is None:
+            fail(hf, "is not part of the text decoder")
+        pname, shard = resolved
+        mpath = pname.rpartition(".")[0]
+        target = _submodule(model, mpath)
+        per_expert = _PER_EXPERT.match(hf)
+        if per_expert is not None and per_expert.group(3) not in EXPERT_TENSORS:
+            per_expert = None
+        if target is None:
+            fail(hf, "does not exist in the model")
+        if isinstance(target, Linear):
+            r = a.shape[0]
+            _check_rank(name, hf, r, max_lora_rank)
+            n_i = target.output_sizes[shard or 0]
+            if tuple(a.shape) != (r, target.in_features) or tuple(b.shape) != (n_i, r):
+                fail(hf, f"has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, expected "
+                         f"({r}, {target.in_features}) / ({n_i}, {r})")
+            row = sum(target.output_sizes[: shard or 0])
+            linear_parts.setdefault(mpath, []).append((row, a, b * _scaling(cfg, hf, r)))
+        elif isinstance(target, Router):
+            r = a.shape[0]
+            _check_rank(name, hf, r, max_lora_rank)
+            if tuple(a.shape) != (r, target.hidden_size) or tuple(b.shape) != (target.num_experts, r):
+                fail(hf, f"(router) has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, expected "
+                         f"({r}, {target.hidden_size}) / ({target.num_experts}, {r})")
+            adapter.targets[mpath, "weight"] = (a, b * _scaling(cfg, hf, r))
+            adapter.rank = max(adapter.rank, r)
+        elif isinstance(target, FusedMoE):
+            e, h, i = target.num_experts, target.hidden_size, target.intermediate_size
+            if per_expert is not None:  # experts.N.gate_proj: one expert's gate / up / down
+                stacked, block = EXPERT_TENSORS[per_expert.group(3)]
+                r, expert = a.shape[0], int(per_expert.group(2))
+                _check_rank(name, hf, r, max_lora_rank)
+                k, n_i = (h, i) if stacked == "gate_up_proj" else (i, h)
+                if expert >= e or tuple(a.shape) != (r, k) or tuple(b.shape) != (n_i, r):
+                    fail(hf, f"has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, expected ({r}, {k}) / "
+                             f"({n_i}, {r}) for one of {e} experts")
+                expert_parts.setdefault((mpath, stacked), {}).setdefault(expert, []).append(
+                    (block * i, a, b * _scaling(cfg, hf, r)))
+                continue
+            # fused 3-D parameter (PEFT target_parameters): which one, by the factors' shapes
+            stacked = {(h, 2 * i): "gate_up_proj", (i, h): "down_proj"}.get((a.shape[1], b.shape[0]))
+            if stacked is None or a.shape[0] % e or b.shape[1] != a.shape[0]:
+                fail(hf, f"(experts) has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, which fit neither "
+                         f"gate_up_proj ({e} experts x [{2 * i}, {h}]) nor down_proj ({e} x [{h}, {i}])")
+            r = a.shape[0] // e
+            _check_rank(name, hf, r, max_lora_rank)
+            a3 = a.reshape(e, r, a.shape[1])  # [E, r, in]
+            b3 = b.reshape(b.shape[0], r, e).permute(2, 0, 1).contiguous()  # [E, out, r]
+            adapter.targets[mpath, stacked] = (a3, b3 * _scaling(cfg, hf, r))
+            adapter.rank = max(adapter.rank, r)
+        else:
+            fail(hf, f"is a {type(target).__name__}, which LoRA cannot adapt here (supported: dense linears, "
+                     "the router mlp.gate, routed and shared experts)")
+    for mpath, parts in linear_parts.items():
+        target = model.get_submodule(mpath)
+        adapter.targets[mpath, "weight"] = _side_by_side(sorted(parts, key=lambda p: p[0]), target.out_features)
+        adapter.rank = max(adapter.rank, max(p[1].shape[0] for p in parts))
+    for (mpath, stacked), experts in expert_parts.items():
+        target = model.get_submodule(mpath)
+        n = 2 * target.intermediate_size if stacked == "gate_up_proj" else target.hidden_size
+        k = target.hidden_size if stacked == "gate_up_proj" else target.intermediate_size
+        built = {ex: _side_by_side(sorted(p, key=lambda q: q[0]), n) for ex, p in experts.items()}
+        width = max(a.shape[0] for a, _ in built.values())
+        a3 = torch.zeros(target.num_experts, width, k)
+        b3 = torch.zeros(target.num_experts, n, width)
+        for ex, (a, b) in built.items():
+            a3[ex, : a.shape[0]], b3[ex, :, : b.shape[1]] = a, b
+        adapter.targets[mpath, stacked] = (a3, b3)
+        adapter.rank = max(adapter.rank, max(p[1].shape[0] for ps in experts.values() for p in ps))
+    if stray:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {stray[0]!r} is not supported (only lora_A / lora_B "
+                               "weights: no DoRA magnitudes, biases, embeddings or saved modules)")
+    if not adapter.targets:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: {path} holds no LoRA weights")
+    return adapter
+
+
+def _check_rank(name: str, module: str, r: int, max_lora_rank: int) -> None:
+    if r > max_lora_rank:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: rank {r} of {module!r} exceeds max_lora_rank="
+                               f"{max_lora_rank}")
+
+
+def _submodule(model: torch.nn.Module, path: str):
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None

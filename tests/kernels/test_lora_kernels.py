@@ -1,0 +1,152 @@
+"""LoRA shrink / expand kernels and the one-launch delta (sparrow/kernels/lora.py) against their torch twins (and
+the twins against the per-row definition), and the routed experts' LoRA
+deltas in both MoE paths (Triton grouped GEMM / per-expert GEMV epilogue vs the torch twins, and the twins vs
+experts with the merged weights W_e + B_e A_e of each row's adapter). Triton runs under the interpreter on CPU.
+Tolerances: fp32 1e-4, bf16 1e-2 (absolute and relative; bf16 experts 3e-2 against the fp32 merged-weight
+oracle: the paths round the intermediate at different points)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparrow.kernels import backend
+from sparrow.kernels import lora as lora_kernels
+from sparrow.kernels.lora import lora_delta_ref, lora_delta_triton, lora_expand_ref, lora_expand_triton, \
+    lora_shrink_ref, lora_shrink_triton
+from sparrow.kernels.moe import fused_moe_triton
+from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config
+from sparrow.kernels.moe_ref import fused_moe_grouped_ref, fused_moe_per_pair_ref, gate_up_act
+from sparrow.lora.weights import ExpertLoRA, LoRABuffers
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+SLOTS = 3
+
+
+def _buffers(experts, width, k, n, dtype, ranks, seed):
+    """LoRABuffers with random factors of rank ranks[s] in slot s (zeros past it)."""
+    g = torch.Generator().manual_seed(seed)
+    buf = LoRABuffers(SLOTS, experts, width, k, n, dtype, torch.device(DEVICE))
+    for s, r in enumerate(ranks):
+        a = torch.randn(experts, r, k, generator=g) / k**0.5
+        b = torch.randn(experts, n, r, generator=g) / r**0.5
+        buf.write(s, (a[0], b[0]) if experts == 1 else (a, b))
+    return buf
+
+
+def _slots(rows, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-1, SLOTS, (rows,), generator=g).to(DEVICE)  # -1: rows of the base model
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shrink_expand_match_twins(rows, dtype):
+    k, n, width = 72, 100, 24
+    buf = _buffers(1, width, k, n, dtype, ranks=[8, 24, 3], seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEVICE)
+    slots = _slots(rows, rows)
+    y0 = torch.randn(rows, n, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEVICE)
+    t_ref = lora_shrink_ref(x, buf.a, slots, buf.ranks)
+    want = lora_expand_ref(t_ref, buf.b, slots, buf.ranks, y0.clone())
+    t = lora_shrink_triton(x, buf.a, slots, buf.ranks)
+    got = lora_expand_triton(t, buf.b, slots, buf.ranks, y0.clone())
+    mine = slots >= 0
+    torch.testing.assert_close(t[mine], t_ref[mine], **TOL[torch.float32])
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert torch.equal(got[~mine], y0[~mine])  # rows without an adapter are untouched
+    # and the twin is the plain per-row product with each slot's factors
+    for r in range(rows):
+        s = int(slots[r])
+        if s >= 0:
+            delta = buf.b[s].float() @ (buf.a[s].float() @ x[r].float())
+            torch.testing.assert_close(want[r].float(), (y0[r].float() + delta), **TOL[dtype])
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("rows,accumulate", [(1, True), (5, False), (17, True)])
+def test_delta_fused_and_two_launches(fused, rows, accumulate, monkeypatch):
+    """lora_delta: the one-launch kernel (few rows) and shrink + expand give the twin's result."""
+    monkeypatch.setattr(lora_kernels, "FUSED_MAX_BYTES", 1 << 40 if fused else 0)
+    k, n = 40, 300  # two fused N tiles, the second ragged
+    buf = _buffers(1, 16, k, n, torch.float32, ranks=[16, 7, 0], seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    slots = _slots(rows, rows + 1)
+    y0 = torch.randn(rows, n, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    want = lora_delta_ref(x, buf.a, buf.b, slots, buf.ranks, y0.clone(), accumulate=accumulate)
+    got = lora_delta_triton(x, buf.a, buf.b, slots, buf.ranks, y0.clone(), accumulate=accumulate)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    if not accumulate:
+        assert torch.all(got[slots < 0] == 0)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("rows,top_k", [(1, 2), (5, 3), (16, 1)])
+def test_pair_indexing(rows, top_k, fused, monkeypatch):
+    """Pairs use the weight set slot x E + expert of their row's slot, read x row p // top_k (gate_up) or their
+    own row (down); ranks are per slot."""
+    monkeypatch.setattr(lora_kernels, "FUSED_MAX_BYTES", 1 << 40 if fused else 0)
+    experts, k, n = 4, 40, 56
+    buf = _buffers(experts, 16, k, n, torch.float32, ranks=[16, 5, 9], seed=rows)
+    slots = _slots(rows, 3)
+    ids = torch.randint(0, experts, (rows, top_k), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    for x_rows, x_div in ((rows, top_k), (rows * top_k, 1)):
+        x = torch.randn(x_rows, k, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        kw = dict(expert_ids=ids, num_experts=experts, slot_div=top_k, x_div=x_div)
+        out0 = torch.zeros(rows * top_k, n, device=DEVICE)
+        want = lora_delta_ref(x, buf.a, buf.b, slots, buf.ranks, out0.clone(), **kw)
+        got = lora_delta_triton(x, buf.a, buf.b, slots, buf.ranks, out0.clone(), **kw)
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
+        for p in range(rows * top_k):  # the twin against the definition
+            s, e = int(slots[p // top_k]), int(ids.reshape(-1)[p])
+            if s >= 0:
+                w = s * experts + e
+                torch.testing.assert_close(want[p], buf.b[w] @ (buf.a[w] @ x[p // x_div]), **TOL[torch.float32])
+            else:
+                assert torch.all(want[p] == 0)
+
+
+def _moe_case(rows, experts, top_k, dtype, h=48, i=40):
+    g = torch.Generator().manual_seed(rows + experts)
+    x = torch.randn(rows, h, generator=g).to(dtype).to(DEVICE)
+    w13 = (torch.randn(experts, 2 * i, h, generator=g) / h**0.5).to(dtype).to(DEVICE)
+    w2 = (torch.randn(experts, h, i, generator=g) / i**0.5).to(dtype).to(DEVICE)
+    weights, ids = torch.softmax(torch.randn(rows, experts, generator=g), -1).topk(top_k, dim=-1)
+    lora = ExpertLoRA(_buffers(experts, 8, h, 2 * i, dtype, [8, 4, 6], seed=1),
+                      _buffers(experts, 8, i, h, dtype, [2, 8, 5], seed=2))
+    return x, w13, w2, weights.to(DEVICE), ids.to(DEVICE), lora, _slots(rows, rows)
+
+
+def _merged_oracle(x, w13, w2, weights, ids, lora, slots):
+    """Each pair with its row's merged expert weights W + B A (PEFT's merge), fp32."""
+    out = torch.zeros(x.shape[0], x.shape[1])
+    e_count = w13.shape[0]
+    for r in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e, s = int(ids[r, j]), int(slots[r])
+            g13, g2 = w13[e].float(), w2[e].float()
+            if s >= 0:
+                n = s * e_count + e
+                g13 = g13 + lora.gate_up.b[n].float() @ lora.gate_up.a[n].float()
+                g2 = g2 + lora.down.b[n].float() @ lora.down.a[n].float()
+            a = gate_up_act((g13 @ x[r].float())[None], "silu", None)[0]
+            out[r] += float(weights[r, j]) * (g2 @ a)
+    return out
+
+
+@pytest.mark.parametrize("path", ["grouped", "small"])
+@pytest.mark.parametrize("rows,experts,top_k,dtype", [(1, 4, 2, torch.float32), (9, 8, 3, torch.float32),
+                                                      (17, 8, 2, torch.bfloat16)])
+def test_expert_deltas_in_both_paths(path, rows, experts, top_k, dtype):
+    x, w13, w2, weights, ids, lora, slots = _moe_case(rows, experts, top_k, dtype)
+    ref = fused_moe_grouped_ref if path == "grouped" else fused_moe_per_pair_ref
+    with backend("torch"):
+        want = ref(x, w13, w2, weights, ids, lora=lora.bind(slots, ids))
+    oracle = _merged_oracle(x, w13, w2, weights, ids, lora, slots).to(DEVICE)
+    tol = TOL[torch.float32] if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)  # bf16: two roundings apart
+    torch.testing.assert_close(want.float(), oracle, **tol)
+    cfg = MoeConfig(16, Tile(32, 32), Tile(64, 32))
+    with backend("triton"), forced_config(cfg) if DEVICE == "cpu" else torch.no_grad():
+        got = fused_moe_triton(x, w13, w2, weights, ids, pair_threshold=-1 if path == "grouped" else 10**9,
+                               lora=lora.bind(slots, ids))
+    torch.testing.assert_close(got.float(), want.float() if dtype == torch.float32 else oracle, **tol)

@@ -1,0 +1,76 @@
+"""What LoRA refuses, with a LoRAAdapterError (an InvalidRequestError) or InvalidRequestError naming the problem:
+DoRA, a rank over max_lora_rank, a target sparrow cannot adapt or that the model lacks, a missing folder, a
+lora_request without enable_lora, a bad lora_int_id, a lora_request list of the wrong length. Adapters made with
+PEFT on a tiny random Llama."""
+from __future__ import annotations
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from sparrow import LoRARequest, SamplingParams
+from sparrow.errors import InvalidRequestError, LoRAAdapterError
+from tests.helpers import assert_one_line, make_llm
+from tests.lora._adapters import base_model, make_adapter
+
+PROMPT = {"prompt_token_ids": [5, 6, 7, 8]}
+PARAMS = SamplingParams(max_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return base_model("llama", tmp_path_factory.mktemp("lora-errors") / "base")
+
+
+@pytest.fixture(scope="module")
+def llm(base):
+    return make_llm(base, max_model_len=64, enable_lora=True, max_loras=2, max_lora_rank=4)
+
+
+def _refused(llm, path, match, cls=LoRAAdapterError):
+    with pytest.raises(cls, match=match) as err:
+        llm.generate(PROMPT, PARAMS, lora_request=LoRARequest("bad", 7, str(path)))
+    assert_one_line(str(err.value))
+    assert not llm.engine.requests  # nothing left queued
+
+
+def test_dora(llm, base, tmp_path):
+    _refused(llm, make_adapter("llama", base, tmp_path / "dora", 0, r=4, target_modules=["q_proj"], use_dora=True),
+             "DoRA")
+
+
+def test_rank_over_max_lora_rank(llm, base, tmp_path):
+    path = make_adapter("llama", base, tmp_path / "r8", 0, r=8, target_modules=["v_proj"])
+    _refused(llm, path, r"rank 8 of '.*v_proj' exceeds max_lora_rank=4")
+
+
+def test_target_that_cannot_be_adapted(llm, base, tmp_path):
+    _refused(llm, make_adapter("llama", base, tmp_path / "head", 0, r=4, target_modules=["lm_head"]),
+             "'lm_head' is a Module, which LoRA cannot adapt")
+
+
+def test_target_the_model_lacks(llm, base, tmp_path):
+    path = make_adapter("llama", base, tmp_path / "x", 0, r=4, target_modules=["q_proj"])
+    file = path / "adapter_model.safetensors"
+    save_file({k.replace("q_proj", "x_proj"): v for k, v in load_file(str(file)).items()}, str(file))
+    _refused(llm, path, "'model.layers.0.self_attn.x_proj' does not exist in the model")
+
+
+def test_missing_folder(llm, tmp_path):
+    _refused(llm, tmp_path / "nowhere", "is not a folder")
+
+
+def test_lora_request_without_enable_lora(base):
+    plain = make_llm(base, max_model_len=64)
+    with pytest.raises(InvalidRequestError, match=r"enable_lora=True"):
+        plain.generate(PROMPT, PARAMS, lora_request=LoRARequest("a", 1, str(base)))
+
+
+def test_bad_requests(llm, base):
+    with pytest.raises(InvalidRequestError, match="lora_int_id must be an int >= 1"):
+        LoRARequest("a", 0, str(base))
+    with pytest.raises(InvalidRequestError, match="got 2 lora_requests for 1 prompts"):
+        llm.generate(PROMPT, PARAMS, lora_request=[None, None])
+    with pytest.raises(InvalidRequestError, match="lora_request must be a LoRARequest"):
+        llm.generate(PROMPT, PARAMS, lora_request="adapter")
+    with pytest.raises(InvalidRequestError, match="max_loras=0 must be at least 1"):
+        make_llm(base, enable_lora=True, max_loras=0)

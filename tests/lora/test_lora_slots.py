@@ -1,0 +1,51 @@
+"""The adapter slots (sparrow/lora/manager.py): adapters copied into max_loras slots on demand, the least recently
+used one not in the step evicted, a slot's buffers holding exactly the adapter's factors (zeros past its rank and
+for the modules it does not target), and one folder under two ids read once. Tiny random Llama, PEFT adapters."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparrow import LoRARequest
+from tests.helpers import make_llm
+from tests.lora._adapters import base_model, make_adapter
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-slots")
+    base = base_model("llama", root / "base")
+    a = make_adapter("llama", base, root / "a", 1, r=4, target_modules=["q_proj", "v_proj", "down_proj"])
+    b = make_adapter("llama", base, root / "b", 2, r=2, target_modules=["o_proj"])
+    llm = make_llm(base, max_model_len=64, enable_lora=True, max_loras=2, max_lora_rank=4)
+    return llm.engine.runner.lora, a, b
+
+
+def test_lru_slots_and_their_contents(setup):
+    mgr, a, b = setup
+    reqs = {1: LoRARequest("a", 1, str(a)), 2: LoRARequest("b", 2, str(b)), 3: LoRARequest("a-again", 3, str(a))}
+    for r in reqs.values():
+        mgr.load(r)
+    assert mgr.adapters[3].targets is mgr.adapters[1].targets  # same folder: read once
+    s12 = mgr.assign({1, 2})
+    assert sorted(s12.values()) == [0, 1]
+    assert mgr.assign({2}) == {2: s12[2]}  # 2 used last: 1 is the least recently used
+    assert mgr.assign({3}) == {3: s12[1]}  # evicts 1, keeps 2
+    assert set(mgr.slots) == {2, 3}
+    with pytest.raises(ValueError, match="more than max_loras=2"):
+        mgr.assign({1, 2, 3})
+    # slot contents: adapter 2 (o_proj only, rank 2) in its slot, zeros elsewhere
+    slot = s12[2]
+    qkv = mgr.buffers["model.layers.0.self_attn.qkv_proj", "weight"]
+    o = mgr.buffers["model.layers.0.self_attn.o_proj", "weight"]
+    a_o, b_o = mgr.adapters[2].targets["model.layers.0.self_attn.o_proj", "weight"]
+    assert int(o.ranks[slot]) == 2 and int(qkv.ranks[slot]) == 0
+    assert torch.equal(o.a[slot, :2], a_o) and torch.all(o.a[slot, 2:] == 0)
+    assert torch.equal(o.b[slot, :, :2], b_o) and torch.all(o.b[slot, :, 2:] == 0)
+    assert torch.all(qkv.a[slot] == 0) and torch.all(qkv.b[slot] == 0)
+    # adapter 3 (= a: q and v of rank 4 side by side in the packed qkv_proj, B block-diagonal)
+    slot = mgr.slots[3]
+    q_rows, k_rows = 64, 32
+    assert int(qkv.ranks[slot]) == 8
+    assert torch.all(qkv.b[slot, :q_rows, 4:] == 0) and torch.all(qkv.b[slot, q_rows:q_rows + k_rows] == 0)
+    assert torch.all(qkv.b[slot, q_rows + k_rows:, :4] == 0)
