@@ -335,7 +335,8 @@ def w4_moe_gemv_kernel(
                 if GATED:
                     acc_u = split_k_sum(ws_ptr, tile * SPLIT_K * NACC + 1, last, SPLIT_K, NACC, BLOCK_R, BLOCK_N)
                 m_mask = split_k_and(m_mask, last)
-            _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit, GATED, ACT, HAS_LIMIT, RNE_BF16)
+            _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit, GATED, ACT, HAS_LIMIT, RNE_BF16,
+                      c_ptr, False)  # no LoRA delta: 4-bit experts with adapters run the float kernels
 
 
 @triton.jit
@@ -368,4 +369,5 @@ def w4_moe_gemm_kernel(
             z_ptr + expert * stride_se, stride_sn, stride_sn, rn, n_mask, N, 0, K, GROUP,
             GATED, NVFP4, HAS_ZERO, SCALE_W, UPCAST, RNE_BF16, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, SWAP_AB)
         acc_g, acc_u = _w4_global(acc_g, acc_u, g_ptr, a_ptr, expert, stride_ge, GATED, NVFP4, DIVIDE_G)
-        _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit, GATED, ACT, HAS_LIMIT, RNE_BF16)
+        _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit, GATED, ACT, HAS_LIMIT, RNE_BF16,
+                  c_ptr, False)  # no LoRA delta: 4-bit experts with adapters run the float kernels
