@@ -297,6 +297,22 @@ def cmd_bench(args) -> int:
     return run_bench(args)
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    """'NAME=PATH' or vLLM's JSON form '{"name": NAME, "path": PATH}' -> (name, path)."""
+    if text.lstrip().startswith("{"):
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("path"), str):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an object with string fields name and path")
+        return obj["name"], obj["path"]
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=PATH")
+    return name, path
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with sparrow's error format: one line, exit status 2."""
 
@@ -341,6 +357,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve a random-weight model of a named shape instead of --model, without a tokenizer: "
                         "prompts as token ids, answers as token ids (" + ", ".join(SHAPES) + ")")
     s.add_argument("--seed", type=int, default=0, help="seed of --model-shape's random weights (default 0)")
+    s.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (--lora-modules)")
+    s.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
+                   help="PEFT adapter folders, each served as the model NAME (also as JSON: "
+                        "'{\"name\": NAME, \"path\": PATH}')")
+    s.add_argument("--max-loras", type=_positive_int, default=4, help="adapters on the device at once (default 4)")
+    s.add_argument("--max-lora-rank", type=_positive_int, default=64, help="largest adapter rank (default 64)")
     s.set_defaults(func=cmd_serve)
     b = sub.add_parser("bench", parents=[verbose],
                        help="prefill / decode tok/s of sparrow and of HF transformers on the same weights")

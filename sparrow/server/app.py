@@ -16,7 +16,7 @@ import contextlib
 import logging
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -93,13 +93,15 @@ class ServedModel:
     vocab_size: int
     spec_k: int | None = None
     """Draft tokens per verify step with speculative decoding on; None: off."""
+    loras: dict = field(default_factory=dict)
+    """Served LoRA adapters: name (a ``model`` value) -> LoRARequest."""
 
     @classmethod
-    def of(cls, llm, served_model_name: str | None = None) -> "ServedModel":
+    def of(cls, llm, served_model_name: str | None = None, loras: dict | None = None) -> "ServedModel":
         spec = llm.config.speculative
         return cls(served_model_name or (llm.model_path or "sparrow-model"), llm.model_path,
                    llm.config.max_model_len, llm.config.model.vocab_size,
-                   spec.num_speculative_tokens if spec is not None else None)
+                   spec.num_speculative_tokens if spec is not None else None, dict(loras or {}))
 
 
 class _Server:
@@ -116,10 +118,17 @@ class _Server:
         self.metrics = client.metrics
         self.loop = client
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"the model {model!r} does not exist (this server serves {self.model_name!r})",
-                           "model", "model_not_found")
+    def check_model(self, model: str | None):
+        """The LoRARequest a request's ``model`` names (None: the base model, or no model given). Raises ApiError
+        404 naming the served models for another name."""
+        if model is None or model == self.model_name:
+            return None
+        lora = self.model.loras.get(model)
+        if lora is None:
+            served = ", ".join(repr(n) for n in [self.model_name, *self.model.loras])
+            raise ApiError(404, f"the model {model!r} does not exist (this server serves {served})", "model",
+                           "model_not_found")
+        return lora
 
     def need_tokenizer(self, what: str, param: str | None) -> None:
         """ApiError 400 naming ``what`` when the model has no tokenizer (a random-weight --model-shape)."""
@@ -276,9 +285,11 @@ def build_app(model: ServedModel, tokenizer, client: EngineClient, api_key: str 
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": server.model_name, "object": "model", "created": server.created, "owned_by": "sparrow",
-            "root": model.root, "max_model_len": server.max_model_len}]}
+        base = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "sparrow",
+                "root": model.root, "parent": None, "max_model_len": server.max_model_len}
+        adapters = [{**base, "id": name, "root": lora.lora_path, "parent": server.model_name}
+                    for name, lora in model.loras.items()]
+        return {"object": "list", "data": [base, *adapters]}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

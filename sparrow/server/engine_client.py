@@ -53,12 +53,13 @@ class EngineClient:
         threading.Thread(target=self._read, args=(loop,), name="sparrow-engine-reader", daemon=True).start()
 
     def add(self, prompt: dict, params: SamplingParams, queue: asyncio.Queue | None = None,
-            prefix: str = "req") -> RequestStream:
+            prefix: str = "req", lora_request=None) -> RequestStream:
         """Send ``prompt`` ({'prompt_token_ids': [...], optional 'prompt'}) to the engine; call on the event loop.
-        ``queue``: where its items go (a new queue when None)."""
+        ``queue``: where its items go (a new queue when None); ``lora_request``: the LoRARequest it runs with
+        (None: the base model)."""
         s = RequestStream(f"{prefix}-{next(self._ids)}", prompt, params, asyncio.Queue() if queue is None else queue)
         self._live[s.request_id] = s
-        self.conn.send(("add", s.request_id, prompt, params))
+        self.conn.send(("add", s.request_id, prompt, params, lora_request))
         return s
 
     def abort(self, request_id: str) -> None:

@@ -1,7 +1,7 @@
 """The engine side of the server: one thread owns the Engine and steps it; the HTTP front end (another process,
 ``sparrow.server.frontend``) talks to it over a pipe.
 
-The front end sends ``("add", request_id, prompt, params)`` and ``("abort", request_id)``; ``EngineLoop.pump``
+The front end sends ``("add", request_id, prompt, params, lora_request)`` and ``("abort", request_id)``; ``EngineLoop.pump``
 reads them on a thread of its own and queues them for the engine thread, which applies them between steps (an
 abort frees the request's KV blocks before the next step). Before the loop starts, ``("base", state)`` gives the
 counts /metrics starts from. After each loop iteration the engine thread sends one
@@ -129,7 +129,7 @@ class EngineLoop:
         self.engine = engine
         self._send = send
         self._cond = threading.Condition()
-        self._adds: list[tuple[str, dict, SamplingParams]] = []
+        self._adds: list[tuple] = []
         self._aborts: list[str] = []
         self._live: set[str] = set()
         self._stop = False
@@ -144,10 +144,11 @@ class EngineLoop:
             self._cond.notify()
         self._thread.join(timeout=10)
 
-    def add(self, request_id: str, prompt: dict, params: SamplingParams) -> None:
-        """Queue ``prompt`` ({'prompt_token_ids': [...], optional 'prompt'}) under ``request_id``."""
+    def add(self, request_id: str, prompt: dict, params: SamplingParams, lora_request=None) -> None:
+        """Queue ``prompt`` ({'prompt_token_ids': [...], optional 'prompt'}) under ``request_id``, with
+        ``lora_request`` (a LoRARequest; None: the base model)."""
         with self._cond:
-            self._adds.append((request_id, prompt, params))
+            self._adds.append((request_id, prompt, params, lora_request))
             self._cond.notify()
 
     def abort(self, request_id: str) -> None:
@@ -165,7 +166,7 @@ class EngineLoop:
             except (EOFError, OSError):
                 break
             if msg[0] == "add":
-                self.add(msg[1], msg[2], msg[3])
+                self.add(msg[1], msg[2], msg[3], msg[4])
             elif msg[0] == "abort":
                 self.abort(msg[1])
         with self._cond:
@@ -183,8 +184,8 @@ class EngineLoop:
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
             items: list = []
-            for rid, prompt, params in adds:
-                self._admit(rid, prompt, params, items)
+            for rid, prompt, params, lora in adds:
+                self._admit(rid, prompt, params, lora, items)
             for rid in aborts:
                 if rid in self._live:
                     self._live.discard(rid)
@@ -219,9 +220,9 @@ class EngineLoop:
                     self._live.discard(out.request_id)
                     items.append((out.request_id, None))
 
-    def _admit(self, rid: str, prompt: dict, params: SamplingParams, items: list) -> None:
+    def _admit(self, rid: str, prompt: dict, params: SamplingParams, lora_request, items: list) -> None:
         try:
-            self.engine.add_request(prompt, params, request_id=rid)
+            self.engine.add_request(prompt, params, request_id=rid, lora_request=lora_request)
         except SparrowError as e:
             items.append((rid, StreamError(str(e), True)))
             return

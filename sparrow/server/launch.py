@@ -11,7 +11,7 @@ import logging
 import multiprocessing
 import threading
 
-from sparrow.errors import SparrowError
+from sparrow.errors import InvalidRequestError, SparrowError
 from sparrow.server.app import ServedModel
 from sparrow.server.engine_loop import EngineLoop, engine_state
 
@@ -22,8 +22,9 @@ class ServerProcess:
     """A running server: ``url``, ``model`` (the ServedModel), ``stop()``, ``wait()``."""
 
     def __init__(self, llm, host: str, port: int, served_model_name: str | None, api_key: str | None,
-                 startup_timeout: float, warm_up: bool):
+                 startup_timeout: float, warm_up: bool, lora_modules: dict[str, str] | None):
         self.llm = llm
+        loras = lora_requests(llm, lora_modules or {})
         if warm_up:
             import time
 
@@ -33,7 +34,10 @@ class ServerProcess:
             steps = run_warm_up(llm.engine)
             log.info("warm-up: %d steps in %.1f s (kernels compiled for prefill and mixed steps)", steps,
                      time.monotonic() - t0)
-        self.model = ServedModel.of(llm, served_model_name)
+        self.model = ServedModel.of(llm, served_model_name, loras)
+        if self.model.name in loras:
+            raise InvalidRequestError(f"--lora-modules: the adapter name {self.model.name!r} is the base model's "
+                                      "served name")
         self.url = f"http://{host}:{port}"
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)
@@ -93,13 +97,32 @@ def _frontend_main(*args) -> None:
     run_frontend(*args)
 
 
+def lora_requests(llm, lora_modules: dict[str, str]) -> dict:
+    """name -> LoRARequest (ids 1, 2, .. in order) for ``lora_modules`` (name -> PEFT folder), each adapter read
+    and checked now. Raises InvalidRequestError when the LLM was built without enable_lora, LoRAAdapterError
+    for an adapter it cannot use."""
+    if not lora_modules:
+        return {}
+    if llm.config.lora is None:
+        raise InvalidRequestError("--lora-modules needs --enable-lora (LLM(..., enable_lora=True))")
+    from sparrow.lora.request import LoRARequest
+
+    out = {}
+    for i, (name, path) in enumerate(lora_modules.items(), start=1):
+        req = out[name] = LoRARequest(name, i, path)
+        llm.engine.runner.lora.load(req)
+    return out
+
+
 def start_server(llm, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
-                 api_key: str | None = None, startup_timeout: float = 120.0,
-                 warm_up: bool | None = None) -> ServerProcess:
+                 api_key: str | None = None, startup_timeout: float = 120.0, warm_up: bool | None = None,
+                 lora_modules: dict[str, str] | None = None) -> ServerProcess:
     """Serve ``llm`` (its engine is the server's from now until ``stop()``: do not call the LLM meanwhile) on
     ``host:port``; returns once the front end listens. ``warm_up``: run ``sparrow.engine.warmup.warm_up`` first
-    (None: when the engine runs on CUDA, where kernels compile on first use). Raises SparrowError when it cannot
-    listen (the port in use) or does not start within ``startup_timeout`` seconds."""
+    (None: when the engine runs on CUDA, where kernels compile on first use). ``lora_modules``: name -> PEFT
+    adapter folder, each served as a model of that name (the request's ``model`` picks it; needs
+    ``enable_lora``). Raises SparrowError when an adapter cannot be used, when it cannot listen (the port in
+    use) or when the front end does not start within ``startup_timeout`` seconds."""
     if warm_up is None:
         warm_up = llm.config.device.startswith("cuda")
-    return ServerProcess(llm, host, port, served_model_name, api_key, startup_timeout, warm_up)
+    return ServerProcess(llm, host, port, served_model_name, api_key, startup_timeout, warm_up, lora_modules)

@@ -17,6 +17,8 @@ def _build_llm(args):
                   gpu_memory_utilization=args.gpu_memory_utilization, speculative_config=args.speculative_config)
     if args.max_num_seqs is not None:
         engine["max_num_seqs"] = args.max_num_seqs
+    if args.enable_lora:
+        engine.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     quant = dict(quantization=args.quantization, quantize_lm_head=args.quantize_lm_head)
     shape = getattr(args, "model_shape", None)
     if shape is None:
@@ -33,22 +35,29 @@ def _build_llm(args):
 def run_server(args) -> int:
     """Serve ``args`` (the ``serve`` subcommand's namespace) until Ctrl-C or the front end exits. Raises
     SparrowError for a bad model or engine argument (before anything listens) or a port that cannot be bound."""
+    from sparrow.errors import InvalidRequestError
     from sparrow.server.launch import start_server
 
+    if args.lora_modules and not args.enable_lora:
+        raise InvalidRequestError("--lora-modules needs --enable-lora")
     logging.getLogger("sparrow.server").setLevel(logging.INFO)
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(name)s: %(message)s")
     llm = _build_llm(args)
     shape = getattr(args, "model_shape", None)
+    loras = dict(args.lora_modules or [])
+    if len(loras) != len(args.lora_modules or []):
+        raise InvalidRequestError("--lora-modules: each adapter needs a name of its own")
     srv = start_server(llm, host=args.host, port=args.port, served_model_name=args.served_model_name or shape,
-                       api_key=args.api_key)
+                       api_key=args.api_key, lora_modules=loras)
     cfg = llm.config
     kv_tokens = llm.engine.block_manager.num_blocks * cfg.cache.block_size
     source = f"random-weight shape {shape}, no tokenizer: token-id prompts" if shape else llm.model_path
     quant = f", {args.quantization}" if args.quantization else ""
-    log.info("sparrow serve: model %s (%s) on %s, %s%s; KV cache %d tokens; max_model_len %d; "
+    adapters = f"; LoRA adapters {', '.join(srv.model.loras)}" if srv.model.loras else ""
+    log.info("sparrow serve: model %s (%s) on %s, %s%s; KV cache %d tokens; max_model_len %d%s; "
              "listening on %s/v1", srv.model.name, source, cfg.device, cfg.dtype, quant, kv_tokens,
-             cfg.max_model_len, srv.url)
+             cfg.max_model_len, adapters, srv.url)
     try:
         while not srv.wait(1.0):
             pass

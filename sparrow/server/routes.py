@@ -94,7 +94,7 @@ def add_generation_routes(app: FastAPI, server) -> None:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
-        server.check_model(body.model)
+        lora = server.check_model(body.model)
         if body.suffix:
             raise ApiError(400, "suffix is not supported", "suffix")
         if body.stop and server.tokenizer is None:
@@ -112,7 +112,7 @@ def add_generation_routes(app: FastAPI, server) -> None:
         drop = body.max_tokens == 0  # one token sampled for the prompt's logprobs, not returned
         want_ids = body.return_token_ids or server.tokenizer is None  # no tokenizer: the ids are the answer
         queue: asyncio.Queue = asyncio.Queue()
-        streams = [server.loop.add(p, sp, queue, "cmpl") for p, sp in zip(prompts, params)]
+        streams = [server.loop.add(p, sp, queue, "cmpl", lora) for p, sp in zip(prompts, params)]
         rid, n = f"cmpl-{uuid.uuid4().hex}", body.n
         n_prompt = sum(len(p["prompt_token_ids"]) for p in prompts)
 
@@ -185,7 +185,7 @@ def add_generation_routes(app: FastAPI, server) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        server.check_model(body.model)
+        lora = server.check_model(body.model)
         text = server.chat_prompt(body.messages)
         ids = server.encode(text)
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -195,7 +195,7 @@ def add_generation_routes(app: FastAPI, server) -> None:
             raise ApiError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
         params = body._params(mt, k_top if body.logprobs else None)
         queue: asyncio.Queue = asyncio.Queue()
-        streams = [server.loop.add({"prompt_token_ids": ids, "prompt": text}, params, queue, "chat")]
+        streams = [server.loop.add({"prompt_token_ids": ids, "prompt": text}, params, queue, "chat", lora)]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
 
         if body.stream:
