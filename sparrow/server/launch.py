@@ -70,6 +70,11 @@ class ServerProcess:
         with self._send_lock:
             self._conn.send(msg)
 
+    @property
+    def exitcode(self) -> int | None:
+        """The front end's exit code (None while it runs)."""
+        return self._proc.exitcode
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the front end exits (or ``timeout`` seconds); True when it has."""
         self._proc.join(timeout)

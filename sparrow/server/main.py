@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 
 log = logging.getLogger("sparrow.server")
 
@@ -58,6 +59,10 @@ def run_server(args) -> int:
     log.info("sparrow serve: model %s (%s) on %s, %s%s; KV cache %d tokens; max_model_len %d%s; "
              "listening on %s/v1", srv.model.name, source, cfg.device, cfg.dtype, quant, kv_tokens,
              cfg.max_model_len, adapters, srv.url)
+    def _terminate(signum, frame):  # SIGTERM (docker stop, kill): the same orderly stop as Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         while not srv.wait(1.0):
             pass
@@ -65,4 +70,7 @@ def run_server(args) -> int:
         pass
     finally:
         srv.stop()
+    if srv.exitcode not in (0, None, -2):  # -2: SIGINT (Ctrl-C reached the front end too)
+        log.error("the HTTP front end exited with code %s; the server stopped", srv.exitcode)
+        return 1
     return 0
