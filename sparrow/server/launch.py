@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import threading
+import time
 
 from sparrow.errors import InvalidRequestError, SparrowError
 from sparrow.server.app import ServedModel
@@ -25,19 +26,17 @@ class ServerProcess:
                  startup_timeout: float, warm_up: bool, lora_modules: dict[str, str] | None):
         self.llm = llm
         loras = lora_requests(llm, lora_modules or {})
+        self.model = ServedModel.of(llm, served_model_name, loras)
+        if self.model.name in loras:
+            raise InvalidRequestError(f"--lora-modules: the adapter name {self.model.name!r} is the base model's "
+                                      "served name")
         if warm_up:
-            import time
-
             from sparrow.engine.warmup import warm_up as run_warm_up
 
             t0 = time.monotonic()
             steps = run_warm_up(llm.engine)
             log.info("warm-up: %d steps in %.1f s (kernels compiled for prefill and mixed steps)", steps,
                      time.monotonic() - t0)
-        self.model = ServedModel.of(llm, served_model_name, loras)
-        if self.model.name in loras:
-            raise InvalidRequestError(f"--lora-modules: the adapter name {self.model.name!r} is the base model's "
-                                      "served name")
         self.url = f"http://{host}:{port}"
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)
