@@ -92,6 +92,29 @@ def engine_state(engine) -> EngineState:
                        bm.prefix_cache_queries, bm.prefix_cache_hits, counts)
 
 
+def watch_kernel_variants(seen: list[str]):
+    """Append to ``seen`` the description (kernel name, launch options, argument types) of each Triton kernel
+    variant as it is first met in this process, compiled or loaded from Triton's disk cache (the
+    ``triton.knobs.runtime.jit_cache_hook``; a hook set before is still called). Returns a callable that removes
+    the watch; without triton (or its knobs) nothing is watched."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return lambda: None
+    old = knobs.runtime.jit_cache_hook
+
+    def hook(**kw):
+        seen.append(kw.get("repr", "?"))
+        return old(**kw) if old is not None else False
+
+    knobs.runtime.jit_cache_hook = hook
+
+    def undo():
+        knobs.runtime.jit_cache_hook = old
+
+    return undo
+
+
 def merge_updates(a: Update, b: Update) -> Update:
     """One Update carrying ``a``'s then ``b``'s deltas (two steps of one request, coalesced when the front end
     reads them together): per completion index, text and tokens concatenated, the later finish reason."""
@@ -133,9 +156,12 @@ class EngineLoop:
         self._aborts: list[str] = []
         self._live: set[str] = set()
         self._stop = False
+        self._variants: list[str] = []
+        self._unwatch = lambda: None
         self._thread = threading.Thread(target=self._run, name="sparrow-engine-loop", daemon=True)
 
     def start(self) -> None:
+        self._unwatch = watch_kernel_variants(self._variants)
         self._thread.start()
 
     def stop(self) -> None:
@@ -143,6 +169,7 @@ class EngineLoop:
             self._stop = True
             self._cond.notify()
         self._thread.join(timeout=10)
+        self._unwatch()
 
     def add(self, request_id: str, prompt: dict, params: SamplingParams, lora_request=None) -> None:
         """Queue ``prompt`` ({'prompt_token_ids': [...], optional 'prompt'}) under ``request_id``, with
@@ -200,6 +227,7 @@ class EngineLoop:
     def _step(self, items: list) -> None:
         engine = self.engine
         t0 = time.monotonic()
+        seen = len(self._variants)
         try:
             outputs = engine.step()
         except Exception:  # the engine aborted the step's requests; every other one goes on
@@ -211,8 +239,11 @@ class EngineLoop:
             return
         took = time.monotonic() - t0
         if took > SLOW_STEP_S:
-            log.info("an engine step took %.2f s (%d running, %d waiting; the first step of a new composition "
-                     "compiles its kernels)", took, len(engine.scheduler.running), len(engine.scheduler.waiting))
+            new = self._variants[seen:]
+            names = "; ".join(v[:160] for v in new[:4]) + (f"; +{len(new) - 4} more" if len(new) > 4 else "")
+            log.info("an engine step took %.2f s (%d running, %d waiting); Triton kernel variants met first in it: "
+                     "%d%s", took, len(engine.scheduler.running), len(engine.scheduler.waiting), len(new),
+                     f" ({names})" if new else "")
         for out in outputs:
             if out.request_id in self._live:
                 items.append((out.request_id, _snapshot(out)))

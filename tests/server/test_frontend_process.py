@@ -62,3 +62,23 @@ def test_warm_up_is_not_counted_in_metrics(tiny_text_model_dir):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     finally:
         stop_server(srv)
+
+
+def test_kernel_variants_are_watched_while_the_loop_runs():
+    """The engine loop's watch on Triton's jit_cache_hook (named in its slow-step log line): it records each
+    variant's description, calls a hook set before it, and is removed again."""
+    knobs = pytest.importorskip("triton").knobs
+    from sparrow.server.engine_loop import watch_kernel_variants
+
+    calls = []
+    knobs.runtime.jit_cache_hook = lambda **kw: calls.append(kw["repr"]) or False
+    try:
+        seen: list[str] = []
+        undo = watch_kernel_variants(seen)
+        assert knobs.runtime.jit_cache_hook(repr="k[num_warps=4](x: *fp32)", key=None) is False
+        assert seen == calls == ["k[num_warps=4](x: *fp32)"]
+        undo()
+        knobs.runtime.jit_cache_hook(repr="other")
+        assert seen == ["k[num_warps=4](x: *fp32)"]
+    finally:
+        knobs.runtime.jit_cache_hook = None
