@@ -89,6 +89,30 @@ def _add_model_args(p: argparse.ArgumentParser, kv_cache: bool = True) -> None:
                         "format too (FP8: half its bytes; rounds the logits)")
 
 
+def _add_lora_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora", default=None, metavar="PATH",
+                   help="apply this PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors)")
+
+
+def _lora_request(args):
+    """The LoRARequest of ``--lora`` (None without it)."""
+    if getattr(args, "lora", None) is None:
+        return None
+    from sparrow.lora.request import LoRARequest
+
+    return LoRARequest(os.path.basename(os.path.normpath(args.lora)) or "adapter", 1, args.lora)
+
+
+def _lora_rank(path: str) -> int:
+    """The adapter's rank r from its adapter_config.json (64 when it cannot be read: loading it reports why)."""
+    try:
+        with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as f:
+            r = json.load(f).get("r")
+        return r if isinstance(r, int) and r > 0 else 64
+    except (OSError, ValueError, AttributeError):
+        return 64
+
+
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, full: bool = False) -> None:
     from sparrow.sampling_params import SamplingParams
 
@@ -145,10 +169,13 @@ def _llm(args):
             logging.getLogger(name).setLevel(logging.INFO)
         print(f"sparrow: loading {args.model or 'the packaged default model'} "
               f"({torch.get_num_threads()} CPU threads) ...", file=sys.stderr, flush=True)
+    lora = {} if getattr(args, "lora", None) is None else dict(enable_lora=True, max_loras=1,
+                                                             max_lora_rank=_lora_rank(args.lora))
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
               num_kv_blocks=args.num_kv_blocks, max_num_seqs=max(1, getattr(args, "n", 1)),
-              gpu_memory_utilization=args.gpu_memory_utilization, speculative_config=args.speculative_config)
+              gpu_memory_utilization=args.gpu_memory_utilization, speculative_config=args.speculative_config,
+              **lora)
     # max_num_seqs = the completions of one request: the CPU KV pool is sized to them, not to 64 sequences
     if status:
         from sparrow.engine.model_runner import kv_bytes_per_token
@@ -202,15 +229,16 @@ def cmd_generate(args) -> int:
     if args.chat or args.system:
         messages = [{"role": "system", "content": args.system}] if args.system else []
         prompt = _chat_prompt(llm, [*messages, {"role": "user", "content": prompt}])
+    lora = _lora_request(args)
     try:
         if params.n == 1 and params.logprobs is None:
-            for piece in llm.stream(prompt, params):
+            for piece in llm.stream(prompt, params, lora_request=lora):
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             out = llm.last_output
             sys.stdout.write("\n")
         else:
-            out = llm.generate(prompt, params)[0]
+            out = llm.generate(prompt, params, lora_request=lora)[0]
             for comp in out.outputs:
                 if params.n > 1:
                     sys.stdout.write(f"--- completion {comp.index}\n")
@@ -262,7 +290,7 @@ def cmd_chat(args) -> int:
         reply = []
         stream = None
         try:
-            stream = llm.stream(_chat_prompt(llm, messages), params)
+            stream = llm.stream(_chat_prompt(llm, messages), params, lora_request=_lora_request(args))
             for piece in stream:
                 reply.append(piece)
                 sys.stdout.write(piece)
@@ -337,11 +365,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--system", default=None, help="system message (implies --chat)")
     _add_model_args(g)
+    _add_lora_arg(g)
     _add_sampling_args(g, 128, full=True)
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("chat", parents=[verbose], help="interactive conversation using the model's chat template")
     c.add_argument("--system", default=None, help="system message")
     _add_model_args(c)
+    _add_lora_arg(c)
     _add_sampling_args(c, 512)
     c.set_defaults(func=cmd_chat)
     s = sub.add_parser("serve", parents=[verbose],

@@ -1,0 +1,32 @@
+"""``sparrow generate --lora PATH``: the adapter's greedy text equals ``LLM.generate`` with its LoRARequest (the
+adapter itself is checked against PEFT in test_lora_peft.py), and differs from the base model's."""
+from __future__ import annotations
+
+from sparrow import LLM, LoRARequest, SamplingParams
+from tests.helpers import run_cli, tiny_model_dir, tiny_text_model_dir  # noqa: F401  (fixtures)
+from tests.lora._adapters import DENSE_TARGETS, make_adapter
+
+
+def test_generate_with_lora(tiny_text_model_dir, tmp_path):  # noqa: F811
+    adapter = make_adapter("llama", tiny_text_model_dir, tmp_path / "adapter", seed=3, r=4, lora_alpha=8,
+                           target_modules=DENSE_TARGETS)
+    llm = LLM(str(tiny_text_model_dir), device="cpu", dtype="float32", max_model_len=64, enable_lora=True,
+              max_loras=1, max_lora_rank=4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    base = llm.generate("hello", params)[0].outputs[0].text
+    tuned = llm.generate("hello", params, lora_request=LoRARequest("adapter", 1, str(adapter)))[0].outputs[0].text
+    assert tuned != base
+    proc = run_cli("generate", "hello", "--model", str(tiny_text_model_dir), "--lora", str(adapter), "--device",
+                   "cpu", "--dtype", "float32", "--max-model-len", "64", "--max-tokens", "8", "--temperature", "0",
+                   "--ignore-eos")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == tuned + "\n"
+
+
+def test_generate_with_a_missing_adapter_is_one_line(tiny_text_model_dir, tmp_path):  # noqa: F811
+    from tests.helpers import assert_cli_error
+
+    missing = tmp_path / "nowhere"
+    msg = assert_cli_error(run_cli("generate", "hello", "--model", str(tiny_text_model_dir), "--lora", str(missing),
+                                   "--device", "cpu", "--max-model-len", "64", "--max-tokens", "2"), str(missing))
+    assert "Traceback" not in msg
