@@ -25,8 +25,10 @@ def test_serve_benchmark_smoke(tmp_path):
         for side in ("served", "in_process"):
             r = p[side]
             assert r["requests"] == 2 * p["streams"] and r["output_tokens"] == 4 * r["requests"]
-            for key in ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "wall_s"):
+            for key in ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "wall_s"):
                 assert math.isfinite(r[key]) and r[key] > 0, (side, key, r)
+            # 0 when a request's tokens all came in its first chunk (the server merged what a slow reader missed)
+            assert math.isfinite(r["tpot_p50_ms"]) and r["tpot_p50_ms"] >= 0, (side, r)
             assert r["requests"] <= r["chunks"] <= r["output_tokens"]
             if r["chunks"] > r["requests"]:  # some request came in several chunks: gaps between them were timed
                 assert math.isfinite(r["itl_p50_ms"]) and r["itl_p99_ms"] >= r["itl_p50_ms"] > 0, (side, r)
