@@ -29,6 +29,12 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free)
 
+    @property
+    def usage(self) -> float:
+        """Fraction in [0, 1] of the blocks held by a live sequence (cached free blocks count as free): vLLM's
+        kv_cache_usage_perc."""
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks ``seq`` needs to hold ``num_tokens`` tokens in total."""
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))

@@ -234,7 +234,7 @@ class LLM:
         return {
             "sparrow:num_requests_running": len(e.scheduler.running),
             "sparrow:num_requests_waiting": len(e.scheduler.waiting),
-            "sparrow:kv_cache_usage_perc": 1.0 - bm.num_free_blocks / bm.num_blocks if bm.num_blocks else 0.0,
+            "sparrow:kv_cache_usage_perc": bm.usage,
             "sparrow:num_preemptions": e.scheduler.num_preemptions,
             "sparrow:prefix_cache_queries": bm.prefix_cache_queries,
             "sparrow:prefix_cache_hits": bm.prefix_cache_hits,

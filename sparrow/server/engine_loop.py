@@ -77,18 +77,12 @@ class EngineState:
     """(drafts, draft tokens, accepted tokens, accepted per position...), None without speculation."""
 
 
-def kv_cache_usage(engine) -> float:
-    """Fraction in [0, 1] of the engine's KV blocks held by a live sequence (cached free blocks count as free)."""
-    bm = engine.block_manager
-    return 1.0 - bm.num_free_blocks / bm.num_blocks if bm.num_blocks else 0.0
-
-
 def engine_state(engine) -> EngineState:
     sched, bm, spec = engine.scheduler, engine.block_manager, engine.spec
     counts = None
     if spec is not None:
         counts = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, *spec.num_accepted_tokens_per_pos)
-    return EngineState(len(sched.running), len(sched.waiting), kv_cache_usage(engine), sched.num_preemptions,
+    return EngineState(len(sched.running), len(sched.waiting), bm.usage, sched.num_preemptions,
                        bm.prefix_cache_queries, bm.prefix_cache_hits, counts)
 
 
