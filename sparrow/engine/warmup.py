@@ -7,10 +7,14 @@ prefill steps and steps mixing prefill chunks with decode rows are not, and thei
 requests happen to arrive. Measured on the H200 (gemma4-26b-a4b FP8, ``benchmarks/serve.py`` at 64 streams): six
 steps of 0.9 to 7 s each, one per new composition, during the first minutes of load.
 
-``warm_up`` runs prefills of a ladder of lengths (powers of two up to the step's token budget, each also one
-longer: the two specializations) alone and then beside a ladder of decoding sequences (1, 2, 3, 4, 5, 8, 9, ...
-up to max_num_seqs - 1), with random token ids, and frees everything. On the H200 the first version (prefills
-beside 4 decoders only) left three stalls of 0.8-5.3 s at 64 running sequences. Compiled kernels are cached on disk by Triton, so a restarted server warms up in seconds.
+``warm_up`` runs prefill steps of a ladder of token counts (powers of two up to the step's token budget, each
+also one more: the two specializations) alone and then beside a ladder of decoding sequences (1, 2, 3, 4, 5, 8,
+9, ... up to max_num_seqs - 1), with random token ids, and frees everything. A step larger than the longest
+prompt max_model_len allows is made of several prompts, as a loaded server's steps are (the H200 run at
+max_model_len 193 warmed only steps of up to 191 tokens, and its 2,048-token steps of 16 prompts stalled 0.7 to
+3.8 s each). Kernels whose integer arguments vary with the step (row, pair and sequence counts) are marked
+``do_not_specialize``, so what is left to compile is one variant per tile config. Compiled kernels are cached on
+disk by Triton, so a restarted server warms up in seconds.
 """
 from __future__ import annotations
 
@@ -31,49 +35,70 @@ def prefill_lengths(max_tokens: int) -> list[int]:
     return sorted(out)
 
 
+def split_prompt_lengths(n: int, cap: int) -> list[int]:
+    """``n`` prompt tokens as the fewest prompts of at most ``cap`` tokens each, near-equal lengths (longest first).
+    Raises ValueError for ``cap`` < 1."""
+    if cap < 1:
+        raise ValueError(f"warm-up prompts need max_model_len >= 3, got a longest prompt of {cap} tokens")
+    k = -(-n // cap)
+    return [n // k + (1 if i < n % k else 0) for i in range(k)]
+
+
 def warm_up(engine, seed: int = 0) -> int:
     """Run the warm-up steps on ``engine`` (idle: no request of its own may be running) and return how many
-    steps ran. Prompts are random ids below the vocabulary size; prompt lengths stop at the step's token budget
-    and below max_model_len. Every request is finished and its blocks freed on return."""
+    steps ran. Prompts are random ids below the vocabulary size, each at most max_model_len - 2 tokens; a step's
+    prompt tokens stop at the step's token budget and its sequences at max_num_seqs. Every request is finished
+    and its blocks freed on return."""
     cfg = engine.config
     rng = random.Random(seed)
     vocab = cfg.model.vocab_size
-    budget = min(cfg.scheduler.max_num_batched_tokens, cfg.max_model_len - 2)
-    lengths = prefill_lengths(budget)
+    budget, max_seqs = cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs
+    cap = cfg.max_model_len - 2
+    sizes = [n for n in prefill_lengths(budget) if len(split_prompt_lengths(n, cap)) <= max_seqs]
     steps = 0
+    once = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    decode_prompt = min(8, cap)
+    life = max(1, min(4 * len(sizes), cfg.max_model_len - decode_prompt - 1))  # tokens a decoder may generate
+    long = SamplingParams(temperature=0.0, max_tokens=life, ignore_eos=True)
+    names = iter(range(1 << 62))
 
-    def prompt(n: int) -> dict:
-        return {"prompt_token_ids": [rng.randrange(vocab) for _ in range(n)]}
+    def add(n: int, params: SamplingParams, tag: str) -> list[str]:
+        ids = []
+        for length in split_prompt_lengths(n, cap):
+            rid = f"warmup-{tag}-{next(names)}"
+            engine.add_request({"prompt_token_ids": [rng.randrange(vocab) for _ in range(length)]}, params,
+                               request_id=rid)
+            ids.append(rid)
+        return ids
+
+    def step() -> None:
+        nonlocal steps
+        engine.step()
+        steps += 1
 
     def drain() -> None:
-        nonlocal steps
         while engine.has_unfinished_requests():
-            engine.step()
-            steps += 1
+            step()
 
-    once = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    for n in lengths:  # prefill alone
-        engine.add_request(prompt(n), once, request_id=f"warmup-{n}")
+    for n in sizes:  # prefill alone
+        add(n, once, "prefill")
         drain()
-    for decoders in prefill_lengths(cfg.scheduler.max_num_seqs - 1):  # prefill chunks beside decode rows
-        _mixed(engine, decoders, lengths, budget, prompt, once)
-        steps += 1 + 2 * len([n for n in lengths if n + decoders <= budget])
+    for decoders in prefill_lengths(max_seqs - 1):  # prefill steps beside decode rows
+        running, age = [], life
+        for n in sizes:
+            if n + decoders > budget or len(split_prompt_lengths(n, cap)) + decoders > max_seqs:
+                continue
+            if age + 2 >= life:  # the decoders would finish within this size's two steps: new ones
+                for rid in running:
+                    engine.abort(rid)
+                running = [rid for _ in range(decoders) for rid in add(decode_prompt, long, "decode")]
+                step()
+                age = 1
+            add(n, once, "mixed")
+            step()
+            step()
+            age += 2
+        for rid in running:
+            engine.abort(rid)
         drain()
     return steps
-
-
-def _mixed(engine, decoders: int, lengths: list[int], budget: int, prompt, once: SamplingParams) -> None:
-    """``decoders`` requests decoding while a prefill of each length (that fits the budget beside them) runs."""
-    long = SamplingParams(temperature=0.0, max_tokens=max(1, min(2 * len(lengths) + 4, engine.config.max_model_len - 9)),
-                          ignore_eos=True)
-    for i in range(decoders):
-        engine.add_request(prompt(8), long, request_id=f"warmup-decode-{decoders}-{i}")
-    engine.step()
-    for n in lengths:
-        if n + decoders > budget:
-            break
-        engine.add_request(prompt(n), once, request_id=f"warmup-mixed-{decoders}-{n}")
-        engine.step()
-        engine.step()
-    for i in range(decoders):
-        engine.abort(f"warmup-decode-{decoders}-{i}")

@@ -161,7 +161,7 @@ def paged_decode_kernel(
         tl.store(po, acc.to(out_ptr.dtype.element_ty), mask=st_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # step-varying counts: one variant (sparrow.engine.warmup)
 def paged_decode_reduce_kernel(
     part_acc_ptr, part_lse_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
     window, num_splits,
@@ -202,7 +202,7 @@ def paged_decode_reduce_kernel(
              mask=dv_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # step-varying counts: one variant (sparrow.engine.warmup)
 def paged_prefill_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
     scale, soft_cap, window, num_seqs,

@@ -23,7 +23,7 @@ from sparrow.kernels._pdl_jit import pdl_enter
 from sparrow.kernels._split_k_jit import split_k_and, split_k_range, split_k_reduce
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # step-varying counts: one variant (sparrow.engine.warmup)
 def fp8_gemm_kernel(
     a_ptr,  # [M, K] float, unit stride on K
     w_ptr,  # [N, K] e4m3, unit stride on K

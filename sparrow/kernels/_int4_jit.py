@@ -339,7 +339,7 @@ def w4_moe_gemv_kernel(
                       c_ptr, False)  # no LoRA delta: 4-bit experts with adapters run the float kernels
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])  # step-varying counts: one variant (sparrow.engine.warmup)
 def w4_moe_gemm_kernel(
     a_ptr, w_ptr, s_ptr, z_ptr, g_ptr, c_ptr,  # as w4_moe_gemv_kernel
     sorted_ptr,  # [S] int32 sorted pair ids, P = padding (moe_align)

@@ -159,7 +159,7 @@ def _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit,
 # ----------------------------------------------------------------------------------------------- kernels
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])  # step-varying counts: one variant (sparrow.engine.warmup)
 def moe_gemm_kernel(
     a_ptr,  # GATED: x [R, H]; else the activations [P, I]; unit stride on the last dim (A_FP8: e4m3)
     a_s_ptr,  # A_FP8: a's per-group scales [rows of a, ceil(K / 128)] fp32, unit last stride; else dummy
@@ -286,7 +286,7 @@ def moe_reduce_kernel(
     tl.store(out_ptr + r * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])  # step-varying counts: one variant (sparrow.engine.warmup)
 def align_count_kernel(
     ids_ptr,  # [P] flattened topk_ids
     counts_ptr,  # [C, E_PAD] int32 out: pairs per expert in each chunk of BLOCK_P pairs
@@ -305,7 +305,7 @@ def align_count_kernel(
     tl.store(rank_ptr + offs, rank, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["C", "P", "S", "NB"])  # step-varying counts: one variant (sparrow.engine.warmup)
 def align_offsets_kernel(
     counts_ptr,  # [C, E_PAD] int32 from align_count_kernel
     chunk_off_ptr,  # [C, E_PAD] int32 out: pairs of each expert in earlier chunks
@@ -336,7 +336,7 @@ def align_offsets_kernel(
         tl.store(sorted_ptr + s0 + bs, tl.zeros([BLOCK_S], dtype=tl.int32) + P, mask=s0 + bs < S)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])  # step-varying counts: one variant (sparrow.engine.warmup)
 def align_scatter_kernel(
     ids_ptr, rank_ptr, chunk_off_ptr, start_ptr,  # as above
     sorted_ptr,  # [S] int32: sorted[start[e] + chunk_off[c, e] + rank[p]] = p

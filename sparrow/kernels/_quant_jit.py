@@ -12,7 +12,7 @@ from sparrow.kernels._fp8_jit import quant_fp8
 from sparrow.kernels._pdl_jit import pdl_enter
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "M_pad", "stride_sg"])  # step-varying counts: one variant (sparrow.engine.warmup)
 def quant_fp8_groups_kernel(
     x_ptr,  # [M, K] float, unit stride on K
     q_ptr,  # [M_pad, K] e4m3 (fp32 holding e4m3 values when EMULATE_FP8), unit stride on K
