@@ -16,8 +16,10 @@ prompts.
 
 Served: ``python -m sparrow serve`` in a subprocess on a free port (the engine flags below, plus
 --max-num-seqs = the largest N), waited for on /health; the clients (httpx, streaming /v1/completions with
-token-id prompts, one asyncio loop in this process) time each SSE chunk's arrival and count its
-``token_ids``. Then the server is stopped (its GPU memory goes with the process) and the same model is built
+token-id prompts; the streams spread over --client-procs processes, an asyncio loop each, so that the client
+keeps up: one Python loop reading 64 streams' chunks is busy most of the time) time each SSE chunk's arrival and
+count its ``token_ids``; each point also prints the server's own mean TTFT, queue time and e2e latency (from
+/metrics, over the point's requests) and the busiest client process's CPU share. Then the server is stopped (its GPU memory goes with the process) and the same model is built
 here (``model_shapes.random_llm`` with the same seed: the same weights; or ``LLM(--model)``) with the same
 engine settings; in-process, the requests go to its engine directly and a token's time is the end of the
 ``Engine.step`` that produced it. TTFT: request sent (added) -> its first token; ITL: the gap between a
@@ -135,10 +137,12 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-async def _served_point(url: str, prompts, max_tokens: int) -> dict:
+async def _client_streams(url: str, prompts, max_tokens: int) -> dict:
+    """Run ``prompts`` ([stream][round]) as closed-loop streams in this process's event loop; the raw samples,
+    the wall interval and this process's CPU seconds over it."""
     import httpx
 
-    ttfts, itls, tpots, tokens, chunks = [], [], [], [0], [0]
+    raw = {"ttfts": [], "itls": [], "tpots": [], "tokens": 0, "chunks": 0}
 
     async def one(http, prompt):
         body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -159,16 +163,16 @@ async def _served_point(url: str, prompts, max_tokens: int) -> dict:
                 if not k:
                     continue
                 now = time.perf_counter()
-                chunks[0] += 1
+                raw["chunks"] += 1
                 if last is None:
-                    ttfts.append(now - t0)
+                    raw["ttfts"].append(now - t0)
                     first = now
                 else:
-                    itls.append((now - last) / k)
+                    raw["itls"].append((now - last) / k)
                 last, n = now, n + k
-        tokens[0] += n
+        raw["tokens"] += n
         if n > 1:
-            tpots.append((last - first) / (n - 1))
+            raw["tpots"].append((last - first) / (n - 1))
 
     async def stream(rounds):
         # a client (one keep-alive connection) per stream: httpx's pool scans all its connections on every
@@ -177,10 +181,77 @@ async def _served_point(url: str, prompts, max_tokens: int) -> dict:
             for p in rounds:
                 await one(http, p)
 
-    t0 = time.perf_counter()
+    cpu, t0 = time.process_time(), time.time()
     await asyncio.gather(*(stream(r) for r in prompts))
-    wall = time.perf_counter() - t0
-    return _stats(wall, ttfts, itls, tpots, tokens[0], sum(len(r) for r in prompts), chunks[0])
+    raw.update(start=t0, end=time.time(), cpu_s=time.process_time() - cpu)
+    return raw
+
+
+def _client_process(url: str, prompts, max_tokens: int, go, results) -> None:
+    """A client process: import httpx, wait for ``go``, run its streams, put the raw samples on ``results``."""
+    import httpx  # noqa: F401  (imported before the start, not inside the timed run)
+
+    go.wait()
+    try:
+        results.put(asyncio.run(_client_streams(url, prompts, max_tokens)))
+    except BaseException as e:  # the parent reports it
+        results.put({"error": f"{type(e).__name__}: {e}"})
+
+
+def _served_point(url: str, prompts, max_tokens: int, procs: int) -> dict:
+    """The streams of ``prompts`` spread over ``procs`` client processes (one asyncio loop each), started
+    together; tok/s over the first start to the last end. ``client_cpu_max``: the busiest client process's CPU
+    seconds / its wall time (near 1: the client, not the server, set the pace)."""
+    import multiprocessing as mp
+
+    procs = max(1, min(procs, len(prompts)))
+    ctx = mp.get_context("spawn")
+    go, results = ctx.Event(), ctx.Queue()
+    workers = [ctx.Process(target=_client_process, args=(url, prompts[i::procs], max_tokens, go, results))
+               for i in range(procs)]
+    for w in workers:
+        w.start()
+    time.sleep(1.0)  # the workers import httpx
+    go.set()
+    raws = [results.get() for _ in workers]
+    for w in workers:
+        w.join()
+    errors = [r["error"] for r in raws if "error" in r]
+    if errors:
+        raise RuntimeError(f"a client process failed: {errors[0]}")
+    wall = max(r["end"] for r in raws) - min(r["start"] for r in raws)
+    out = _stats(wall, [x for r in raws for x in r["ttfts"]], [x for r in raws for x in r["itls"]],
+                 [x for r in raws for x in r["tpots"]], sum(r["tokens"] for r in raws), sum(len(r) for r in prompts),
+                 sum(r["chunks"] for r in raws))
+    out["client_procs"] = procs
+    out["client_cpu_max"] = max(r["cpu_s"] / (r["end"] - r["start"]) for r in raws)
+    return out
+
+
+def server_metrics(url: str) -> dict[str, float]:
+    """/metrics' sums and counts of the server-side latency histograms (TTFT, queue time, e2e), by name."""
+    import httpx
+
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        name, _, value = line.partition(" ")
+        base = name.split("{")[0]
+        if base.endswith(("_seconds_sum", "_seconds_count")) and base.startswith("sparrow:"):
+            out[base] = out.get(base, 0.0) + float(value)
+    return out
+
+
+def _server_means(before: dict, after: dict) -> dict[str, float]:
+    """Mean seconds of each server-side histogram over the requests between two scrapes, as ``*_mean_ms``."""
+    out = {}
+    for name in after:
+        if name.endswith("_sum"):
+            stem = name[: -len("_sum")]
+            n = after.get(stem + "_count", 0) - before.get(stem + "_count", 0)
+            if n:
+                short = stem.split(":", 1)[1].replace("_seconds", "")
+                out[f"server_{short}_mean_ms"] = (after[name] - before.get(name, 0.0)) / n * 1e3
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- in-process
@@ -250,6 +321,13 @@ def _line(side: str, n: int, r: dict) -> str:
             f"TPOT p50 {r['tpot_p50_ms']:7.2f} ms  {r['chunks'] / r['requests']:5.1f} chunks/request")
 
 
+def _server_line(r: dict) -> str:
+    means = ", ".join(f"{k[len('server_'):-len('_mean_ms')]} {v:.2f}" for k, v in sorted(r.items())
+                      if k.startswith("server_"))
+    return (f"{'':10s} server-side means (ms): {means or 'none'}; {r['client_procs']} client processes, "
+            f"busiest at {r['client_cpu_max']:.0%} CPU")
+
+
 def _compare(points: list[dict], target_streams: tuple[int, ...]) -> None:
     for p in points:
         s, i = p["served"], p["in_process"]
@@ -302,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantize-lm-head", action="store_true")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--client-procs", type=int, default=0,
+                    help="client processes the streams are spread over (default: one per 16 streams)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (0)")
     ap.add_argument("--startup-timeout", type=float, default=900, help="seconds to wait for /health (900)")
     ap.add_argument("--out", default=None, help="write every number to this JSON file")
@@ -328,9 +408,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for point in report["points"]:
             warm, load = loads[point["streams"]]
-            asyncio.run(_served_point(url, warm, args.max_tokens))
-            point["served"] = asyncio.run(_served_point(url, load, args.max_tokens))
+            procs = args.client_procs or -(-point["streams"] // 16)
+            _served_point(url, warm, args.max_tokens, procs)
+            before = server_metrics(url)
+            point["served"] = _served_point(url, load, args.max_tokens, procs)
+            point["served"].update(_server_means(before, server_metrics(url)))
             print(_line("served", point["streams"], point["served"]), flush=True)
+            print(_server_line(point["served"]), flush=True)
     finally:
         stop_server(proc)
 

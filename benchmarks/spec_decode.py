@@ -131,6 +131,8 @@ def parse_args(argv=None):
                    help="a saved transformers tokenizer folder to use instead of the GGUF's (e.g. the one sparrow "
                         "converted and cached in ~/.cache/sparrow/tokenizers, carried to a machine whose "
                         "transformers converts the GGUF vocabulary differently)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="cProfile each timed run and print its N functions of most own time (host work per step)")
     p.add_argument("--out", type=pathlib.Path, help="write the results as JSON here")
     args = p.parse_args(argv)
     if min(args.k) < 1 or args.max_tokens < 1 or args.repeats < 1:
@@ -189,9 +191,11 @@ def spec_counters(llm) -> dict[str, int]:
     return {k: int(m[k]) for k in METRICS}
 
 
-def run_point(llm, prompts: list[str], batch: int, params, spec: bool, repeats: int) -> dict:
+def run_point(llm, prompts: list[str], batch: int, params, spec: bool, repeats: int, profile: int = 0) -> dict:
     """Generate for ``prompts`` ``batch`` at a time: once untimed, then ``repeats`` timed runs (the fastest kept).
-    Returns token ids per prompt, tokens, seconds, tok/s and (with ``spec``) the counters' deltas."""
+    Returns token ids per prompt, tokens, seconds, tok/s, engine steps and (with ``spec``) the counters' deltas
+    and the decoder's average step seconds per rows-per-sequence q. ``profile`` > 0: each timed run under
+    cProfile (slower), its ``profile`` functions of most own time printed."""
     def once():
         outs = []
         for i in range(0, len(prompts), batch):
@@ -202,16 +206,37 @@ def run_point(llm, prompts: list[str], batch: int, params, spec: bool, repeats: 
     best = None
     for _ in range(repeats):
         before = spec_counters(llm) if spec else None
+        steps = [0]
+        engine_step = llm.engine.step
+
+        def counted():
+            steps[0] += 1
+            return engine_step()
+
+        llm.engine.step = counted
+        prof = None
+        if profile:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         t0 = time.perf_counter()
         outs = once()
         seconds = time.perf_counter() - t0
+        if prof is not None:
+            import pstats
+
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(profile)
+        llm.engine.step = engine_step
         if best is None or seconds < best["seconds"]:
             ids = [list(o.outputs[0].token_ids) for o in outs]
-            best = {"seconds": seconds, "tokens": sum(map(len, ids)), "token_ids": ids,
+            best = {"seconds": seconds, "tokens": sum(map(len, ids)), "token_ids": ids, "steps": steps[0],
                     "texts": [o.outputs[0].text for o in outs]}
             if spec:
                 after = spec_counters(llm)
                 best["counters"] = {k.split(":")[1]: after[k] - before[k] for k in METRICS}
+                best["step_seconds"] = dict(sorted(llm.engine.spec.step_seconds.items()))
     best["tok_s"] = best["tokens"] / best["seconds"]
     return best
 
@@ -266,10 +291,13 @@ def main(argv=None) -> dict:
             prompts = [render(llm, p)[0] for p in PROMPT_SETS[set_name]]
             report["meta"].setdefault("prompt_format", render(llm, "")[1])
             for batch in args.batch_sizes:
-                r = run_point(llm, prompts, batch, params, k is not None, args.repeats)
+                r = run_point(llm, prompts, batch, params, k is not None, args.repeats, args.profile)
                 results[name, set_name, batch] = r
+                times = "" if "step_seconds" not in r else "; step ms by q: " + ", ".join(
+                    f"{q}: {1e3 * t:.2f}" for q, t in r["step_seconds"].items())
                 print(f"{set_name:<10} batch {batch}: {r['tokens']} tokens in {r['seconds']:.2f} s, "
-                      f"{r['tok_s']:.1f} tok/s", flush=True)
+                      f"{r['tok_s']:.1f} tok/s, {r['steps']} steps ({1e3 * r['seconds'] / r['steps']:.2f} ms each)"
+                      f"{times}", flush=True)
         _free(llm)
     print()
     print(f"{'prompts':<10} {'batch':>5} {'config':<11} | {'tok/s':>8} {'speedup':>7} | {'drafts':>6} {'accepted':>8} "
@@ -281,7 +309,7 @@ def main(argv=None) -> dict:
                 name = "plain" if k is None else f"ngram k={k}"
                 r = results[name, set_name, batch]
                 point = {"prompts": set_name, "batch": batch, "config": name, "k": k, "tokens": r["tokens"],
-                         "seconds": r["seconds"], "tok_s": r["tok_s"], "speedup": r["tok_s"] / plain["tok_s"]}
+                         "seconds": r["seconds"], "steps": r["steps"], "step_seconds": r.get("step_seconds"), "tok_s": r["tok_s"], "speedup": r["tok_s"] / plain["tok_s"]}
                 same = ""
                 if k is not None:
                     point.update(r["counters"])

@@ -7,6 +7,7 @@ of its own (``sparrow.server.frontend``), a pipe between them. ``sparrow serve``
 """
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import threading
@@ -37,6 +38,10 @@ class ServerProcess:
             steps = run_warm_up(llm.engine)
             log.info("warm-up: %d steps in %.1f s (kernels compiled for prefill and mixed steps)", steps,
                      time.monotonic() - t0)
+        # what startup built (modules, weights, graphs, tokenizer) outlives the server: out of the collector's
+        # reach, so that a full collection during a step scans only what requests make
+        gc.collect()
+        gc.freeze()
         self.url = f"http://{host}:{port}"
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)

@@ -34,5 +34,10 @@ def test_serve_benchmark_smoke(tmp_path):
                 assert math.isfinite(r["itl_p50_ms"]) and r["itl_p99_ms"] >= r["itl_p50_ms"] > 0, (side, r)
             else:  # the server merged each request's later steps into one chunk: no gap to time
                 assert math.isnan(r["itl_p50_ms"]), (side, r)
+        served = p["served"]
+        assert served["client_procs"] == 1 and 0 < served["client_cpu_max"]
+        # the server's own TTFT (its /metrics histogram over the point's requests) is part of the client's
+        assert 0 < served["server_time_to_first_token_mean_ms"] <= served["ttft_p99_ms"] + 1.0, served
+        assert served["server_e2e_request_latency_mean_ms"] >= served["server_time_to_first_token_mean_ms"]
         assert p["ratio_tok_s"] > 0 and math.isfinite(p["added_ttft_p50_ms"]) and isinstance(p["meets_target"], bool)
     assert "served" in proc.stdout and "in-process" in proc.stdout
