@@ -151,19 +151,27 @@ class EngineLoop:
         self._live: set[str] = set()
         self._stop = False
         self._variants: list[str] = []
-        self._unwatch = lambda: None
+        self._gone = False
+        """The front end is gone (set by ``pump``): the loop ends once it has aborted what was left."""
         self._thread = threading.Thread(target=self._run, name="sparrow-engine-loop", daemon=True)
 
     def start(self) -> None:
-        self._unwatch = watch_kernel_variants(self._variants)
+        """Run the loop on a thread of its own (``stop()`` ends it)."""
         self._thread.start()
+
+    def run(self) -> None:
+        """Run the loop on the calling thread until ``stop()`` (from another thread or a signal handler) or the
+        front end is gone. On the main thread the engine's steps run as fast as in-process ones: measured on
+        the CPU (Gemma 3 270M shape, 128-token prompts), a step on another thread took 1.3-1.45x as long (torch
+        gives each thread its own OpenMP pool)."""
+        self._run()
 
     def stop(self) -> None:
         with self._cond:
             self._stop = True
             self._cond.notify()
-        self._thread.join(timeout=10)
-        self._unwatch()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
 
     def add(self, request_id: str, prompt: dict, params: SamplingParams, lora_request=None) -> None:
         """Queue ``prompt`` ({'prompt_token_ids': [...], optional 'prompt'}) under ``request_id``, with
@@ -192,14 +200,22 @@ class EngineLoop:
                 self.abort(msg[1])
         with self._cond:
             self._aborts.extend(self._live)
+            self._gone = True
             self._cond.notify()
 
     def _run(self) -> None:
+        unwatch = watch_kernel_variants(self._variants)
+        try:
+            self._loop()
+        finally:
+            unwatch()
+
+    def _loop(self) -> None:
         engine = self.engine
         while True:
             with self._cond:
-                while not (self._adds or self._aborts or self._stop or engine.has_unfinished_requests()):
-                    self._cond.wait()
+                while not (self._adds or self._aborts or self._stop or self._gone or engine.has_unfinished_requests()):
+                    self._cond.wait(0.5)  # a timeout: a signal handler of the main thread runs within it
                 if self._stop:
                     return
                 adds, self._adds = self._adds, []
@@ -213,6 +229,8 @@ class EngineLoop:
                     engine.abort(rid)
             if engine.has_unfinished_requests():
                 self._step(items)
+            elif self._gone:
+                return
             try:
                 self._send(("out", items, engine_state(engine)))
             except (OSError, EOFError):  # the front end is gone: pump() aborts the rest

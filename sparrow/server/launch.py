@@ -24,7 +24,7 @@ class ServerProcess:
     """A running server: ``url``, ``model`` (the ServedModel), ``stop()``, ``wait()``."""
 
     def __init__(self, llm, host: str, port: int, served_model_name: str | None, api_key: str | None,
-                 startup_timeout: float, warm_up: bool, lora_modules: dict[str, str] | None):
+                 startup_timeout: float, warm_up: bool, lora_modules: dict[str, str] | None, background: bool = True):
         self.llm = llm
         loras = lora_requests(llm, lora_modules or {})
         self.model = ServedModel.of(llm, served_model_name, loras)
@@ -65,10 +65,16 @@ class ServerProcess:
             raise SparrowError(f"the HTTP front end sent {msg!r} instead of ready")
         self.loop = EngineLoop(llm.engine, self._send)
         self._send(("base", engine_state(llm.engine)))  # /metrics counts from here (not the warm-up's steps)
-        self.loop.start()
+        if background:
+            self.loop.start()
         self._pump = threading.Thread(target=self.loop.pump, args=(self._conn.recv,), name="sparrow-engine-pump",
                                       daemon=True)
         self._pump.start()
+
+    def serve(self) -> None:
+        """Run the engine loop on the calling thread (a server started with ``background=False``) until the
+        front end exits or ``stop()``; KeyboardInterrupt (Ctrl-C, or a signal handler raising it) propagates."""
+        self.loop.run()
 
     def _send(self, msg) -> None:
         with self._send_lock:
@@ -125,13 +131,16 @@ def lora_requests(llm, lora_modules: dict[str, str]) -> dict:
 
 def start_server(llm, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
                  api_key: str | None = None, startup_timeout: float = 120.0, warm_up: bool | None = None,
-                 lora_modules: dict[str, str] | None = None) -> ServerProcess:
+                 lora_modules: dict[str, str] | None = None, background: bool = True) -> ServerProcess:
     """Serve ``llm`` (its engine is the server's from now until ``stop()``: do not call the LLM meanwhile) on
     ``host:port``; returns once the front end listens. ``warm_up``: run ``sparrow.engine.warmup.warm_up`` first
     (None: when the engine runs on CUDA, where kernels compile on first use). ``lora_modules``: name -> PEFT
     adapter folder, each served as a model of that name (the request's ``model`` picks it; needs
     ``enable_lora``). Raises SparrowError when an adapter cannot be used, when it cannot listen (the port in
-    use) or when the front end does not start within ``startup_timeout`` seconds."""
+    use) or when the front end does not start within ``startup_timeout`` seconds. ``background``: the engine
+    loop runs on a thread of its own; False: the caller runs it with ``serve()`` (``sparrow serve`` does, on
+    the main thread, where steps run at in-process speed)."""
     if warm_up is None:
         warm_up = llm.config.device.startswith("cuda")
-    return ServerProcess(llm, host, port, served_model_name, api_key, startup_timeout, warm_up, lora_modules)
+    return ServerProcess(llm, host, port, served_model_name, api_key, startup_timeout, warm_up, lora_modules,
+                         background)

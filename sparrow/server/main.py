@@ -50,7 +50,7 @@ def run_server(args) -> int:
     if len(loras) != len(args.lora_modules or []):
         raise InvalidRequestError("--lora-modules: each adapter needs a name of its own")
     srv = start_server(llm, host=args.host, port=args.port, served_model_name=args.served_model_name or shape,
-                       api_key=args.api_key, lora_modules=loras)
+                       api_key=args.api_key, lora_modules=loras, background=False)
     cfg = llm.config
     kv_tokens = llm.engine.block_manager.num_blocks * cfg.cache.block_size
     source = f"random-weight shape {shape}, no tokenizer: token-id prompts" if shape else llm.model_path
@@ -64,8 +64,7 @@ def run_server(args) -> int:
 
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        while not srv.wait(1.0):
-            pass
+        srv.serve()  # the engine loop, on this (the main) thread, until the front end exits
     except KeyboardInterrupt:
         pass
     finally:
