@@ -36,8 +36,8 @@ class ServerProcess:
 
             t0 = time.monotonic()
             steps = run_warm_up(llm.engine)
-            log.info("warm-up: %d steps in %.1f s (kernels compiled for prefill and mixed steps)", steps,
-                     time.monotonic() - t0)
+            log.info("warm-up: %d steps in %.1f s (kernels compiled for prefill and mixed steps)%s", steps,
+                     time.monotonic() - t0, _allocator_state(llm))
         # what startup built (modules, weights, graphs, tokenizer) outlives the server: out of the collector's
         # reach, so that a full collection during a step scans only what requests make
         gc.collect()
@@ -104,6 +104,20 @@ class ServerProcess:
         self._pump.join(10)
         self.loop.stop()
         self._conn.close()
+        log.info("server stopped%s", _allocator_state(self.llm))
+
+
+def _allocator_state(llm) -> str:
+    """On CUDA, the caching allocator's reserved / allocated GiB, its cudaMalloc and cudaFree calls and its
+    retries (a full cache freed to fit an allocation: a synchronizing stall) so far, for the log; else ''."""
+    if not llm.config.device.startswith("cuda"):
+        return ""
+    import torch
+
+    m = torch.cuda.memory_stats()
+    return (f"; CUDA allocator: {m.get('reserved_bytes.all.current', 0) / 2**30:.1f} GiB reserved, "
+            f"{m.get('allocated_bytes.all.current', 0) / 2**30:.1f} GiB allocated, {m.get('num_device_alloc', 0)} "
+            f"cudaMalloc / {m.get('num_device_free', 0)} cudaFree calls, {m.get('num_alloc_retries', 0)} retries")
 
 
 def _frontend_main(*args) -> None:
