@@ -229,28 +229,38 @@ def _served_point(url: str, prompts, max_tokens: int, procs: int) -> dict:
 
 
 def server_metrics(url: str) -> dict[str, float]:
-    """/metrics' sums and counts of the server-side latency histograms (TTFT, queue time, e2e), by name."""
+    """/metrics' sums and counts of the server-side histograms (TTFT, queue time, e2e, engine steps by kind),
+    keyed ``name`` or ``name:kind`` (e.g. ``sparrow:engine_step_seconds_sum:prefill``)."""
+    import re
+
     import httpx
 
     out = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        name, _, value = line.partition(" ")
+        name, _, value = line.rpartition(" ")
         base = name.split("{")[0]
         if base.endswith(("_seconds_sum", "_seconds_count")) and base.startswith("sparrow:"):
-            out[base] = out.get(base, 0.0) + float(value)
+            kind = re.search(r'kind="(\w+)"', name)
+            key = f"{base}:{kind.group(1)}" if kind else base
+            out[key] = out.get(key, 0.0) + float(value)
     return out
 
 
 def _server_means(before: dict, after: dict) -> dict[str, float]:
-    """Mean seconds of each server-side histogram over the requests between two scrapes, as ``*_mean_ms``."""
+    """Mean milliseconds of each server-side histogram over the samples between two scrapes, as
+    ``server_<name>[_<kind>]_mean_ms``; engine steps also as ``server_engine_step_<kind>_count``."""
     out = {}
-    for name in after:
-        if name.endswith("_sum"):
-            stem = name[: -len("_sum")]
-            n = after.get(stem + "_count", 0) - before.get(stem + "_count", 0)
-            if n:
-                short = stem.split(":", 1)[1].replace("_seconds", "")
-                out[f"server_{short}_mean_ms"] = (after[name] - before.get(name, 0.0)) / n * 1e3
+    for key in after:
+        name, _, kind = key.partition("_seconds_sum")
+        if key == name:
+            continue
+        count_key = f"{name}_seconds_count{kind}"
+        n = after.get(count_key, 0) - before.get(count_key, 0)
+        if n:
+            short = name.split(":", 1)[1] + (f"_{kind[1:]}" if kind else "")
+            out[f"server_{short}_mean_ms"] = (after[key] - before.get(key, 0.0)) / n * 1e3
+            if kind:
+                out[f"server_{short}_count"] = int(n)
     return out
 
 
@@ -290,9 +300,13 @@ def in_process_point(llm, prompts, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     for s in range(len(prompts)):
         add(s)
+    steps = {"prefill": [0, 0.0], "decode": [0, 0.0]}
     while eng.has_unfinished_requests():
+        t_step = time.perf_counter()
         outs = eng.step()
         now = time.perf_counter()
+        kind = steps["prefill" if eng.last_step_prefill else "decode"]
+        kind[0], kind[1] = kind[0] + 1, kind[1] + now - t_step
         for o in outs:
             k = len(o.outputs[0].delta_token_ids)
             rid = o.request_id
@@ -309,7 +323,11 @@ def in_process_point(llm, prompts, max_tokens: int) -> dict:
                 if count.get(rid, 0) > 1:
                     tpots.append((last[rid] - first[rid]) / (count[rid] - 1))
                 add(owner[rid])
-    return _stats(time.perf_counter() - t0, ttfts, itls, tpots, tokens, sum(len(r) for r in prompts), chunks)
+    out = _stats(time.perf_counter() - t0, ttfts, itls, tpots, tokens, sum(len(r) for r in prompts), chunks)
+    for kind, (n, seconds) in steps.items():
+        if n:
+            out[f"engine_step_{kind}_mean_ms"], out[f"engine_step_{kind}_count"] = seconds / n * 1e3, n
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -322,8 +340,9 @@ def _line(side: str, n: int, r: dict) -> str:
 
 
 def _server_line(r: dict) -> str:
-    means = ", ".join(f"{k[len('server_'):-len('_mean_ms')]} {v:.2f}" for k, v in sorted(r.items())
-                      if k.startswith("server_"))
+    means = ", ".join(f"{k[len('server_'):-len('_mean_ms')]} {v:.2f}"
+                      + (f" x {r[k[:-len('_mean_ms')] + '_count']}" if k[:-len('_mean_ms')] + "_count" in r else "")
+                      for k, v in sorted(r.items()) if k.startswith("server_") and k.endswith("_mean_ms"))
     return (f"{'':10s} server-side means (ms): {means or 'none'}; {r['client_procs']} client processes, "
             f"busiest at {r['client_cpu_max']:.0%} CPU")
 
@@ -425,8 +444,11 @@ def main(argv: list[str] | None = None) -> int:
     for point in report["points"]:
         warm, load = loads[point["streams"]]
         in_process_point(llm, warm, args.max_tokens)
-        point["in_process"] = in_process_point(llm, load, args.max_tokens)
-        print(_line("in-process", point["streams"], point["in_process"]), flush=True)
+        point["in_process"] = r = in_process_point(llm, load, args.max_tokens)
+        print(_line("in-process", point["streams"], r), flush=True)
+        print(f"{'':10s} engine steps (ms): " + ", ".join(
+            f"{kind} {r[f'engine_step_{kind}_mean_ms']:.2f} x {r[f'engine_step_{kind}_count']}"
+            for kind in ("prefill", "decode") if f"engine_step_{kind}_count" in r), flush=True)
 
     _compare(report["points"], (1, max(args.streams)))
     print(f"\nstreams  served/in-process tok/s  added TTFT p50 ms   (target: >= {TARGET_RATIO:.0%}, "

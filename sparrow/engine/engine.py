@@ -72,6 +72,8 @@ class Engine:
         self.eos_token_ids = eos
         self._ahead: tuple[StepPlan, StepResult] | None = None  # the next step, queued before the last was read
         self._last_step_end: float | None = None  # perf_counter() at the end of the last decode / verify step
+        self.last_step_prefill = False
+        """Whether the last step computed prompt tokens (a prefill, alone or beside decode rows)."""
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     lora_request=None) -> str:
@@ -151,6 +153,7 @@ class Engine:
             if not plan.seqs:
                 return []
             result = self.runner.run(plan)
+        self.last_step_prefill = any(item.start < item.seq.num_prompt_tokens for item in plan.seqs)
         if plan.queue_next and (self.spec is None or self.spec.paused([item.seq for item in plan.seqs])):
             ahead = self.scheduler.schedule_ahead(plan)
             if ahead is not None:

@@ -75,15 +75,17 @@ class EngineState:
     prefix_cache_hits: int
     spec: tuple[int, ...] | None
     """(drafts, draft tokens, accepted tokens, accepted per position...), None without speculation."""
+    step: tuple[str, float] | None = None
+    """The engine step of this iteration: ("prefill" (it computed prompt tokens) or "decode", wall seconds)."""
 
 
-def engine_state(engine) -> EngineState:
+def engine_state(engine, step: tuple[str, float] | None = None) -> EngineState:
     sched, bm, spec = engine.scheduler, engine.block_manager, engine.spec
     counts = None
     if spec is not None:
         counts = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, *spec.num_accepted_tokens_per_pos)
     return EngineState(len(sched.running), len(sched.waiting), bm.usage, sched.num_preemptions,
-                       bm.prefix_cache_queries, bm.prefix_cache_hits, counts)
+                       bm.prefix_cache_queries, bm.prefix_cache_hits, counts, step)
 
 
 def watch_kernel_variants(seen: list[str]):
@@ -227,16 +229,18 @@ class EngineLoop:
                 if rid in self._live:
                     self._live.discard(rid)
                     engine.abort(rid)
+            step = None
             if engine.has_unfinished_requests():
-                self._step(items)
+                step = self._step(items)
             elif self._gone:
                 return
             try:
-                self._send(("out", items, engine_state(engine)))
+                self._send(("out", items, engine_state(engine, step)))
             except (OSError, EOFError):  # the front end is gone: pump() aborts the rest
                 pass
 
-    def _step(self, items: list) -> None:
+    def _step(self, items: list) -> tuple[str, float] | None:
+        """One engine step; its outputs go to ``items``. Returns (kind, wall seconds), None when it failed."""
         engine = self.engine
         t0 = time.monotonic()
         seen = len(self._variants)
@@ -248,7 +252,7 @@ class EngineLoop:
             for rid in [r for r in self._live if r not in engine.requests]:
                 self._live.discard(rid)
                 items.append((rid, failed))
-            return
+            return None
         took = time.monotonic() - t0
         if took > SLOW_STEP_S:
             new = self._variants[seen:]
@@ -262,6 +266,7 @@ class EngineLoop:
                 if out.finished:
                     self._live.discard(out.request_id)
                     items.append((out.request_id, None))
+        return ("prefill" if engine.last_step_prefill else "decode"), took
 
     def _admit(self, rid: str, prompt: dict, params: SamplingParams, lora_request, items: list) -> None:
         try:

@@ -54,6 +54,10 @@ class ServerMetrics:
         self.itl = hist("inter_token_latency_seconds", "Time between two outputs of a request, per token.")
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to the last token.")
         self.queue_time = hist("request_queue_time_seconds", "Arrival to the engine loop taking the request in.")
+        steps = Histogram("sparrow:engine_step_seconds", "Wall time of an engine step, by kind: prefill (it "
+                          "computed prompt tokens, alone or beside decode rows) or decode.", [*labels, "kind"],
+                          buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_seconds = {kind: steps.labels(**labels, kind=kind) for kind in ("prefill", "decode")}
         self._seen = (0, 0, 0)
         self._spec_seen: tuple[int, ...] = ()
         if spec_k is not None:  # vLLM's spec_decode counters, only when speculation is on
@@ -81,6 +85,8 @@ class ServerMetrics:
         """Take an ``EngineState``: the gauges show it; the counters carried over from the engine's cumulative
         counts (preemptions, prefix-cache lookups, speculative decoding's) advance by what is new."""
         self.state = state
+        if state.step is not None:
+            self.step_seconds[state.step[0]].observe(state.step[1])
         now = (state.num_preemptions, state.prefix_cache_queries, state.prefix_cache_hits)
         for counter, new, old in zip((self.num_preemptions, self.prefix_cache_queries, self.prefix_cache_hits),
                                      now, self._seen):

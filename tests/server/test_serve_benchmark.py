@@ -39,5 +39,9 @@ def test_serve_benchmark_smoke(tmp_path):
         # the server's own TTFT (its /metrics histogram over the point's requests) is part of the client's
         assert 0 < served["server_time_to_first_token_mean_ms"] <= served["ttft_p99_ms"] + 1.0, served
         assert served["server_e2e_request_latency_mean_ms"] >= served["server_time_to_first_token_mean_ms"]
+        # engine steps by kind, on both sides: every request's prefill ran in some prefill step
+        assert served["server_engine_step_prefill_count"] >= 1 and served["server_engine_step_prefill_mean_ms"] > 0
+        assert p["in_process"]["engine_step_prefill_count"] >= 1
+        assert p["in_process"]["engine_step_decode_count"] >= 1
         assert p["ratio_tok_s"] > 0 and math.isfinite(p["added_ttft_p50_ms"]) and isinstance(p["meets_target"], bool)
     assert "served" in proc.stdout and "in-process" in proc.stdout
