@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call on the H200 (device tool); logs and JSON under $OUT.
 #   bash benchmarks/device_run.sh [STAGE ...]   stages: tests packaged profile prefill attn gemv moe tune
-#   int4 gemma4 llama fp8 eager ab verify spec serve lora
+#   int4 w4e2e gemma4 llama fp8 eager ab verify spec serve lora
 # (no stage: tests gemma4 llama eager). Each stage has its own time limit (T_<STAGE> seconds). GPU_TESTS picks
 # the test files of the `tests` stage (default: tests without tests/server, whose `openai` import the device image
 # lacks) and TEST_ARGS adds pytest options (e.g. "-k 'bf16 and mixtral'"; "-n 8":
@@ -15,14 +15,18 @@
 # Stage `int4`: the 4-bit kernels' micro-benchmarks: kernels_micro.py int4 (int4 / NVFP4 W4A16 linears at 1-16 and
 # 2,048 rows beside FP8's, % of the bytes bound), then moe_layer.py at INT4_ROWS (default 1 8 64) rows for fp8 int4
 # nvfp4 (one gemma4 MoE layer); INT4_ARGS adds kernels_micro.py commands (e.g. tune_int4); T_INT4 (default 400 s).
-# Logs: int4_micro.log, moe_layer_int4.log / .json.
+# Logs: int4_micro.log, moe_layer_int4.log / .json. Stage `w4e2e`: `sparrow bench` decode end to end for each
+# of W4_FORMATS (default fp8 int4 nvfp4, each quantized at load) on W4_SHAPE (default gemma4-26b-a4b) at W4_BATCHES
+# (default 1,64), one after another in one call; T_W4E2E (default 200 s) each; e2e_<format>.json / .log.
 # Stage `ab`: the same `sparrow bench` (AB_ARGS, default gemma4-26b-a4b FP8 at batch 1 and 8) on this tree and on an
 # older one, alternating, AB_REPEATS rounds, on one machine (runs of one tree on one machine spread by up to ~5 %:
 # benchmarks/README.md, "Running an A/B"). Make the older tree first, here: `mkdir -p .ab/old && git archive REV sparrow | tar -x -C .ab/old`,
 # and carry `.ab` (ignored) beside `.whl`. AB_ENV_NEW / AB_ENV_OLD: environment assignments for one side, and
 # AB_ARGS_OLD: the old side's bench flags (default AB_ARGS); with .ab/old a copy of this tree, an A/B of a switch
 # (e.g. AB_ENV_OLD=SPARROW_PDL=0, or AB_ARGS_OLD without --quantize-lm-head). AB_TAG names the logs
-# (ab${AB_TAG}_new_1.log ...), so one call can run several A/Bs.
+# (ab${AB_TAG}_new_1.log ...), so one call can run several A/Bs. AB_SCRIPT (a path in the tree, e.g.
+# benchmarks/spec_decode.py; the old tree then needs it: `git archive REV sparrow benchmarks`) runs that script of
+# each side with AB_SCRIPT_ARGS instead of `sparrow bench`, printing each log's last AB_TAIL (12) lines.
 # Stage `verify`: benchmarks/verify_step.py (verify step of q = 1 2 3 5 8 rows per sequence against the 1-row step,
 # gemma4-26b-a4b FP8 at batch 1 and 8, then one layer's kernels at 1-8 rows); VERIFY_ARGS: its flags (e.g.
 # "--batch-sizes 1 --context 1024"). Stage `spec`: benchmarks/spec_decode.py (n-gram speculation on the packaged
@@ -83,6 +87,10 @@ for stage in ${@:-tests gemma4 llama eager}; do
     int4) timeout "${T_INT4:-400}" bash -c "python3 benchmarks/kernels_micro.py int4 ${INT4_ARGS:-} 2>&1 \
             | tee '$OUT/int4_micro.log'; python3 benchmarks/moe_layer.py --rows ${INT4_ROWS:-1 8 64} \
             --dtypes fp8 int4 nvfp4 --out '$OUT/moe_layer_int4.json' 2>&1 | tee '$OUT/moe_layer_int4.log'" ;;
+    w4e2e) for q in ${W4_FORMATS:-fp8 int4 nvfp4}; do
+             bench "e2e_${q}" "${T_W4E2E:-200}" --model-shape "${W4_SHAPE:-gemma4-26b-a4b}" --quantization "$q" \
+               --batch-sizes ${W4_BATCHES:-1,64} --prompt-len 128 --decode-tokens 32 --no-hf
+           done ;;
     tune) timeout "${T_TUNE:-300}" python3 benchmarks/moe_layer.py --tune ${TUNE_ARGS:-} --rows ${TUNE_ROWS:-1 8 64 1024} --dtypes ${TUNE_DTYPES:-bf16 fp8} 2>&1 \
             | tee "$OUT/moe_tune.log" | grep -v skip; cp sparrow/kernels/configs/*H200*.json "$OUT/" ;;
     gemma4) bench gemma4 "${T_G4:-400}" --model-shape gemma4-26b-a4b --batch-sizes ${G4_BATCHES:-1,8,64} \
@@ -102,6 +110,12 @@ for stage in ${@:-tests gemma4 llama eager}; do
             PYTHONPATH=$site$root python3 -P -c "import sparrow; print('sparrow from', sparrow.__file__)"
             side_env=$AB_ENV_NEW side_args=$AB_ARGS
             [ "$side" = old ] && side_env=$AB_ENV_OLD side_args=${AB_ARGS_OLD:-$AB_ARGS}
+            if [ -n "${AB_SCRIPT:-}" ]; then
+              PYTHONPATH=$site$root timeout "${T_AB:-150}" env $side_env python3 -P "$root/$AB_SCRIPT" ${AB_SCRIPT_ARGS:-} \
+                > "$OUT/ab${AB_TAG:-}_${side}_$round.log" 2>&1
+              tail -"${AB_TAIL:-12}" "$OUT/ab${AB_TAG:-}_${side}_$round.log"
+              continue
+            fi
             PYTHONPATH=$site$root timeout "${T_AB:-150}" env $side_env python3 -P -m sparrow bench --device cuda --no-hf \
               ${side_args:---model-shape gemma4-26b-a4b --quantization fp8 --batch-sizes 1,8 --prompt-len 128 --decode-tokens 32} \
               > "$OUT/ab${AB_TAG:-}_${side}_$round.log" 2>&1
