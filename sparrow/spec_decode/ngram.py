@@ -65,6 +65,15 @@ class NgramProposer:
             out.append(lookup(buf.sync(seq), self.n_min, self.n_max, k))
         return out
 
+    def can_draft(self, seq: Sequence) -> bool:
+        """Whether a lookup on ``seq``'s tokens so far finds a draft. Asked before the step that appends the
+        next token: when it finds none, the next lookup (one token later) most likely finds none either, so the
+        engine may queue that step ahead (``SpeculativeDecoder.paused``) instead of waiting to propose."""
+        buf = self._tokens.get(seq)
+        if buf is None:
+            buf = self._tokens[seq] = _Tokens(seq)
+        return bool(lookup(buf.sync(seq), self.n_min, self.n_max, 1))
+
     def release(self, seq: Sequence) -> None:
         """Forget a sequence that left the running batch."""
         self._tokens.pop(seq, None)

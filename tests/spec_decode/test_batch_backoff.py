@@ -121,3 +121,20 @@ def test_a_pause_of_the_caller_is_not_a_slow_step():
     dec.observe_step(1, 1.0e-3)
     dec.observe_step(1, 5.0)  # the caller paused between two steps
     assert dec.step_seconds[1] <= 1.0e-3 * (1 + 0.25 * 3) + 1e-12
+
+
+def test_sequences_without_an_ngram_match_let_the_engine_overlap():
+    """With the n-gram proposer, a sequence whose tokens so far repeat no n-gram counts as paused (the engine
+    may queue its next step ahead); one whose last tokens occurred before does not."""
+    from sparrow.spec_decode.ngram import NgramProposer
+
+    config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
+                                          "prompt_lookup_max": 3})
+    dec = SpeculativeDecoder(config, NgramProposer(2, 3), max_model_len=4096)
+    fresh = Sequence("a", 0, [10, 11, 12, 13], SamplingParams(max_tokens=100), set())
+    fresh.output_token_ids = [14]
+    repeat = Sequence("b", 0, [10, 11, 12, 13, 10], SamplingParams(max_tokens=100), set())
+    repeat.output_token_ids = [11]  # ... 10, 11 occurred before, followed by 12
+    assert dec.paused([fresh])
+    assert not dec.paused([repeat]) and not dec.paused([fresh, repeat])
+    assert dec.proposer.propose([(repeat, K)]) == [[12, 13, 10, 11]]
