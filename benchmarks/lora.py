@@ -93,6 +93,32 @@ def decode_tok_s(engine, prompts: list[list[int]], new_tokens: int, loras: list)
     return after / (now - t_first) if t_first is not None and now > t_first else 0.0
 
 
+def profile_decode(engine, prompts: list[list[int]], loras: list, device: str, rows: int) -> str:
+    """torch.profiler table of 4 decode steps of ``prompts`` (request i with ``loras[i]``), after every request's
+    prefill: the ``rows`` ops of most self device time (CUDA) or self CPU time, with the steps' wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from sparrow import SamplingParams
+    from sparrow.bench.timing import _table
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    rids = [engine.add_request({"prompt_token_ids": p}, params, lora_request=lr) for p, lr in zip(prompts, loras)]
+    cuda = device.startswith("cuda")
+    engine.step()  # the prefill
+    engine.step()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(4):
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    for rid in rids:
+        engine.abort(rid)
+    return f"4 decode steps at batch {len(prompts)} with LoRA: {wall * 1e3 / 4:.2f} ms each\n{_table(prof, cuda, rows)}"
+
+
 def _engine(model, device: str, dtype: str, batch: int, max_model_len: int, lora: dict | None):
     from sparrow.engine.llm import LLM
 
@@ -119,6 +145,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--num-loras", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after each LoRA point, a torch.profiler table of 4 decode steps: its N ops of most self "
+                        "device time (CPU time on a CPU)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from sparrow.bench.runners import sparrow_model_from_hf
@@ -159,6 +188,8 @@ def main(argv=None) -> list[dict]:
                 loaded = engine.runner.lora.adapters
             decode_tok_s(engine, prompts, min(8, args.decode_tokens), lr)  # warm-up: slots filled, kernels built
             row[key] = decode_tok_s(engine, prompts, args.decode_tokens, lr)
+            if args.profile and lora is not None:
+                print(profile_decode(engine, prompts, lr, args.device, args.profile), flush=True)
             del engine
             for m in model.modules():  # drop the slot buffers with the engine that made them
                 m.__dict__.pop("lora", None)
