@@ -127,7 +127,8 @@ def merge_updates(a: Update, b: Update) -> Update:
             m.logprobs = (m.logprobs or []) + d.logprobs
         if d.finish_reason is not None:
             m.finish_reason, m.stop_reason = d.finish_reason, d.stop_reason
-    return Update(list(by_index.values()), b.finished, b.prompt_token_ids, b.prompt_logprobs)
+    return Update(list(by_index.values()), b.finished, b.prompt_token_ids,
+                  b.prompt_logprobs if b.prompt_logprobs is not None else a.prompt_logprobs)
 
 
 def _snapshot(out: RequestOutput) -> Update:
@@ -136,8 +137,10 @@ def _snapshot(out: RequestOutput) -> Update:
         n = len(c.delta_token_ids)
         lps = c.logprobs[len(c.logprobs) - n:] if c.logprobs is not None else None
         deltas.append(Delta(c.index, c.delta_text, list(c.delta_token_ids), lps, c.finish_reason, c.stop_reason))
-    return Update(deltas, out.finished, out.prompt_token_ids,
-                  out.prompt_logprobs if out.finished else None)
+    # the prompt's logprobs travel once, with the request's first tokens (a streamed echo puts them first)
+    first = bool(out.outputs) and all(c.token_ids and len(c.token_ids) == len(c.delta_token_ids)
+                                      for c in out.outputs)
+    return Update(deltas, out.finished, out.prompt_token_ids, out.prompt_logprobs if first else None)
 
 
 class EngineLoop:

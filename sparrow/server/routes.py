@@ -132,6 +132,10 @@ def add_generation_routes(app: FastAPI, server) -> None:
                             text, tids = ("", []) if drop else (d.text, d.token_ids)
                             if body.echo and idx not in started:
                                 text = prompts[k]["prompt"] + text
+                                if lps[idx] is not None:  # the prompt's logprobs first (the first one null)
+                                    p_ids = prompts[k]["prompt_token_ids"]
+                                    for t, dd in zip(p_ids, upd.prompt_logprobs or [None] * len(p_ids)):
+                                        lps[idx].add(t, dd)
                             started.add(idx)
                             generated[0] += len(tids)
                             lp = None
@@ -159,7 +163,7 @@ def add_generation_routes(app: FastAPI, server) -> None:
             async for k, upd in it:
                 for d in upd.deltas:
                     choices[k * n + d.index].add(d)
-                if upd.finished:
+                if upd.prompt_logprobs is not None:
                     prompt_lps[k] = upd.prompt_logprobs
         out, generated = [], 0
         for idx, c in enumerate(choices):

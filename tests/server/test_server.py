@@ -186,6 +186,24 @@ def test_echo_prompt_logprobs_max_tokens_zero(client, oracle):
         assert got == pytest.approx(want[tid].logprob, abs=1e-5)
 
 
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_streamed_echo_carries_the_prompt_logprobs(client, max_tokens):
+    """echo + logprobs streamed: the chunks' logprobs joined equal the non-streamed ones (the prompt's first,
+    the first of them null), text offsets counted from the echoed prompt."""
+    kw = dict(model=MODEL_NAME, prompt="Hello there", max_tokens=max_tokens, echo=True, logprobs=1, temperature=0)
+    whole = client.completions.create(**kw).choices[0]
+    tokens, lps, offsets, text = [], [], [], ""
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                lps += c.logprobs.token_logprobs
+                offsets += c.logprobs.text_offset
+    assert text == whole.text and tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
+    assert lps[0] is None and lps[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-6)
+
+
 def test_chat_logprobs_layout(client):
     out = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
                                          max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
