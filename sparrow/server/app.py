@@ -197,15 +197,17 @@ class _Server:
                 gone.cancel()
             for rid in live:
                 self.loop.abort(rid)
-                access_log.info("%s aborted", rid)
+                self._log_access(streams[pos[rid]], "abort")
 
     @staticmethod
-    def _log_access(s) -> None:
+    def _log_access(s, finish: str | None = None) -> None:
+        """The request's access line: its id (the response's id, ``-k`` for prompt k of several), prompt and
+        generated tokens, TTFT, total time and finish reason(s) (``abort`` for a client that went away)."""
         end = time.monotonic()
         ttft = f"{s.first_token - s.arrival:.3f}s" if s.first_token is not None else "-"
         access_log.info("%s prompt_tokens=%d generated_tokens=%d ttft=%s total=%.3fs finish=%s", s.request_id,
                         len(s.prompt["prompt_token_ids"]), s.num_generated, ttft, end - s.arrival,
-                        ",".join(r or "-" for r in s.finish_reasons))
+                        finish or ",".join(r or "-" for r in s.finish_reasons))
 
 
 class _ApiKeyCheck:

@@ -53,11 +53,12 @@ class EngineClient:
         threading.Thread(target=self._read, args=(loop,), name="sparrow-engine-reader", daemon=True).start()
 
     def add(self, prompt: dict, params: SamplingParams, queue: asyncio.Queue | None = None,
-            prefix: str = "req", lora_request=None) -> RequestStream:
+            prefix: str = "req", lora_request=None, request_id: str | None = None) -> RequestStream:
         """Send ``prompt`` ({'prompt_token_ids': [...], optional 'prompt'}) to the engine; call on the event loop.
         ``queue``: where its items go (a new queue when None); ``lora_request``: the LoRARequest it runs with
-        (None: the base model)."""
-        s = RequestStream(f"{prefix}-{next(self._ids)}", prompt, params, asyncio.Queue() if queue is None else queue)
+        (None: the base model); ``request_id``: its id (unique among live requests; None: ``prefix-N``)."""
+        rid = request_id if request_id is not None else f"{prefix}-{next(self._ids)}"
+        s = RequestStream(rid, prompt, params, asyncio.Queue() if queue is None else queue)
         self._live[s.request_id] = s
         self.conn.send(("add", s.request_id, prompt, params, lora_request))
         return s

@@ -112,8 +112,9 @@ def add_generation_routes(app: FastAPI, server) -> None:
         drop = body.max_tokens == 0  # one token sampled for the prompt's logprobs, not returned
         want_ids = body.return_token_ids or server.tokenizer is None  # no tokenizer: the ids are the answer
         queue: asyncio.Queue = asyncio.Queue()
-        streams = [server.loop.add(p, sp, queue, "cmpl", lora) for p, sp in zip(prompts, params)]
         rid, n = f"cmpl-{uuid.uuid4().hex}", body.n
+        streams = [server.loop.add(p, sp, queue, "cmpl", lora, rid if len(prompts) == 1 else f"{rid}-{k}")
+                   for k, (p, sp) in enumerate(zip(prompts, params))]
         n_prompt = sum(len(p["prompt_token_ids"]) for p in prompts)
 
         def legacy(k):
@@ -199,8 +200,8 @@ def add_generation_routes(app: FastAPI, server) -> None:
             raise ApiError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
         params = body._params(mt, k_top if body.logprobs else None)
         queue: asyncio.Queue = asyncio.Queue()
-        streams = [server.loop.add({"prompt_token_ids": ids, "prompt": text}, params, queue, "chat", lora)]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = [server.loop.add({"prompt_token_ids": ids, "prompt": text}, params, queue, "chat", lora, rid)]
 
         if body.stream:
             generated = [0]

@@ -64,7 +64,8 @@ def test_serve_command(tiny_text_model_dir):
             assert proc.poll() is None and time.monotonic() < deadline, "sparrow serve did not start"
             time.sleep(0.2)
         client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
-        assert client.completions.create(model="t", prompt="hi", max_tokens=3).usage.completion_tokens == 3
+        answer = client.completions.create(model="t", prompt="hi", max_tokens=3)
+        assert answer.usage.completion_tokens == 3
     finally:
         proc.terminate()  # SIGTERM: the same orderly stop as Ctrl-C, front end included
         out, _ = proc.communicate(timeout=30)
@@ -72,4 +73,5 @@ def test_serve_command(tiny_text_model_dir):
     with pytest.raises(httpx.ConnectError):  # the front end's process is gone: nothing listens on the port
         httpx.get(url + "/health", timeout=2)
     assert "KV cache" in out and f"http://127.0.0.1:{port}/v1" in out
-    assert "prompt_tokens=" in out and "generated_tokens=3" in out and "finish=length" in out
+    # the access line carries the response's id
+    assert f"{answer.id} prompt_tokens=" in out and "generated_tokens=3" in out and "finish=length" in out
