@@ -20,10 +20,34 @@ class StreamOptions(BaseModel):
     """Send a last chunk with ``choices: []`` and the request's ``usage``."""
 
 
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "logit_bias": (None, {}), "allowed_token_ids": (None, []), "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,), "logits_processors": (None, []),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "response_format": (None, {"type": "text"}),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False), "chat_template": (None,),
+    "chat_template_kwargs": (None, {}), "best_of": (None, 1),
+}
+"""OpenAI / vLLM request fields that change the output and that this server does not implement -> the values
+that leave the output unchanged (accepted); any other value is a 400 naming the field. Fields not listed and
+not declared below (e.g. ``metadata``, ``store``) are ignored."""
+
+
 class _Sampling(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
+
+    def unsupported(self) -> str | None:
+        """A message naming the first field this server does not implement that the request sets (see
+        ``UNSUPPORTED_FIELDS``), or stream_options without stream; None when there is none."""
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED_FIELDS and value not in UNSUPPORTED_FIELDS[name]:
+                return name
+        if self.stream_options is not None and not self.stream:
+            return "stream_options"
+        return None
 
     model: str | None = None
     n: int = Field(1, ge=1, le=128)

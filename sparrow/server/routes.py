@@ -92,9 +92,21 @@ def add_generation_routes(app: FastAPI, server) -> None:
     def stream_response(events, final_usage, streams) -> StreamingResponse:
         return _AbortingStream(sse(events, final_usage), [s.request_id for s in streams], server.loop)
 
+    def check_fields(body) -> None:
+        """400 for a field this server does not implement, or stop_token_ids outside the vocabulary."""
+        name = body.unsupported()
+        if name == "stream_options":
+            raise ApiError(400, "stream_options: only with stream=true", name)
+        if name is not None:
+            raise ApiError(400, f"{name}: not supported by this server (leave it out)", name)
+        vocab = server.vocab_size
+        if body.stop_token_ids and any(not 0 <= t < vocab for t in body.stop_token_ids):
+            raise ApiError(400, f"stop_token_ids: ids must be in [0, {vocab})", "stop_token_ids")
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
         lora = server.check_model(body.model)
+        check_fields(body)
         if body.suffix:
             raise ApiError(400, "suffix is not supported", "suffix")
         if body.stop and server.tokenizer is None:
@@ -191,6 +203,7 @@ def add_generation_routes(app: FastAPI, server) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         lora = server.check_model(body.model)
+        check_fields(body)
         text = server.chat_prompt(body.messages)
         ids = server.encode(text)
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -306,6 +306,19 @@ BAD_BODIES = [
     ("completions", {"prompt": "x", "stream": "yes please"}, "stream"),
     ("completions", {}, "prompt"),
     ("completions", [], None),
+    # fields that change the output and that this server does not implement: refused, never ignored
+    ("completions", {"prompt": "x", "logit_bias": {"5": -100}}, "logit_bias"),
+    ("completions", {"prompt": "x", "allowed_token_ids": [5]}, "allowed_token_ids"),
+    ("completions", {"prompt": "x", "truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
+    ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("completions", {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ("completions", {"prompt": "x", "stop_token_ids": [10 ** 9]}, "stop_token_ids"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False},
+     "add_generation_prompt"),
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
     ("chat/completions", {"messages": [{"content": "x"}]}, "messages"),
@@ -423,3 +436,15 @@ def test_template_refusal_is_400(tiny_text_model_dir):
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
     finally:
         stop_server(srv)
+
+
+def test_unimplemented_fields_at_their_no_op_values_are_accepted(tiny_server):
+    """logit_bias {}, response_format text, tool_choice none and the like change nothing: 200."""
+    with httpx.Client(base_url=tiny_server.base_url, headers=AUTH, timeout=30) as http:
+        r = http.post("/completions", json={"prompt": "x", "max_tokens": 2, "logit_bias": {}, "best_of": 1,
+                                            "metadata": {"k": "v"}})
+        assert r.status_code == 200, r.text
+        r = http.post("/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                                                 "response_format": {"type": "text"}, "tool_choice": "none",
+                                                 "add_generation_prompt": True})
+        assert r.status_code == 200, r.text
