@@ -60,6 +60,13 @@ def _allowed_range(model, name: str) -> str | None:
     return None
 
 
+_UNION_FORMS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of such lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of text parts ({\"type\": \"text\", \"text\": ...})",
+}
+
+
 def _validation_message(exc: RequestValidationError, path: str) -> tuple[str, str | None]:
     """(message, param) of pydantic's first error: the field's dotted path, what it must be, and the field's
     allowed range when it declares one."""
@@ -67,8 +74,15 @@ def _validation_message(exc: RequestValidationError, path: str) -> tuple[str, st
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     if err.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {err.get('msg')}", None
-    param = ".".join(loc) or None
     msg = err.get("msg", "invalid value")
+    for i, part in enumerate(loc):  # a field of several accepted forms: pydantic names the member it tried last
+        if part in _UNION_FORMS and i + 1 < len(loc):
+            loc, msg = loc[:i + 1], f"must be {_UNION_FORMS[part]}"
+            break
+    value = err.get("input")
+    if isinstance(value, float) and value != value:
+        msg = "must be a number, not NaN"
+    param = ".".join(loc) or None
     allowed = _allowed_range(_BODIES.get(path), loc[0]) if len(loc) == 1 else None
     if allowed:
         msg += f" (allowed: {allowed})"

@@ -260,9 +260,9 @@ class EngineLoop:
         if took > SLOW_STEP_S:
             new = self._variants[seen:]
             names = "; ".join(v[:160] for v in new[:4]) + (f"; +{len(new) - 4} more" if len(new) > 4 else "")
-            log.info("an engine step took %.2f s (%d running, %d waiting); Triton kernel variants met first in it: "
-                     "%d%s", took, len(engine.scheduler.running), len(engine.scheduler.waiting), len(new),
-                     f" ({names})" if new else "")
+            log.info("an engine step took %.2f s (%d running, %d waiting)%s", took, len(engine.scheduler.running),
+                     len(engine.scheduler.waiting),
+                     f"; Triton kernel variants met first in it: {len(new)} ({names})" if new else "")
         for out in outputs:
             if out.request_id in self._live:
                 items.append((out.request_id, _snapshot(out)))

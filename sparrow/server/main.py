@@ -56,9 +56,10 @@ def run_server(args) -> int:
     source = f"random-weight shape {shape}, no tokenizer: token-id prompts" if shape else llm.model_path
     quant = f", {args.quantization}" if args.quantization else ""
     adapters = f"; LoRA adapters {', '.join(srv.model.loras)}" if srv.model.loras else ""
-    log.info("sparrow serve: model %s (%s) on %s, %s%s; KV cache %d tokens; max_model_len %d%s; "
-             "listening on %s/v1", srv.model.name, source, cfg.device, cfg.dtype, quant, kv_tokens,
-             cfg.max_model_len, adapters, srv.url)
+    named = srv.model.name if srv.model.name == source else f"{srv.model.name} ({source})"
+    log.info("sparrow serve: model %s on %s, %s%s; KV cache %d tokens; max_model_len %d%s; "
+             "listening on %s/v1", named, cfg.device, cfg.dtype, quant, kv_tokens, cfg.max_model_len, adapters,
+             srv.url)
     def _terminate(signum, frame):  # SIGTERM (docker stop, kill): the same orderly stop as Ctrl-C
         raise KeyboardInterrupt
 

@@ -448,3 +448,17 @@ def test_unimplemented_fields_at_their_no_op_values_are_accepted(tiny_server):
                                                  "response_format": {"type": "text"}, "tool_choice": "none",
                                                  "add_generation_prompt": True})
         assert r.status_code == 200, r.text
+
+
+def test_union_field_errors_name_the_accepted_forms(tiny_server):
+    with httpx.Client(base_url=tiny_server.base_url, headers=AUTH, timeout=30) as http:
+        err = http.post("/completions", json={"prompt": 5}).json()["error"]
+        assert err["param"] == "prompt" and "list of token ids" in err["message"], err
+        err = http.post("/completions", json={"prompt": "x", "stop": 5}).json()["error"]
+        assert err["param"] == "stop" and "list of strings" in err["message"], err
+        err = http.post("/chat/completions", json={"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "x"}}]}]}).json()["error"]
+        assert err["param"] == "messages.0.content" and "text parts" in err["message"], err
+        r = http.post("/completions", content=b'{"prompt": "x", "temperature": NaN}',
+                      headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "NaN" in r.json()["error"]["message"], r.text
