@@ -130,6 +130,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    return_token_ids: bool = False
+    """vLLM's: the response carries ``prompt_token_ids`` (a stream: in its first chunk) and each choice (each
+    chunk) its generated ``token_ids``."""
 
 
 class TokenizeRequest(BaseModel):

@@ -221,19 +221,25 @@ def add_generation_routes(app: FastAPI, server) -> None:
 
             async def events():
                 for i in range(body.n):
-                    yield {**base("chat.completion.chunk", rid), "choices": [{
+                    chunk = {**base("chat.completion.chunk", rid), "choices": [{
                         "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None}]}
+                    if body.return_token_ids and i == 0:
+                        chunk["prompt_token_ids"] = ids
+                    yield chunk
                 async with contextlib.aclosing(server.updates(queue, streams)) as it:
                     async for _, upd in it:
                         for d in upd.deltas:
                             generated[0] += len(d.token_ids)
-                            if not (d.text or d.finish_reason is not None or (body.logprobs and d.token_ids)):
+                            if not (d.text or d.finish_reason is not None
+                                    or ((body.logprobs or body.return_token_ids) and d.token_ids)):
                                 continue  # a token held back (part of a character, or a stop string)
                             lp = chat_logprobs(d.token_ids, d.logprobs, k_top) if body.logprobs else None
-                            yield {**base("chat.completion.chunk", rid), "choices": [{
-                                "index": d.index, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
-                                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]}
+                            choice = {"index": d.index, "delta": {"content": d.text} if d.text else {},
+                                      "logprobs": lp, "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+                            if body.return_token_ids:
+                                choice["token_ids"] = list(d.token_ids)
+                            yield {**base("chat.completion.chunk", rid), "choices": [choice]}
 
             final = (lambda: {**base("chat.completion.chunk", rid), "choices": [],
                               "usage": usage(len(ids), generated[0])}) if body.include_usage else None
@@ -247,5 +253,10 @@ def add_generation_routes(app: FastAPI, server) -> None:
         out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": chat_logprobs(c.token_ids, c.logprobs, k_top) if body.logprobs else None,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices]
-        return {**base("chat.completion", rid), "choices": out,
+        extra = {}
+        if body.return_token_ids:
+            extra["prompt_token_ids"] = ids
+            for o, c in zip(out, choices):
+                o["token_ids"] = list(c.token_ids)
+        return {**base("chat.completion", rid), "choices": out, **extra,
                 "usage": usage(len(ids), sum(len(c.token_ids) for c in choices))}

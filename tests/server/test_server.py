@@ -113,6 +113,23 @@ def test_return_token_ids(client, oracle):
     assert "token_ids" not in (plain.model_extra or {})
 
 
+def test_chat_return_token_ids(client, oracle):
+    """return_token_ids on chat: the response's prompt_token_ids (the template's ids) and each choice's generated
+    ids (LLM.generate's), streamed too (the prompt's in the first chunk)."""
+    from sparrow.tokenizer import apply_chat_template
+
+    messages = [{"role": "user", "content": "Hi you"}]
+    ref = _greedy(oracle, apply_chat_template(oracle.tokenizer, messages), 8)
+    kw = dict(model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0,
+              extra_body={"return_token_ids": True})
+    out = client.chat.completions.create(**kw)
+    assert out.model_extra["prompt_token_ids"] == ref.prompt_token_ids
+    assert out.choices[0].model_extra["token_ids"] == ref.outputs[0].token_ids
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert chunks[0].model_extra["prompt_token_ids"] == ref.prompt_token_ids
+    assert sum((c.choices[0].model_extra.get("token_ids", []) for c in chunks[1:]), []) == ref.outputs[0].token_ids
+
+
 def test_chat_stream_equals_nonstream_and_usage(tiny_server, client, oracle):
     from sparrow.tokenizer import apply_chat_template
 
