@@ -236,7 +236,7 @@ def run_point(llm, prompts: list[str], batch: int, params, spec: bool, repeats: 
             if spec:
                 after = spec_counters(llm)
                 best["counters"] = {k.split(":")[1]: after[k] - before[k] for k in METRICS}
-                best["step_seconds"] = dict(sorted(llm.engine.spec.step_seconds.items()))
+                best["step_seconds"] = {f"b{b} q{q}": t for (b, q), t in sorted(llm.engine.spec.step_seconds.items())}
     best["tok_s"] = best["tokens"] / best["seconds"]
     return best
 
@@ -293,7 +293,7 @@ def main(argv=None) -> dict:
             for batch in args.batch_sizes:
                 r = run_point(llm, prompts, batch, params, k is not None, args.repeats, args.profile)
                 results[name, set_name, batch] = r
-                times = "" if "step_seconds" not in r else "; step ms by q: " + ", ".join(
+                times = "" if "step_seconds" not in r else "; step ms by (batch bucket, q): " + ", ".join(
                     f"{q}: {1e3 * t:.2f}" for q, t in r["step_seconds"].items())
                 print(f"{set_name:<10} batch {batch}: {r['tokens']} tokens in {r['seconds']:.2f} s, "
                       f"{r['tok_s']:.1f} tok/s, {r['steps']} steps ({1e3 * r['seconds'] / r['steps']:.2f} ms each)"

@@ -172,7 +172,7 @@ class Engine:
         q = plan.max_query_len()
         last, self._last_step_end = self._last_step_end, (now if q is not None else None)
         if q is not None and last is not None:
-            self.spec.observe_step(q, now - last)
+            self.spec.observe_step(q, now - last, len(plan.seqs))
 
     def _apply(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Apply a step's result: computed rows and accepted tokens per sequence (a sequence that stopped or was

@@ -46,12 +46,12 @@ def _decode_step(dec, seqs, seconds: float = 1.0e-3) -> None:
     for s in seqs:
         s.output_token_ids.append(4)
         s.num_computed_tokens += 1
-    dec.observe_step(1, seconds)
+    dec.observe_step(1, seconds, len(seqs))
 
 
-def _measure(dec, t1: float, tq: float) -> None:
-    dec.observe_step(1, t1)
-    dec.observe_step(K + 1, tq)
+def _measure(dec, t1: float, tq: float, batch: int) -> None:
+    dec.observe_step(1, t1, batch)
+    dec.observe_step(K + 1, tq, batch)
 
 
 def test_unmeasured_costs_verify():
@@ -64,7 +64,7 @@ def test_unmeasured_costs_verify():
 def test_few_drafted_sequences_in_a_costly_step_are_dropped_then_paused():
     dec, prop = _decoder()
     seqs = _decoding(8)
-    _measure(dec, 1.0e-3, 3.0e-3)  # a verify step costs 3 decode steps: it must gain 2 tokens per sequence
+    _measure(dec, 1.0e-3, 3.0e-3, len(seqs))  # a verify step costs 3 decode steps: it must gain 2 tokens per sequence
     prop.drafting = set(seqs[:2])  # expected gain 2 * 4 * 0.7 = 5.6 < 2 * 8
     assert dec.propose(seqs) == {}
     assert dec.paused(seqs)  # the engine may queue decode steps ahead
@@ -80,7 +80,7 @@ def test_few_drafted_sequences_in_a_costly_step_are_dropped_then_paused():
 def test_a_cheap_verify_step_pays_for_one_draft():
     dec, prop = _decoder()
     seqs = _decoding(1)
-    _measure(dec, 1.0e-3, 1.3e-3)
+    _measure(dec, 1.0e-3, 1.3e-3, len(seqs))
     prop.drafting = set(seqs)
     assert set(dec.propose(seqs)) == set(seqs)
 
@@ -88,7 +88,7 @@ def test_a_cheap_verify_step_pays_for_one_draft():
 def test_rates_come_from_verified_drafts():
     dec, prop = _decoder()
     seqs = _decoding(2)
-    _measure(dec, 1.0e-3, 2.0e-3)  # must gain 1 token per sequence: 2 in all
+    _measure(dec, 1.0e-3, 2.0e-3, len(seqs))  # must gain 1 token per sequence: 2 in all
     good, bad = seqs
     for _ in range(20):  # `bad` keeps getting none of its drafts accepted
         dec.record(ScheduledSeq(bad, bad.num_computed_tokens, K + 1, num_sampled=K + 1, draft_token_ids=[1] * K), 0)
@@ -100,7 +100,7 @@ def test_rates_come_from_verified_drafts():
 def test_pauses_double_and_the_longest_ends_with_one_verify_step():
     dec, prop = _decoder()
     seqs = _decoding(8)
-    _measure(dec, 1.0e-3, 10.0e-3)  # never pays
+    _measure(dec, 1.0e-3, 10.0e-3, len(seqs))  # never pays
     prop.drafting = {seqs[0]}
     holds = []
     for _ in range(200):
@@ -120,7 +120,7 @@ def test_a_pause_of_the_caller_is_not_a_slow_step():
     dec, _ = _decoder()
     dec.observe_step(1, 1.0e-3)
     dec.observe_step(1, 5.0)  # the caller paused between two steps
-    assert dec.step_seconds[1] <= 1.0e-3 * (1 + 0.25 * 3) + 1e-12
+    assert dec.step_seconds[1, 1] <= 1.0e-3 * (1 + 0.25 * 3) + 1e-12
 
 
 def test_sequences_without_an_ngram_match_let_the_engine_overlap():
@@ -138,3 +138,15 @@ def test_sequences_without_an_ngram_match_let_the_engine_overlap():
     assert dec.paused([fresh])
     assert not dec.paused([repeat]) and not dec.paused([fresh, repeat])
     assert dec.proposer.propose([(repeat, K)]) == [[12, 13, 10, 11]]
+
+
+def test_step_costs_are_kept_per_batch_bucket():
+    """A verify step that is cheap at batch 1 and costly at batch 8: each batch decides on its own costs."""
+    dec, prop = _decoder()
+    one, eight = _decoding(1), _decoding(8)
+    _measure(dec, 1.0e-3, 1.3e-3, 1)
+    _measure(dec, 1.0e-3, 5.0e-3, 8)  # at batch 8 a verify step must gain 4 tokens per sequence
+    prop.drafting = set(one) | {eight[0]}
+    assert set(dec.propose(one)) == set(one)
+    assert dec.propose(eight) == {}
+    assert sorted(dec.step_seconds) == [(1, 1), (1, K + 1), (8, 1), (8, K + 1)]
