@@ -27,7 +27,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "structured_outputs": (None,), "response_format": (None, {"type": "text"}),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "add_generation_prompt": (None, True), "continue_final_message": (None, False), "chat_template": (None,),
-    "chat_template_kwargs": (None, {}), "best_of": (None, 1),
+    "chat_template_kwargs": (None, {}), "best_of": (None, 1), "suffix": (None, ""),
 }
 """OpenAI / vLLM request fields that change the output and that this server does not implement -> the values
 that leave the output unchanged (accepted); any other value is a 400 naming the field. Fields not listed and
@@ -39,14 +39,14 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    def unsupported(self) -> str | None:
-        """A message naming the first field this server does not implement that the request sets (see
-        ``UNSUPPORTED_FIELDS``), or stream_options without stream; None when there is none."""
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, message) for the first field this server does not implement that the request sets (see
+        ``UNSUPPORTED_FIELDS``), or for stream_options without stream; None when there is none."""
         for name, value in (self.model_extra or {}).items():
             if name in UNSUPPORTED_FIELDS and value not in UNSUPPORTED_FIELDS[name]:
-                return name
+                return name, f"{name}: not supported by this server (leave it out)"
         if self.stream_options is not None and not self.stream:
-            return "stream_options"
+            return "stream_options", "stream_options: only with stream=true"
         return None
 
     model: str | None = None
@@ -94,7 +94,6 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    suffix: str | None = None
     return_token_ids: bool = False
     """vLLM's: each choice carries ``prompt_token_ids`` and ``token_ids`` (a stream: the prompt's in the choice's
     first chunk, each chunk's own generated ids); always on for a model without a tokenizer."""

@@ -94,11 +94,9 @@ def add_generation_routes(app: FastAPI, server) -> None:
 
     def check_fields(body) -> None:
         """400 for a field this server does not implement, or stop_token_ids outside the vocabulary."""
-        name = body.unsupported()
-        if name == "stream_options":
-            raise ApiError(400, "stream_options: only with stream=true", name)
-        if name is not None:
-            raise ApiError(400, f"{name}: not supported by this server (leave it out)", name)
+        refused = body.unsupported()
+        if refused is not None:
+            raise ApiError(400, refused[1], refused[0])
         vocab = server.vocab_size
         if body.stop_token_ids and any(not 0 <= t < vocab for t in body.stop_token_ids):
             raise ApiError(400, f"stop_token_ids: ids must be in [0, {vocab})", "stop_token_ids")
@@ -107,8 +105,6 @@ def add_generation_routes(app: FastAPI, server) -> None:
     async def completions(body: CompletionRequest, raw: Request):
         lora = server.check_model(body.model)
         check_fields(body)
-        if body.suffix:
-            raise ApiError(400, "suffix is not supported", "suffix")
         if body.stop and server.tokenizer is None:
             raise ApiError(400, "stop: stop strings need a tokenizer, and this model has none (use stop_token_ids)",
                            "stop")

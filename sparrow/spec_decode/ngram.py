@@ -57,22 +57,20 @@ class NgramProposer:
 
     def propose(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
         """For each (sequence, most drafts k') the draft tokens (at most k', possibly none)."""
-        out = []
-        for seq, k in requests:
-            buf = self._tokens.get(seq)
-            if buf is None:
-                buf = self._tokens[seq] = _Tokens(seq)
-            out.append(lookup(buf.sync(seq), self.n_min, self.n_max, k))
-        return out
+        return [lookup(self._synced(seq), self.n_min, self.n_max, k) for seq, k in requests]
+
+    def _synced(self, seq: Sequence) -> np.ndarray:
+        """``seq``'s tokens so far, from its buffer (made on first use)."""
+        buf = self._tokens.get(seq)
+        if buf is None:
+            buf = self._tokens[seq] = _Tokens(seq)
+        return buf.sync(seq)
 
     def can_draft(self, seq: Sequence) -> bool:
         """Whether a lookup on ``seq``'s tokens so far finds a draft. Asked before the step that appends the
         next token: when it finds none, the next lookup (one token later) most likely finds none either, so the
         engine may queue that step ahead (``SpeculativeDecoder.paused``) instead of waiting to propose."""
-        buf = self._tokens.get(seq)
-        if buf is None:
-            buf = self._tokens[seq] = _Tokens(seq)
-        return bool(lookup(buf.sync(seq), self.n_min, self.n_max, 1))
+        return bool(lookup(self._synced(seq), self.n_min, self.n_max, 1))
 
     def release(self, seq: Sequence) -> None:
         """Forget a sequence that left the running batch."""

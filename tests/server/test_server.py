@@ -324,6 +324,7 @@ BAD_BODIES = [
     ("completions", {}, "prompt"),
     ("completions", [], None),
     # fields that change the output and that this server does not implement: refused, never ignored
+    ("completions", {"prompt": "x", "suffix": "y"}, "suffix"),
     ("completions", {"prompt": "x", "logit_bias": {"5": -100}}, "logit_bias"),
     ("completions", {"prompt": "x", "allowed_token_ids": [5]}, "allowed_token_ids"),
     ("completions", {"prompt": "x", "truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
