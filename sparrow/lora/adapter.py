@@ -73,7 +73,9 @@ def _read_config(folder: Path, name: str) -> dict:
 
 
 def _alpha(cfg: dict, module: str) -> float:
-    """lora_alpha of PEFT ``module`` (``alpha_pattern``'s first key matching the module name's end, as PEFT)."""
+    """lora_alpha of PEFT ``module`` (``alpha_pattern``'s first key matching the name's end, as PEFT; a module's
+    name for target_modules, ``<module>.<parameter>`` for target_parameters: ``mlp.experts.gate_up_proj``,
+    ``mlp.gate.weight``)."""
     for key, alpha in (cfg.get("alpha_pattern") or {}).items():
         if re.match(rf"(.*\.)?({key})$", module):
             return float(alpha)
@@ -168,7 +170,7 @@ def load_adapter(request: LoRARequest, model: torch.nn.Module, max_lora_rank: in
             if tuple(a.shape) != (r, target.hidden_size) or tuple(b.shape) != (target.num_experts, r):
                 fail(hf, f"(router) has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, expected "
                          f"({r}, {target.hidden_size}) / ({target.num_experts}, {r})")
-            adapter.targets[mpath, "weight"] = (a, b * _scaling(cfg, hf, r))
+            adapter.targets[mpath, "weight"] = (a, b * _scaling(cfg, hf + ".weight", r))
             adapter.rank = max(adapter.rank, r)
         elif isinstance(target, FusedMoE):
             e, h, i = target.num_experts, target.hidden_size, target.intermediate_size
@@ -192,7 +194,7 @@ def load_adapter(request: LoRARequest, model: torch.nn.Module, max_lora_rank: in
             _check_rank(name, hf, r, max_lora_rank)
             a3 = a.reshape(e, r, a.shape[1])  # [E, r, in]
             b3 = b.reshape(b.shape[0], r, e).permute(2, 0, 1).contiguous()  # [E, out, r]
-            adapter.targets[mpath, stacked] = (a3, b3 * _scaling(cfg, hf, r))
+            adapter.targets[mpath, stacked] = (a3, b3 * _scaling(cfg, f"{hf}.{stacked}", r))
             adapter.rank = max(adapter.rank, r)
         else:
             fail(hf, f"is a {type(target).__name__}, which LoRA cannot adapt here (supported: dense linears, "

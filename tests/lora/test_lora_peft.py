@@ -174,3 +174,20 @@ def test_router_alone_and_experts_alone(tmp_path):
         assert [ids for ids, _ in ref] != base_ids, f"the {what} adapter does not change PEFT's output"
         outs = llm.generate([{"prompt_token_ids": p} for p in ps], _params(), lora_request=_request(a, i))
         assert sum(compare(ids, logits, o.outputs[0]) for (ids, logits), o in zip(ref, outs)) >= NEW
+
+
+def test_alpha_and_rank_patterns_of_target_parameters(tmp_path):
+    """PEFT keys alpha_pattern / rank_pattern of a target parameter by ``<module>.<parameter>``
+    (``mlp.experts.down_proj``, ``mlp.gate.weight``), as it writes them itself when it turns target_modules
+    gate_proj / up_proj on fused experts into target_parameters: each parameter's scaling is its own alpha over its
+    own rank, and sparrow's outputs match PEFT's."""
+    base = base_model("qwen2_moe", tmp_path / "base")
+    a = make_adapter("qwen2_moe", base, tmp_path / "a", 5, scale=1.0, r=2, lora_alpha=2, target_modules=[],
+                     target_parameters=EXPERT_PARAMS + ROUTER_PARAMS,
+                     rank_pattern={r".*\.experts\.gate_up_proj": 4},
+                     alpha_pattern={r".*\.experts\.gate_up_proj": 32, r".*\.experts\.down_proj": 24,
+                                    r".*\.gate\.weight": 16})
+    ref = [peft_greedy("qwen2_moe", base, a, p, NEW) for p in PROMPTS]
+    llm = make_llm(base, max_model_len=128, enable_lora=True, max_loras=1, max_lora_rank=4)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params(), lora_request=_request(a, 1))
+    assert sum(compare(ids, logits, o.outputs[0]) for (ids, logits), o in zip(ref, outs)) >= NEW
