@@ -104,13 +104,16 @@ def _lora_request(args):
 
 
 def _lora_rank(path: str) -> int:
-    """The adapter's rank r from its adapter_config.json (64 when it cannot be read: loading it reports why)."""
+    """The adapter's largest rank from its adapter_config.json: r and its rank_pattern's per-module ranks (64 when
+    it cannot be read: loading it reports why)."""
     try:
         with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as f:
-            r = json.load(f).get("r")
-        return r if isinstance(r, int) and r > 0 else 64
+            cfg = json.load(f)
+        ranks = [cfg.get("r"), *(cfg.get("rank_pattern") or {}).values()]
     except (OSError, ValueError, AttributeError):
         return 64
+    ranks = [r for r in ranks if isinstance(r, int) and not isinstance(r, bool) and r > 0]
+    return max(ranks) if ranks else 64
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, full: bool = False) -> None:

@@ -30,3 +30,19 @@ def test_generate_with_a_missing_adapter_is_one_line(tiny_text_model_dir, tmp_pa
     msg = assert_cli_error(run_cli("generate", "hello", "--model", str(tiny_text_model_dir), "--lora", str(missing),
                                    "--device", "cpu", "--max-model-len", "64", "--max-tokens", "2"), str(missing))
     assert "Traceback" not in msg
+
+
+def test_generate_with_a_rank_pattern(tiny_text_model_dir, tmp_path):  # noqa: F811
+    """An adapter whose rank_pattern gives a module a rank above r (as PEFT writes for fused experts' gate_up_proj)
+    runs: --lora sizes the slots by its largest rank."""
+    adapter = make_adapter("llama", tiny_text_model_dir, tmp_path / "adapter", seed=4, r=2, lora_alpha=4,
+                           target_modules=["q_proj", "o_proj"], rank_pattern={"q_proj": 6})
+    llm = LLM(str(tiny_text_model_dir), device="cpu", dtype="float32", max_model_len=64, enable_lora=True,
+              max_loras=1, max_lora_rank=6)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tuned = llm.generate("hello", params, lora_request=LoRARequest("adapter", 1, str(adapter)))[0].outputs[0].text
+    proc = run_cli("generate", "hello", "--model", str(tiny_text_model_dir), "--lora", str(adapter), "--device",
+                   "cpu", "--dtype", "float32", "--max-model-len", "64", "--max-tokens", "8", "--temperature", "0",
+                   "--ignore-eos")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == tuned + "\n"
