@@ -56,6 +56,8 @@ def _read_config(folder: Path, name: str) -> dict:
         cfg = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: cannot read {path}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: {path} holds a JSON {type(cfg).__name__}, not an object")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise LoRAAdapterError(f"LoRA adapter {name!r}: peft_type {cfg.get('peft_type')!r} is not supported "
                                "(only LORA)")
@@ -69,7 +71,26 @@ def _read_config(folder: Path, name: str) -> dict:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: bias={cfg['bias']!r} is not supported (only 'none')")
     if cfg.get("layer_replication"):
         raise LoRAAdapterError(f"LoRA adapter {name!r}: layer_replication is not supported")
+    if not _is_number(cfg.get("lora_alpha", 8)):
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: lora_alpha={cfg['lora_alpha']!r} in {path} is not a number")
+    for key in ("alpha_pattern", "rank_pattern"):
+        pattern = cfg.get(key) or {}
+        if not isinstance(pattern, dict):
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: {key} in {path} is not an object")
+        for module, value in pattern.items():
+            try:
+                re.compile(module)
+            except re.error as e:
+                raise LoRAAdapterError(f"LoRA adapter {name!r}: {key} key {module!r} in {path} is not a regular "
+                                       f"expression ({e})") from None
+            if not _is_number(value):
+                raise LoRAAdapterError(f"LoRA adapter {name!r}: {key}[{module!r}]={value!r} in {path} is not a "
+                                       "number")
     return cfg
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _alpha(cfg: dict, module: str) -> float:

@@ -74,3 +74,25 @@ def test_bad_requests(llm, base):
         llm.generate(PROMPT, PARAMS, lora_request="adapter")
     with pytest.raises(InvalidRequestError, match="max_loras=0 must be at least 1"):
         make_llm(base, enable_lora=True, max_loras=0)
+
+
+def _edited_config(base, tmp_path, name, edit):
+    import json
+
+    path = make_adapter("llama", base, tmp_path / name, 0, r=4, target_modules=["q_proj"])
+    file = path / "adapter_config.json"
+    cfg = json.loads(file.read_text())
+    file.write_text(json.dumps(edit(cfg)))
+    return path
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda cfg: [cfg], "holds a JSON list, not an object"),
+    (lambda cfg: {**cfg, "lora_alpha": None}, "lora_alpha=None in .* is not a number"),
+    (lambda cfg: {**cfg, "lora_alpha": "16"}, "lora_alpha='16' in .* is not a number"),
+    (lambda cfg: {**cfg, "alpha_pattern": {"q_proj[": 4}}, r"alpha_pattern key 'q_proj\[' in .* is not a regular"),
+    (lambda cfg: {**cfg, "rank_pattern": ["q_proj"]}, "rank_pattern in .* is not an object"),
+    (lambda cfg: {**cfg, "alpha_pattern": {"q_proj": "x"}}, r"alpha_pattern\['q_proj'\]='x' in .* is not a number"),
+])
+def test_malformed_config(llm, base, tmp_path, edit, match):
+    _refused(llm, _edited_config(base, tmp_path, "cfg", edit), match)
