@@ -122,7 +122,7 @@ def _side_by_side(parts: list[tuple[int, torch.Tensor, torch.Tensor]], n: int) -
 def load_adapter(request: LoRARequest, model: torch.nn.Module, max_lora_rank: int) -> Adapter:
     """Read ``request``'s folder and map it onto ``model`` (a sparrow CausalLM). Raises LoRAAdapterError for a
     missing or malformed folder, an unsupported PEFT feature (DoRA, biases, modules_to_save, ...), a tensor that
-    is not a lora_A / lora_B weight, a rank over ``max_lora_rank``, or a target sparrow cannot adapt (naming it)."""
+    is not a lora_A / lora_B weight or not a finite floating-point one, a rank over ``max_lora_rank``, or a target sparrow cannot adapt (naming it)."""
     from safetensors.torch import load_file
 
     from sparrow.layers.linear import Linear
@@ -148,6 +148,10 @@ def load_adapter(request: LoRARequest, model: torch.nn.Module, max_lora_rank: in
         if m is None:
             stray.append(key)
             continue
+        if not t.is_floating_point():
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {key!r} is {t.dtype}, not floating point")
+        if not torch.isfinite(t).all():
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {key!r} holds NaN or infinite values")
         pairs.setdefault(m.group(1), {})[m.group(2)] = t.float()
     adapter = Adapter(request)
     linear_parts: dict[str, list] = {}

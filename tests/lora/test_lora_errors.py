@@ -1,10 +1,12 @@
 """What LoRA refuses, with a LoRAAdapterError (an InvalidRequestError) or InvalidRequestError naming the problem:
 DoRA, a rank over max_lora_rank, a target sparrow cannot adapt or that the model lacks, a missing folder, a
-lora_request without enable_lora, a bad lora_int_id, a lora_request list of the wrong length. Adapters made with
+lora_request without enable_lora, a bad lora_int_id, a lora_request list of the wrong length, a malformed
+adapter_config.json, factors that are not finite floating-point tensors. Adapters made with
 PEFT on a tiny random Llama."""
 from __future__ import annotations
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from sparrow import LoRARequest, SamplingParams
@@ -96,3 +98,16 @@ def _edited_config(base, tmp_path, name, edit):
 ])
 def test_malformed_config(llm, base, tmp_path, edit, match):
     _refused(llm, _edited_config(base, tmp_path, "cfg", edit), match)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda t: t.to(torch.int32), "lora_A.weight' is torch.int32, not floating point"),
+    (lambda t: t.index_fill(1, torch.tensor([0]), float("nan")), "lora_A.weight' holds NaN or infinite values"),
+    (lambda t: t.index_fill(1, torch.tensor([0]), float("inf")), "lora_A.weight' holds NaN or infinite values"),
+])
+def test_factors_that_are_not_finite_floats(llm, base, tmp_path, change, match):
+    path = make_adapter("llama", base, tmp_path / "t", 0, r=4, target_modules=["q_proj"])
+    file = path / "adapter_model.safetensors"
+    save_file({k: change(v) if "layers.1" in k and "lora_A" in k else v for k, v in load_file(str(file)).items()},
+              str(file))
+    _refused(llm, path, match)
