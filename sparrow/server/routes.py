@@ -70,8 +70,11 @@ class _AbortingStream(StreamingResponse):
 def add_generation_routes(app: FastAPI, server) -> None:
     """Register the two generation routes on ``app``; ``server``: the app's shared state (app._Server)."""
 
-    def base(kind: str, rid: str) -> dict:
-        return {"id": rid, "object": kind, "created": int(time.time()), "model": server.model_name}
+    def base(kind: str, rid: str, lora) -> dict:
+        """A response's (or chunk's) common fields; ``model``: the adapter's name under ``lora`` (a LoRARequest),
+        else the base model's."""
+        model = lora.lora_name if lora is not None else server.model_name
+        return {"id": rid, "object": kind, "created": int(time.time()), "model": model}
 
     async def sse(events, final_usage):
         """Frame an async iterator of chunk dicts as SSE, then the usage chunk (when asked) and [DONE]; an error
@@ -160,9 +163,9 @@ def add_generation_routes(app: FastAPI, server) -> None:
                                         choice["prompt_token_ids"] = prompts[k]["prompt_token_ids"]
                                         ids_started.add(idx)
                                     choice["token_ids"] = list(tids)
-                                yield {**base("text_completion", rid), "choices": [choice], "usage": None}
+                                yield {**base("text_completion", rid, lora), "choices": [choice], "usage": None}
 
-            final = (lambda: {**base("text_completion", rid), "choices": [], "usage": usage(
+            final = (lambda: {**base("text_completion", rid, lora), "choices": [], "usage": usage(
                 n_prompt, generated[0])}) if body.include_usage else None
             return stream_response(events(), final, streams)
 
@@ -194,7 +197,7 @@ def add_generation_routes(app: FastAPI, server) -> None:
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             if want_ids:
                 out[-1].update(prompt_token_ids=p["prompt_token_ids"], token_ids=list(tids))
-        return {**base("text_completion", rid), "choices": out, "usage": usage(n_prompt, generated)}
+        return {**base("text_completion", rid, lora), "choices": out, "usage": usage(n_prompt, generated)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
@@ -217,7 +220,7 @@ def add_generation_routes(app: FastAPI, server) -> None:
 
             async def events():
                 for i in range(body.n):
-                    chunk = {**base("chat.completion.chunk", rid), "choices": [{
+                    chunk = {**base("chat.completion.chunk", rid, lora), "choices": [{
                         "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None}]}
                     if body.return_token_ids and i == 0:
@@ -235,9 +238,9 @@ def add_generation_routes(app: FastAPI, server) -> None:
                                       "logprobs": lp, "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
                             if body.return_token_ids:
                                 choice["token_ids"] = list(d.token_ids)
-                            yield {**base("chat.completion.chunk", rid), "choices": [choice]}
+                            yield {**base("chat.completion.chunk", rid, lora), "choices": [choice]}
 
-            final = (lambda: {**base("chat.completion.chunk", rid), "choices": [],
+            final = (lambda: {**base("chat.completion.chunk", rid, lora), "choices": [],
                               "usage": usage(len(ids), generated[0])}) if body.include_usage else None
             return stream_response(events(), final, streams)
 
@@ -254,5 +257,5 @@ def add_generation_routes(app: FastAPI, server) -> None:
             extra["prompt_token_ids"] = ids
             for o, c in zip(out, choices):
                 o["token_ids"] = list(c.token_ids)
-        return {**base("chat.completion", rid), "choices": out, **extra,
+        return {**base("chat.completion", rid, lora), "choices": out, **extra,
                 "usage": usage(len(ids), sum(len(c.token_ids) for c in choices))}

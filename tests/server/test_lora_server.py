@@ -1,7 +1,10 @@
 """Two LoRA adapters served beside the base model (``start_server(..., lora_modules=...)``, ``sparrow serve
---enable-lora --lora-modules``): /v1/models lists them, the request's ``model`` picks one, and each answers as
-``LLM.generate`` with that adapter's LoRARequest (sparrow's LoRA itself is checked against PEFT in tests/lora)."""
+--enable-lora --lora-modules``): /v1/models lists them, the request's ``model`` picks one (and is the response's
+``model``), and each answers as ``LLM.generate`` with that adapter's LoRARequest (sparrow's LoRA itself is checked
+against PEFT in tests/lora)."""
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -45,6 +48,12 @@ def test_adapters_are_models_picked_by_name(folders):
             got = httpx.post(srv.base_url + "/completions", json=body, timeout=60).json()
             ids = [c["token_ids"] for c in sorted(got["choices"], key=lambda c: c["index"])]
             assert ids == expect[None if name == "base" else name], name
+            assert got["model"] == (name or "base")  # the response names the model that answered
+        with httpx.stream("POST", srv.base_url + "/completions", timeout=60, json={
+                "model": "b", "prompt": PROMPTS[0], "max_tokens": 3, "stream": True,
+                "stream_options": {"include_usage": True}}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert len(chunks) >= 2 and all(c["model"] == "b" for c in chunks)
         err = httpx.post(srv.base_url + "/completions", json={"model": "c", "prompt": PROMPTS[0]}, timeout=30)
         assert err.status_code == 404 and "'base', 'a', 'b'" in err.json()["error"]["message"]
     finally:
