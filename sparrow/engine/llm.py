@@ -318,11 +318,14 @@ class LLM:
         finally:
             self._release(rid)
 
-    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
+             lora_request=None) -> RequestOutput:
         """Generate the assistant's reply to a conversation (a list of {'role': str, 'content': str}), rendered
-        with the model's chat template. Raises InvalidRequestError when the model has no template, the
-        messages are malformed or the template refuses them (its own message quoted), ModelLoadError when the
-        template itself is broken (``sparrow.tokenizer.apply_chat_template``)."""
+        with the model's chat template; ``lora_request``: a LoRARequest, or None for the base model. Raises
+        InvalidRequestError when the model has no template, the messages are malformed or the template refuses
+        them (its own message quoted), ModelLoadError when the template itself is broken
+        (``sparrow.tokenizer.apply_chat_template``)."""
         from sparrow.tokenizer import apply_chat_template
 
-        return self.generate(apply_chat_template(self.tokenizer, messages), sampling_params)[0]
+        return self.generate(apply_chat_template(self.tokenizer, messages), sampling_params,
+                             lora_request=lora_request)[0]

@@ -1,5 +1,6 @@
 """``sparrow generate --lora PATH``: the adapter's greedy text equals ``LLM.generate`` with its LoRARequest (the
-adapter itself is checked against PEFT in test_lora_peft.py), and differs from the base model's."""
+adapter itself is checked against PEFT in test_lora_peft.py), and differs from the base model's; ``LLM.chat``
+with a lora_request."""
 from __future__ import annotations
 
 from sparrow import LLM, LoRARequest, SamplingParams
@@ -46,3 +47,20 @@ def test_generate_with_a_rank_pattern(tiny_text_model_dir, tmp_path):  # noqa: F
                    "--ignore-eos")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == tuned + "\n"
+
+
+def test_llm_chat_with_lora(tiny_text_model_dir, tmp_path):  # noqa: F811
+    """LLM.chat takes lora_request (as vLLM's): the reply is generate's on the templated conversation."""
+    from sparrow.tokenizer import apply_chat_template
+
+    adapter = make_adapter("llama", tiny_text_model_dir, tmp_path / "adapter", seed=5, r=4, lora_alpha=8,
+                           target_modules=DENSE_TARGETS)
+    llm = LLM(str(tiny_text_model_dir), device="cpu", dtype="float32", max_model_len=64, enable_lora=True,
+              max_loras=1, max_lora_rank=4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    messages = [{"role": "user", "content": "hi"}]
+    lora = LoRARequest("adapter", 1, str(adapter))
+    prompt = apply_chat_template(llm.tokenizer, messages)
+    want = llm.generate(prompt, params, lora_request=lora)[0].outputs[0].token_ids
+    assert want != llm.generate(prompt, params)[0].outputs[0].token_ids
+    assert llm.chat(messages, params, lora_request=lora).outputs[0].token_ids == want
