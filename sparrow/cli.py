@@ -179,6 +179,8 @@ def _llm(args):
               num_kv_blocks=args.num_kv_blocks, max_num_seqs=max(1, getattr(args, "n", 1)),
               gpu_memory_utilization=args.gpu_memory_utilization, speculative_config=args.speculative_config,
               **lora)
+    if lora:  # read and check the adapter now: chat would report a bad one at each turn
+        llm.engine.runner.lora.load(_lora_request(args))
     # max_num_seqs = the completions of one request: the CPU KV pool is sized to them, not to 64 sequences
     if status:
         from sparrow.engine.model_runner import kv_bytes_per_token

@@ -64,3 +64,13 @@ def test_llm_chat_with_lora(tiny_text_model_dir, tmp_path):  # noqa: F811
     want = llm.generate(prompt, params, lora_request=lora)[0].outputs[0].token_ids
     assert want != llm.generate(prompt, params)[0].outputs[0].token_ids
     assert llm.chat(messages, params, lora_request=lora).outputs[0].token_ids == want
+
+
+def test_chat_with_a_missing_adapter_stops_at_start(tiny_text_model_dir, tmp_path):  # noqa: F811
+    """``sparrow chat --lora`` checks the adapter before the first turn: one error line, exit 2 (not an error at
+    every turn and exit 0)."""
+    from tests.helpers import assert_cli_error
+
+    missing = tmp_path / "nowhere"
+    assert_cli_error(run_cli("chat", "--model", str(tiny_text_model_dir), "--lora", str(missing), "--device", "cpu",
+                             "--max-model-len", "64", "--max-tokens", "2", input="hi\nhello\n"), str(missing))
