@@ -49,7 +49,8 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """Everything generated for one prompt; ``metrics`` holds its timestamps (RequestMetrics)."""
+    """Everything generated for one prompt; ``metrics`` holds its timestamps (RequestMetrics); ``lora_request``: the
+    LoRARequest it ran with (None: the base model)."""
 
     request_id: str
     prompt: str | None
@@ -58,3 +59,4 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = None
+    lora_request: object = None

@@ -113,7 +113,8 @@ class Engine:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             seqs.append(seq)
         outs = [CompletionOutput(i, "", []) for i in range(params.n)]
-        self.requests[rid] = (RequestOutput(rid, text, list(ids), outs, metrics=RequestMetrics(time.time())), seqs)
+        self.requests[rid] = (RequestOutput(rid, text, list(ids), outs, metrics=RequestMetrics(time.time()),
+                                            lora_request=lora_request), seqs)
         for seq in seqs:
             self.scheduler.add(seq)
         return rid

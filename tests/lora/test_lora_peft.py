@@ -114,6 +114,7 @@ def test_mixed_batch_matches_peft(case, tmp_path):
         reqs = [_request(a, {None: 0, a1: 1, a2: 2}.get(a, 3)) for a in run]
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params(), lora_request=reqs)
         for i, (a, out) in enumerate(zip(run, outs)):
+            assert out.lora_request == reqs[i]  # each output names the adapter it ran with (vLLM's field)
             ids, logits = case.ref[a1 if a not in case.ref else a][i]
             compared += compare(ids, logits, out.outputs[0])
     assert compared >= 0.5 * NEW * len(PROMPTS) * len(runs), f"only {compared} steps free of near-ties"
