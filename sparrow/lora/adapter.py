@@ -216,7 +216,7 @@ def load_adapter(request: LoRARequest, model: torch.nn.Module, max_lora_rank: in
                 fail(hf, f"(experts) has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, which fit neither "
                          f"gate_up_proj ({e} experts x [{2 * i}, {h}]) nor down_proj ({e} x [{h}, {i}])")
             r = a.shape[0] // e
-            _check_rank(name, hf, r, max_lora_rank)
+            _check_rank(name, f"{hf}.{stacked}", r, max_lora_rank)
             a3 = a.reshape(e, r, a.shape[1])  # [E, r, in]
             b3 = b.reshape(b.shape[0], r, e).permute(2, 0, 1).contiguous()  # [E, out, r]
             adapter.targets[mpath, stacked] = (a3, b3 * _scaling(cfg, f"{hf}.{stacked}", r))

@@ -111,3 +111,14 @@ def test_factors_that_are_not_finite_floats(llm, base, tmp_path, change, match):
     save_file({k: change(v) if "layers.1" in k and "lora_A" in k else v for k, v in load_file(str(file)).items()},
               str(file))
     _refused(llm, path, match)
+
+
+def test_rank_over_max_lora_rank_names_the_expert_parameter(tmp_path):
+    """A fused expert parameter over max_lora_rank is named with its parameter (gate_up_proj or down_proj: PEFT
+    may give gate_up_proj twice the rank r of the config, in rank_pattern)."""
+    moe = base_model("qwen2_moe", tmp_path / "moe")
+    path = make_adapter("qwen2_moe", moe, tmp_path / "a", 0, r=4, target_modules=[],
+                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                        rank_pattern={r".*\.experts\.gate_up_proj": 8})
+    _refused(make_llm(moe, max_model_len=64, enable_lora=True, max_loras=1, max_lora_rank=4), path,
+             r"rank 8 of 'model\.layers\.\d+\.mlp\.experts\.gate_up_proj' exceeds max_lora_rank=4")
