@@ -2,7 +2,8 @@
 
     t[p]    = A[w(p)] @ x[p // x_div]              (shrink, fp32)      A [L, R, K], x [X, K] -> t [P, R]
     out[p]  (+)= B[w(p)] @ t[p]                     (expand)            B [L, N, R], out [P, N]
-    lora_delta = both (one launch for few rows: each (row, N tile) program computes its row's t itself)
+    lora_delta = both: a split-K shrink (grid P x ceil(K / SPLIT_K_CHUNK) up to SPLIT_K_MAX_ROWS rows, each
+                 program one K chunk's partial t, no atomics), then the expand summing the partials
 
 Shapes: P = rows (or (row, expert) pairs), K = in features, N = out features, L = weight sets (adapter slots, or
 slots x experts), R = the buffers' rank width (zero-padded past each slot's rank). The weight set of row p:
@@ -23,9 +24,13 @@ import torch
 
 from sparrow.kernels import pdl_kwargs, use_triton
 
-FUSED_MAX_BYTES = 32 << 20
-"""lora_delta runs one fused launch while its programs' redundant reads of A (P x N tiles x R x K) stay below this."""
-FUSED_BLOCK_N, EXPAND_BLOCK_N = 256, 64
+SPLIT_K_CHUNK = 256
+"""K columns per shrink program of lora_delta at up to SPLIT_K_MAX_ROWS rows (decode, verify, routed pairs)."""
+SPLIT_K_MAX_ROWS = 256
+"""Above this many rows the grid is full with one shrink program per row (over all of K: no partials to keep)."""
+SHRINK_TILE = 8192
+"""Elements of A a shrink program loads at once (BLOCK_R x BLOCK_K)."""
+EXPAND_BLOCK_N = 64
 
 
 def lora_index(slots: torch.Tensor, expert_ids: torch.Tensor | None = None, num_experts: int = 1,
@@ -101,59 +106,72 @@ def _common(x, slots, ranks, expert_ids, num_experts, slot_div, rank_div):
     return (slots, eids, ranks), dict(SLOT_DIV=slot_div, NUM_E=num_experts, RANK_DIV=rank_div), dict(HAS_EIDS=has)
 
 
-def lora_shrink_triton(x, a, slots, ranks, expert_ids=None, num_experts=1, slot_div=1, x_div=1, rank_div=1):
-    """Triton launcher of ``lora_shrink`` (rows without an adapter: t's row unwritten)."""
+def shrink_chunk(p: int, k: int) -> int:
+    """K columns per shrink program of lora_delta at P rows (the dispatch rule, module doc)."""
+    return SPLIT_K_CHUNK if p <= SPLIT_K_MAX_ROWS else max(k, 1)
+
+
+def _shrink_parts(x, a, slots, ranks, expert_ids, num_experts, slot_div, x_div, rank_div, chunk, name):
+    """t [P, S, R] fp32 partial products of the S = ceil(K / chunk) K chunks (rows without an adapter unwritten)."""
     from sparrow.kernels._lora_jit import lora_shrink_kernel
 
-    _check(x, a, slots, ranks, expert_ids, "lora_shrink")
+    _check(x, a, slots, ranks, expert_ids, name)
     x = x if x.stride(-1) == 1 else x.contiguous()
     p, (_, r, k) = _rows(slots, expert_ids), a.shape
-    t = torch.empty(p, r, dtype=torch.float32, device=x.device)
+    splits = max(1, -(-k // chunk))
+    t = torch.empty(p, splits, r, dtype=torch.float32, device=x.device)
     if p:
         ptrs, divs, flags = _common(x, slots, ranks, expert_ids, num_experts, slot_div, rank_div)
-        lora_shrink_kernel[(p,)](x, a, *ptrs, t, k, r, x_div, divs["SLOT_DIV"], divs["NUM_E"], divs["RANK_DIV"],
-                                 x.stride(0), **flags, BLOCK_R=_block(r), BLOCK_K=128 if r <= 32 else 64,
-                                 num_warps=4, **pdl_kwargs(x))
+        block_r = _block(r)
+        block_k = max(16, min(_block(chunk), SHRINK_TILE // block_r))
+        lora_shrink_kernel[(p, splits)](
+            x, a, *ptrs, t, k, r, splits, chunk, x_div, divs["SLOT_DIV"], divs["NUM_E"], divs["RANK_DIV"],
+            x.stride(0), **flags, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4, **pdl_kwargs(x))
     return t
+
+
+def lora_shrink_triton(x, a, slots, ranks, expert_ids=None, num_experts=1, slot_div=1, x_div=1, rank_div=1):
+    """Triton launcher of ``lora_shrink``: one program per row over all of K (rows without an adapter: t's row
+    unwritten)."""
+    k = a.shape[2] if a.dim() == 3 else 1
+    t = _shrink_parts(x, a, slots, ranks, expert_ids, num_experts, slot_div, x_div, rank_div, max(k, 1),
+                      "lora_shrink")
+    return t.view(t.shape[0], t.shape[2])
 
 
 def lora_expand_triton(t, b, slots, ranks, out, expert_ids=None, num_experts=1, slot_div=1, rank_div=1,
                        accumulate=True):
-    """Triton launcher of ``lora_expand``: one program per (row, 64 outputs); out must be contiguous [P, N]."""
+    """Triton launcher of ``lora_expand``: one program per (row, EXPAND_BLOCK_N outputs); t [P, R] or the shrink's
+    partials [P, S, R] (summed), fp32 contiguous; out must be contiguous [P, N]."""
     from sparrow.kernels._lora_jit import lora_expand_kernel
 
     _check(t, b, slots, ranks, expert_ids, "lora_expand")
     p, (_, n, r) = _rows(slots, expert_ids), b.shape
     _check_out(out, p, n, "lora_expand")
+    parts = t if t.dim() == 3 else t.unsqueeze(1)
+    if parts.dtype != torch.float32 or not parts.is_contiguous() or parts.shape[0] != p or parts.shape[2] != r:
+        raise ValueError(f"lora_expand: t must be a contiguous fp32 [P={p}, R={r}] or [P, S, R] tensor, got "
+                         f"{t.dtype} {tuple(t.shape)}")
     if p:
         ptrs, divs, flags = _common(t, slots, ranks, expert_ids, num_experts, slot_div, rank_div)
+        splits = parts.shape[1]
         lora_expand_kernel[(p, -(-n // EXPAND_BLOCK_N))](
-            t, b, *ptrs, out, n, r, divs["SLOT_DIV"], divs["NUM_E"], divs["RANK_DIV"], **flags,
-            ACCUMULATE=accumulate, BLOCK_R=_block(r), BLOCK_N=EXPAND_BLOCK_N, num_warps=4, **pdl_kwargs(t))
+            parts, b, *ptrs, out, n, r, splits, divs["SLOT_DIV"], divs["NUM_E"], divs["RANK_DIV"], **flags,
+            ACCUMULATE=accumulate, BLOCK_R=_block(r), BLOCK_S=_block(splits, 1), BLOCK_N=EXPAND_BLOCK_N,
+            num_warps=4, **pdl_kwargs(t))
     return out
 
 
 def lora_delta_triton(x, a, b, slots, ranks, out, expert_ids=None, num_experts=1, slot_div=1, x_div=1, rank_div=1,
                       accumulate=True):
-    """Triton launcher of ``lora_delta``: one fused launch while P x N tiles x R x K x bytes <= FUSED_MAX_BYTES
-    (decode and verify sizes), else shrink then expand."""
-    from sparrow.kernels._lora_jit import lora_fused_kernel
-
+    """Triton launcher of ``lora_delta``: the split-K shrink (``shrink_chunk``), then the expand summing its
+    partials."""
     _check(x, a, slots, ranks, expert_ids, "lora_delta")
-    p, (_, n, r), k = _rows(slots, expert_ids), b.shape, a.shape[2]
+    p, (_, n, _), k = _rows(slots, expert_ids), b.shape, a.shape[2]
     _check_out(out, p, n, "lora_delta")
-    n_tiles = -(-n // FUSED_BLOCK_N)
-    if p * n_tiles * r * k * a.element_size() > FUSED_MAX_BYTES:
-        t = lora_shrink_triton(x, a, slots, ranks, expert_ids, num_experts, slot_div, x_div, rank_div)
-        return lora_expand_triton(t, b, slots, ranks, out, expert_ids, num_experts, slot_div, rank_div, accumulate)
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    if p:
-        ptrs, divs, flags = _common(x, slots, ranks, expert_ids, num_experts, slot_div, rank_div)
-        lora_fused_kernel[(p, n_tiles)](
-            x, a, b, *ptrs, out, k, n, r, x_div, divs["SLOT_DIV"], divs["NUM_E"], divs["RANK_DIV"], x.stride(0),
-            **flags, ACCUMULATE=accumulate, BLOCK_R=_block(r), BLOCK_K=64 if r <= 32 else 32,
-            BLOCK_N=FUSED_BLOCK_N, num_warps=8, **pdl_kwargs(x))
-    return out
+    t = _shrink_parts(x, a, slots, ranks, expert_ids, num_experts, slot_div, x_div, rank_div, shrink_chunk(p, k),
+                      "lora_delta")
+    return lora_expand_triton(t, b, slots, ranks, out, expert_ids, num_experts, slot_div, rank_div, accumulate)
 
 
 def _check_out(out, p, n, name) -> None:

@@ -63,12 +63,13 @@ def test_shrink_expand_match_twins(rows, dtype):
             torch.testing.assert_close(want[r].float(), (y0[r].float() + delta), **TOL[dtype])
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("chunk", [16, 1 << 20])
 @pytest.mark.parametrize("rows,accumulate", [(1, True), (5, False), (17, True)])
-def test_delta_fused_and_two_launches(fused, rows, accumulate, monkeypatch):
-    """lora_delta: the one-launch kernel (few rows) and shrink + expand give the twin's result."""
-    monkeypatch.setattr(lora_kernels, "FUSED_MAX_BYTES", 1 << 40 if fused else 0)
-    k, n = 40, 300  # two fused N tiles, the second ragged
+def test_delta_split_k_and_one_chunk(chunk, rows, accumulate, monkeypatch):
+    """lora_delta: the split-K shrink (K = 40 in chunks of 16, the last ragged; its partials summed by the
+    expand) and one chunk over all of K give the twin's result."""
+    monkeypatch.setattr(lora_kernels, "SPLIT_K_CHUNK", chunk)
+    k, n = 40, 300  # five expand N tiles, the last ragged
     buf = _buffers(1, 16, k, n, torch.float32, ranks=[16, 7, 0], seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(8)).to(DEVICE)
     slots = _slots(rows, rows + 1)
@@ -80,12 +81,12 @@ def test_delta_fused_and_two_launches(fused, rows, accumulate, monkeypatch):
         assert torch.all(got[slots < 0] == 0)
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("chunk", [16, 1 << 20])
 @pytest.mark.parametrize("rows,top_k", [(1, 2), (5, 3), (16, 1)])
-def test_pair_indexing(rows, top_k, fused, monkeypatch):
+def test_pair_indexing(rows, top_k, chunk, monkeypatch):
     """Pairs use the weight set slot x E + expert of their row's slot, read x row p // top_k (gate_up) or their
     own row (down); ranks are per slot."""
-    monkeypatch.setattr(lora_kernels, "FUSED_MAX_BYTES", 1 << 40 if fused else 0)
+    monkeypatch.setattr(lora_kernels, "SPLIT_K_CHUNK", chunk)
     experts, k, n = 4, 40, 56
     buf = _buffers(experts, 16, k, n, torch.float32, ranks=[16, 5, 9], seed=rows)
     slots = _slots(rows, 3)
@@ -119,7 +120,7 @@ def _moe_case(rows, experts, top_k, dtype, h=48, i=40):
 
 def _merged_oracle(x, w13, w2, weights, ids, lora, slots):
     """Each pair with its row's merged expert weights W + B A (PEFT's merge), fp32."""
-    out = torch.zeros(x.shape[0], x.shape[1])
+    out = torch.zeros(x.shape[0], x.shape[1], device=x.device)
     e_count = w13.shape[0]
     for r in range(x.shape[0]):
         for j in range(ids.shape[1]):
