@@ -8,11 +8,17 @@ from tests.helpers import run_cli, tiny_model_dir, tiny_text_model_dir  # noqa: 
 from tests.lora._adapters import DENSE_TARGETS, make_adapter
 
 
-def test_generate_with_lora(tiny_text_model_dir, tmp_path):  # noqa: F811
-    adapter = make_adapter("llama", tiny_text_model_dir, tmp_path / "adapter", seed=3, r=4, lora_alpha=8,
+def _adapter_and_llm(model_dir, tmp_path, seed: int):
+    """A rank-4 dense adapter of the tiny Llama at ``model_dir`` and an fp32 CPU LLM with one LoRA slot."""
+    adapter = make_adapter("llama", model_dir, tmp_path / "adapter", seed=seed, r=4, lora_alpha=8,
                            target_modules=DENSE_TARGETS)
-    llm = LLM(str(tiny_text_model_dir), device="cpu", dtype="float32", max_model_len=64, enable_lora=True,
-              max_loras=1, max_lora_rank=4)
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=64, enable_lora=True, max_loras=1,
+              max_lora_rank=4)
+    return adapter, llm
+
+
+def test_generate_with_lora(tiny_text_model_dir, tmp_path):  # noqa: F811
+    adapter, llm = _adapter_and_llm(tiny_text_model_dir, tmp_path, seed=3)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     base = llm.generate("hello", params)[0].outputs[0].text
     tuned = llm.generate("hello", params, lora_request=LoRARequest("adapter", 1, str(adapter)))[0].outputs[0].text
@@ -53,10 +59,7 @@ def test_llm_chat_with_lora(tiny_text_model_dir, tmp_path):  # noqa: F811
     """LLM.chat takes lora_request (as vLLM's): the reply is generate's on the templated conversation."""
     from sparrow.tokenizer import apply_chat_template
 
-    adapter = make_adapter("llama", tiny_text_model_dir, tmp_path / "adapter", seed=5, r=4, lora_alpha=8,
-                           target_modules=DENSE_TARGETS)
-    llm = LLM(str(tiny_text_model_dir), device="cpu", dtype="float32", max_model_len=64, enable_lora=True,
-              max_loras=1, max_lora_rank=4)
+    adapter, llm = _adapter_and_llm(tiny_text_model_dir, tmp_path, seed=5)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     messages = [{"role": "user", "content": "hi"}]
     lora = LoRARequest("adapter", 1, str(adapter))
