@@ -15,6 +15,9 @@
                                                                   rows, W4A8 over a few tiles)
     python benchmarks/kernels_micro.py router_logits             (Gemma 4's router logits: kernel vs torch)
     python benchmarks/kernels_micro.py tune_router_logits        (its tiles and H splits above 16 rows)
+    python benchmarks/kernels_micro.py lora                      (multi-LoRA lora_delta at decode shapes, 8 rank-16
+                                                                  adapters; % = of the bytes that must be read)
+    python benchmarks/kernels_micro.py tune_lora                 (sweep sparrow.kernels.lora's tile constants)
 
 Each line: kernel, shape, time per call (CUDA-graph replay, so launch overhead is excluded), bytes moved
 (each input read once + each output written once), GB/s and % of the device-to-device copy bandwidth
@@ -493,6 +496,126 @@ def tune_router_logits(peak: float) -> None:
             print(f"    {t * 1e6:7.1f} us  {cfg}", flush=True)
 
 
+# lora_delta at Gemma 4 26B-A4B decode shapes, 8 adapters of rank 16 (max_lora_rank 16):
+# (name, K, out_sizes, width, experts, rank layout) - "blocks": side-by-side shards of rank 16 (B block-diagonal),
+# "dense": one rank-16 factor over all outputs (PEFT's fused 3-D expert tensor).
+LORA_SHAPES = (("qkv", 2816, (4096, 2048, 2048), 48, 1, "blocks"), ("o_proj", 4096, (2816,), 16, 1, "blocks"),
+               ("expert gate_up", 2816, (704, 704), 32, 128, "dense"), ("expert down", 704, (2816,), 16, 128, "blocks"))
+LORA_SLOTS, LORA_RANK, LORA_TOP_K = 8, 16, 8
+
+
+def _lora_case(shape, rows: int, device: str = "cuda", draws: int = 16):
+    """(call-next function, bytes that must be read + written a call, label) of one LoRA shape at ``rows`` decode
+    rows: rows over 8 adapters (row i: slot (i + j) mod 8 in draw j; 1 row: one adapter), experts: top-8 of 128
+    random per row, and the layers' accumulate flag (expert gate_up writes a fresh fp32 delta). Calls rotate over
+    ``draws`` (slots, expert ids) draws and over buffer copies larger than the L2 cache, so weights come from HBM."""
+    from sparrow.kernels.lora import lora_delta, lora_index
+    from sparrow.lora.weights import LoRABuffers
+
+    name, k, sizes, width, experts, layout = shape
+    n, dev = sum(sizes), torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(rows)
+    buf = LoRABuffers(LORA_SLOTS, experts, width, k, n, torch.bfloat16, dev, sizes)
+    for s in range(LORA_SLOTS):
+        shards = [LORA_RANK] * (len(sizes) if layout == "blocks" else 1)
+        a = torch.randn(experts, sum(shards), k, device=dev, generator=g) / k**0.5
+        b = torch.zeros(experts, n, sum(shards), device=dev)
+        row = col = 0
+        for size, r in zip(sizes if layout == "blocks" else (n,), shards):
+            b[:, row:row + size, col:col + r] = torch.randn(experts, size, r, device=dev, generator=g) * 0.01
+            row, col = row + size, col + r
+        buf.write(s, (a[0], b[0]) if experts == 1 else (a, b))
+    p = rows * (LORA_TOP_K if experts > 1 else 1)
+    x_rows = p if name == "expert down" else rows
+    accumulate = name != "expert gate_up"
+    x = torch.randn(x_rows, k, device=dev, dtype=torch.bfloat16)
+    out = torch.zeros(p, n, device=dev, dtype=torch.bfloat16 if accumulate else torch.float32)
+    cols, need, picks = buf.seg_cols.tolist(), 0, []
+    for j in range(draws):
+        slots = ((torch.arange(rows, device=dev) + j) % LORA_SLOTS).to(torch.int32)
+        kw = dict(out_sizes=buf.out_sizes, seg_cols=buf.seg_cols, accumulate=accumulate)
+        if experts > 1:
+            ids = torch.rand(rows, experts, device=dev, generator=g).topk(LORA_TOP_K, dim=-1).indices.to(torch.int32)
+            kw.update(expert_ids=ids, num_experts=experts, slot_div=LORA_TOP_K, x_div=p // x_rows)
+        picks.append((slots, kw))
+        idx = lora_index(slots, kw.get("expert_ids"), experts, LORA_TOP_K if experts > 1 else 1)
+        for w in torch.unique(idx[idx >= 0]).tolist():  # each distinct weight set's used A rows and B rank rows
+            s = w // experts
+            need += int(buf.ranks[s]) * k * 2 + sum(m * size * 2 for (_, m), size in zip(cols[s], sizes))
+    need = need // draws + x.numel() * 2 + out.numel() * out.element_size() * (2 if accumulate else 1)
+    weights = _rotating(lambda: (buf.a.clone(), buf.b.clone()), buf.nbytes, working_set=1 << 30)
+    state = {"j": 0}
+
+    def call():
+        (a, b), (slots, kw) = weights(), picks[state["j"] % draws]
+        state["j"] += 1
+        return lora_delta(x, a, b, slots, buf.ranks, out, **kw)
+
+    label = f"R={rows} P={p} K={k} N={n} W={width}" + (f" E={experts}" if experts > 1 else "")
+    return call, need, label
+
+
+def bench_lora(peak: float) -> None:
+    """lora_delta (split-K shrink + segment expand) at Gemma 4's decode shapes with 8 rank-16 adapters, rows 1 / 8 /
+    64: us a call (both launches, CUDA-graph replay), the bytes that must be read and written (distinct weight
+    sets' used A and B rows, x, out) and their GB/s and % of the copy bandwidth."""
+    for shape in LORA_SHAPES:
+        for rows in (1, 8, 64):
+            call, need, label = _lora_case(shape, rows)
+            t = time_s(call, rep=20)
+            print(f"lora {shape[0]:<15} {label:<40} {t * 1e6:8.2f} us {need / 1e6:8.2f} MB {need / t / 1e9:8.1f} GB/s "
+                  f"{100 * need / t / peak:6.1f} %", flush=True)
+        torch.cuda.empty_cache()
+
+
+# tune_lora's grid: shrink (SPLIT_K_CHUNK, SHRINK_TILE, SHRINK_WARPS), then expand (EXPAND_BLOCK_N, EXPAND_TILE,
+# EXPAND_WARPS) with the best shrink. A chunk of 1 << 20: no split.
+LORA_SHRINK_SWEEP = [dict(SPLIT_K_CHUNK=c, SHRINK_TILE=t, SHRINK_WARPS=w) for c in (128, 256, 512, 1 << 20)
+                     for t, w in ((4096, 4), (8192, 4), (8192, 8))]
+LORA_EXPAND_SWEEP = [dict(EXPAND_BLOCK_N=bn, EXPAND_TILE=t, EXPAND_WARPS=w) for bn, t, w in
+                     ((128, 4096, 4), (256, 4096, 4), (256, 4096, 8), (512, 8192, 4), (512, 8192, 8),
+                      (1024, 16384, 8))]
+
+
+def tune_lora(peak: float) -> None:
+    """Sweep sparrow.kernels.lora's tile constants over LORA_SHAPES x rows 1 / 8 / 64: the shrink's, then the
+    expand's with the best shrink; per case the best setting, and the setting of least total time over all cases
+    (the constants are global), with its total against the defaults'."""
+    from sparrow.kernels import lora as lk
+
+    names = [k for d in (LORA_SHRINK_SWEEP[0], LORA_EXPAND_SWEEP[0]) for k in d]
+    default = {k: getattr(lk, k) for k in names}
+    cases = [(shape, rows) for shape in LORA_SHAPES for rows in (1, 8, 64)]
+    built = [_lora_case(shape, rows) for shape, rows in cases]
+
+    def run(settings) -> list[float]:
+        for key, v in {**default, **settings}.items():
+            setattr(lk, key, v)
+        try:
+            return [time_s(call, rep=10) for call, _, _ in built]
+        except Exception as e:  # noqa: BLE001  (a setting that does not compile or launch: left out)
+            print(f"    {settings}: failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            return [float("inf")] * len(built)
+        finally:
+            for key, v in default.items():
+                setattr(lk, key, v)
+
+    base = run({})
+    best_shrink = {}
+    for label, sweep, fixed in (("shrink", LORA_SHRINK_SWEEP, lambda: {}),
+                                ("expand", LORA_EXPAND_SWEEP, lambda: best_shrink)):
+        results = [(run({**fixed(), **cfg}), {**fixed(), **cfg}) for cfg in sweep]
+        print(f"tune_lora {label}:", flush=True)
+        for j, (shape, rows) in enumerate(cases):
+            times, cfg = min(results, key=lambda r: r[0][j])
+            print(f"  {shape[0]:<15} R={rows:<3} default {base[j] * 1e6:7.2f} us  best {times[j] * 1e6:7.2f} us  {cfg}",
+                  flush=True)
+        times, cfg = min(results, key=lambda r: sum(r[0]))
+        print(f"  least total: {sum(times) * 1e6:8.2f} us (defaults {sum(base) * 1e6:8.2f} us)  {cfg}", flush=True)
+        if label == "shrink":
+            best_shrink = {k: cfg[k] for k in LORA_SHRINK_SWEEP[0]}
+
+
 def main(which: list[str]) -> None:
     if not torch.cuda.is_available():
         print("kernels_micro: needs a CUDA GPU")
@@ -506,7 +629,8 @@ def main(which: list[str]) -> None:
          "tune_gemv_bf16": lambda p: tune_gemv(p, (False,)), "tune_fp8_gemm": tune_fp8_gemm,
          "tune_fp8_rows": tune_fp8_rows, "tune_w8a8": tune_w8a8, "tune_w8a8_launch": tune_w8a8_launch,
          "fp8_linears": fp8_linears, "int4": bench_int4, "tune_int4": tune_int4, "nvfp4_modes": nvfp4_modes,
-         "router_logits": bench_router_logits, "tune_router_logits": tune_router_logits}[name](peak)
+         "router_logits": bench_router_logits, "tune_router_logits": tune_router_logits, "lora": bench_lora,
+         "tune_lora": tune_lora}[name](peak)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """LoRA deltas for rows of many adapters in one step (Punica / S-LoRA's shrink / expand, one row per program):
 
     t[p]    = A[w(p)] @ x[p // x_div]              (shrink, fp32)      A [L, R, K], x [X, K] -> t [P, R]
-    out[p]  (+)= B[w(p)] @ t[p]                     (expand)            B [L, N, R], out [P, N]
+    out[p]  (+)= B[w(p)]^T @ t[p]                   (expand)            B [L, R, N] (rank-major), out [P, N]
     lora_delta = both: a split-K shrink (grid P x ceil(K / SPLIT_K_CHUNK) up to SPLIT_K_MAX_ROWS rows, each
                  program one K chunk's partial t, no atomics), then the expand summing the partials
 
@@ -14,9 +14,16 @@ uses (the kernels read no column past it; the twins read the zero padding: it ad
 folded into B by the caller. fp32 accumulation; out gets (out +) delta rounded once to its dtype. P is
 expert_ids' length, else slots' length.
 
+Segments (packed projections: qkv, gate_up, whose B is block-diagonal): ``out_sizes`` (<= 3 ints summing to N)
+splits N, and ``seg_cols`` [slots, G, 2] int32 gives per slot and segment g (first rank row c, rank rows m): the
+expand computes segment g's outputs from B rows [c, c + m) and t[c:c + m] only (twins and kernels alike; the
+rank rows left out must be zero in that segment for the result to be the full product, as
+``sparrow.lora.weights.LoRABuffers`` ensures). Without them the expand reads rank rows [0, rank).
+
 Triton kernels (``_lora_jit``) where ``use_triton(x)``: no launch synchronizes with the host (CUDA graph safe);
 PDL launches on Hopper. The torch twins (one matmul per distinct weight set, a host sync) are the CPU path and the
-oracle. Tile choices are untuned defaults. Errors: ValueError naming the bad argument.
+oracle. Tile choices are the module constants below (read at each launch, so a sweep may set them). Errors:
+ValueError naming the bad argument.
 """
 from __future__ import annotations
 
@@ -26,11 +33,20 @@ from sparrow.kernels import pdl_kwargs, use_triton
 
 SPLIT_K_CHUNK = 256
 """K columns per shrink program of lora_delta at up to SPLIT_K_MAX_ROWS rows (decode, verify, routed pairs)."""
-SPLIT_K_MAX_ROWS = 256
-"""Above this many rows the grid is full with one shrink program per row (over all of K: no partials to keep)."""
+SPLIT_K_MAX_ROWS = 1024
+"""Above this many rows the grid is full with one shrink program per row (over all of K: no partials to keep);
+64 decode rows x top-8 experts = 512 pairs stay split."""
 SHRINK_TILE = 8192
-"""Elements of A a shrink program loads at once (BLOCK_R x BLOCK_K)."""
-EXPAND_BLOCK_N = 64
+"""Elements of A a shrink program loads at once (BLOCK_R x BLOCK_K; BLOCK_R covers R)."""
+SHRINK_WARPS = 4
+"""Warps of a shrink program."""
+EXPAND_BLOCK_N = 256
+"""Outputs per expand program (one segment's; each rank row of B a contiguous run of them)."""
+EXPAND_TILE = 4096
+"""Most elements of B an expand program loads at once (BLOCK_R x EXPAND_BLOCK_N; more rank rows loop)."""
+EXPAND_WARPS = 4
+"""Warps of an expand program."""
+MAX_SEGMENTS = 3
 
 
 def lora_index(slots: torch.Tensor, expert_ids: torch.Tensor | None = None, num_experts: int = 1,
@@ -63,6 +79,23 @@ def _rows(slots, expert_ids) -> int:
 # ------------------------------------------------------------------------------------------------ twins
 
 
+def _segments(n: int, out_sizes, seg_cols, ranks, name) -> tuple[tuple[int, ...], torch.Tensor | None]:
+    """(segment sizes, seg_cols or None) checked: sizes sum to n, at most MAX_SEGMENTS, seg_cols [slots, G, 2]
+    int32 contiguous beside ranks."""
+    if (out_sizes is None) != (seg_cols is None):
+        raise ValueError(f"{name}: out_sizes and seg_cols go together")
+    if out_sizes is None:
+        return (n,), None
+    sizes = tuple(int(v) for v in out_sizes)
+    if not 1 <= len(sizes) <= MAX_SEGMENTS or sum(sizes) != n or min(sizes) < 0:
+        raise ValueError(f"{name}: out_sizes {sizes} must be 1 to {MAX_SEGMENTS} sizes summing to N={n}")
+    if (seg_cols.dtype != torch.int32 or not seg_cols.is_contiguous() or seg_cols.device != ranks.device
+            or tuple(seg_cols.shape) != (ranks.shape[0], len(sizes), 2)):
+        raise ValueError(f"{name}: seg_cols must be a contiguous int32 [slots={ranks.shape[0]}, G={len(sizes)}, 2] "
+                         f"tensor on {ranks.device}, got {seg_cols.dtype} {tuple(seg_cols.shape)} on {seg_cols.device}")
+    return sizes, seg_cols
+
+
 def lora_shrink_ref(x, a, slots, ranks, expert_ids=None, num_experts=1, slot_div=1, x_div=1, rank_div=1):
     """Torch twin of ``lora_shrink``: t [P, R] fp32 (rows without an adapter: zeros)."""
     idx = lora_index(slots, expert_ids, num_experts, slot_div)
@@ -74,23 +107,36 @@ def lora_shrink_ref(x, a, slots, ranks, expert_ids=None, num_experts=1, slot_div
 
 
 def lora_expand_ref(t, b, slots, ranks, out, expert_ids=None, num_experts=1, slot_div=1, rank_div=1,
-                    accumulate=True):
-    """Torch twin of ``lora_expand``: out[p] (+)= B[w(p)] @ t[p] in place; returns out."""
+                    accumulate=True, out_sizes=None, seg_cols=None):
+    """Torch twin of ``lora_expand``: out[p] (+)= B[w(p)]^T @ t[p] in place (per segment, module doc); returns
+    out."""
     idx = lora_index(slots, expert_ids, num_experts, slot_div)
+    sizes, segs = _segments(b.shape[2], out_sizes, seg_cols, ranks, "lora_expand")
+    segs = segs.tolist() if segs is not None else None
+    bounds = [sum(sizes[:g]) for g in range(len(sizes) + 1)]
     if not accumulate:
         out[idx < 0] = 0
     for i in torch.unique(idx[idx >= 0]).tolist():
         rows = (idx == i).nonzero().squeeze(1)
+        if segs is None:
+            delta = t[rows] @ b[i].float()
+        else:
+            slot = i // num_experts if expert_ids is not None else i // rank_div
+            delta = torch.zeros(rows.numel(), b.shape[2], dtype=torch.float32, device=out.device)
+            for g, (c, m) in enumerate(segs[slot]):
+                lo, hi = bounds[g], bounds[g + 1]
+                delta[:, lo:hi] = t[rows, c:c + m] @ b[i, c:c + m, lo:hi].float()
         base = out[rows].float() if accumulate else 0.0
-        out[rows] = (base + t[rows] @ b[i].float().t()).to(out.dtype)
+        out[rows] = (base + delta).to(out.dtype)
     return out
 
 
 def lora_delta_ref(x, a, b, slots, ranks, out, expert_ids=None, num_experts=1, slot_div=1, x_div=1, rank_div=1,
-                   accumulate=True):
+                   accumulate=True, out_sizes=None, seg_cols=None):
     """Torch twin of ``lora_delta``."""
     t = lora_shrink_ref(x, a, slots, ranks, expert_ids, num_experts, slot_div, x_div, rank_div)
-    return lora_expand_ref(t, b, slots, ranks, out, expert_ids, num_experts, slot_div, rank_div, accumulate)
+    return lora_expand_ref(t, b, slots, ranks, out, expert_ids, num_experts, slot_div, rank_div, accumulate,
+                           out_sizes, seg_cols)
 
 
 # ------------------------------------------------------------------------------------------- launchers
@@ -126,7 +172,7 @@ def _shrink_parts(x, a, slots, ranks, expert_ids, num_experts, slot_div, x_div, 
         block_k = max(16, min(_block(chunk), SHRINK_TILE // block_r))
         lora_shrink_kernel[(p, splits)](
             x, a, *ptrs, t, k, r, splits, chunk, x_div, divs["SLOT_DIV"], divs["NUM_E"], divs["RANK_DIV"],
-            x.stride(0), **flags, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4, **pdl_kwargs(x))
+            x.stride(0), **flags, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=SHRINK_WARPS, **pdl_kwargs(x))
     return t
 
 
@@ -140,38 +186,44 @@ def lora_shrink_triton(x, a, slots, ranks, expert_ids=None, num_experts=1, slot_
 
 
 def lora_expand_triton(t, b, slots, ranks, out, expert_ids=None, num_experts=1, slot_div=1, rank_div=1,
-                       accumulate=True):
-    """Triton launcher of ``lora_expand``: one program per (row, EXPAND_BLOCK_N outputs); t [P, R] or the shrink's
-    partials [P, S, R] (summed), fp32 contiguous; out must be contiguous [P, N]."""
+                       accumulate=True, out_sizes=None, seg_cols=None):
+    """Triton launcher of ``lora_expand``: one program per (row, EXPAND_BLOCK_N outputs of one segment); t [P, R]
+    or the shrink's partials [P, S, R] (summed), fp32 contiguous; out must be contiguous [P, N]."""
     from sparrow.kernels._lora_jit import lora_expand_kernel
 
     _check(t, b, slots, ranks, expert_ids, "lora_expand")
-    p, (_, n, r) = _rows(slots, expert_ids), b.shape
+    p, (_, r, n) = _rows(slots, expert_ids), b.shape
     _check_out(out, p, n, "lora_expand")
+    sizes, segs = _segments(n, out_sizes, seg_cols, ranks, "lora_expand")
     parts = t if t.dim() == 3 else t.unsqueeze(1)
     if parts.dtype != torch.float32 or not parts.is_contiguous() or parts.shape[0] != p or parts.shape[2] != r:
         raise ValueError(f"lora_expand: t must be a contiguous fp32 [P={p}, R={r}] or [P, S, R] tensor, got "
                          f"{t.dtype} {tuple(t.shape)}")
     if p:
         ptrs, divs, flags = _common(t, slots, ranks, expert_ids, num_experts, slot_div, rank_div)
-        splits = parts.shape[1]
-        lora_expand_kernel[(p, -(-n // EXPAND_BLOCK_N))](
-            parts, b, *ptrs, out, n, r, splits, divs["SLOT_DIV"], divs["NUM_E"], divs["RANK_DIV"], **flags,
-            ACCUMULATE=accumulate, BLOCK_R=_block(r), BLOCK_S=_block(splits, 1), BLOCK_N=EXPAND_BLOCK_N,
-            num_warps=4, **pdl_kwargs(t))
+        splits, block_n = parts.shape[1], EXPAND_BLOCK_N
+        block_r = max(1, min(_block(max(1, r // len(sizes)), 1), EXPAND_TILE // block_n))
+        n0, n1 = (sizes + (0, 0))[:2]
+        tiles = sum(-(-v // block_n) for v in sizes)
+        lora_expand_kernel[(p, tiles)](
+            parts, b, *ptrs, segs if segs is not None else ranks, out, n, r, splits, len(sizes), n0, n1,
+            divs["SLOT_DIV"], divs["NUM_E"], divs["RANK_DIV"], **flags, HAS_SEGS=segs is not None,
+            ACCUMULATE=accumulate, BLOCK_R=block_r, BLOCK_S=_block(splits, 1), BLOCK_N=block_n,
+            num_warps=EXPAND_WARPS, **pdl_kwargs(t))
     return out
 
 
 def lora_delta_triton(x, a, b, slots, ranks, out, expert_ids=None, num_experts=1, slot_div=1, x_div=1, rank_div=1,
-                      accumulate=True):
+                      accumulate=True, out_sizes=None, seg_cols=None):
     """Triton launcher of ``lora_delta``: the split-K shrink (``shrink_chunk``), then the expand summing its
     partials."""
     _check(x, a, slots, ranks, expert_ids, "lora_delta")
-    p, (_, n, _), k = _rows(slots, expert_ids), b.shape, a.shape[2]
+    p, n, k = _rows(slots, expert_ids), b.shape[2], a.shape[2]
     _check_out(out, p, n, "lora_delta")
     t = _shrink_parts(x, a, slots, ranks, expert_ids, num_experts, slot_div, x_div, rank_div, shrink_chunk(p, k),
                       "lora_delta")
-    return lora_expand_triton(t, b, slots, ranks, out, expert_ids, num_experts, slot_div, rank_div, accumulate)
+    return lora_expand_triton(t, b, slots, ranks, out, expert_ids, num_experts, slot_div, rank_div, accumulate,
+                              out_sizes, seg_cols)
 
 
 def _check_out(out, p, n, name) -> None:
@@ -188,14 +240,17 @@ def lora_shrink(x, a, slots, ranks, expert_ids=None, num_experts=1, slot_div=1, 
     return fn(x, a, slots, ranks, expert_ids, num_experts, slot_div, x_div, rank_div)
 
 
-def lora_expand(t, b, slots, ranks, out, expert_ids=None, num_experts=1, slot_div=1, rank_div=1, accumulate=True):
-    """out[p] (+)= B[w(p)] @ t[p] in place (module doc); returns out."""
+def lora_expand(t, b, slots, ranks, out, expert_ids=None, num_experts=1, slot_div=1, rank_div=1, accumulate=True,
+                out_sizes=None, seg_cols=None):
+    """out[p] (+)= B[w(p)]^T @ t[p] in place (module doc); returns out."""
     fn = lora_expand_triton if use_triton(out) else lora_expand_ref
-    return fn(t, b, slots, ranks, out, expert_ids, num_experts, slot_div, rank_div, accumulate)
+    return fn(t, b, slots, ranks, out, expert_ids, num_experts, slot_div, rank_div, accumulate, out_sizes, seg_cols)
 
 
 def lora_delta(x, a, b, slots, ranks, out, expert_ids=None, num_experts=1, slot_div=1, x_div=1, rank_div=1,
-               accumulate=True):
-    """out[p] (+)= B[w(p)] @ (A[w(p)] @ x[p // x_div]) in place (module doc); returns out."""
+               accumulate=True, out_sizes=None, seg_cols=None):
+    """out[p] (+)= B[w(p)]^T @ (A[w(p)] @ x[p // x_div]) in place (module doc; ``out_sizes`` / ``seg_cols``: the
+    segments); returns out."""
     fn = lora_delta_triton if use_triton(x) else lora_delta_ref
-    return fn(x, a, b, slots, ranks, out, expert_ids, num_experts, slot_div, x_div, rank_div, accumulate)
+    return fn(x, a, b, slots, ranks, out, expert_ids, num_experts, slot_div, x_div, rank_div, accumulate,
+              out_sizes, seg_cols)

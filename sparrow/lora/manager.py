@@ -36,14 +36,15 @@ class LoRAManager:
         r, s = max_lora_rank, max_loras
         for path, m in model.named_modules():
             if isinstance(m, Linear):
-                buf = LoRABuffers(s, 1, r * len(m.output_sizes), m.in_features, m.out_features, dtype, device)
+                buf = LoRABuffers(s, 1, r * len(m.output_sizes), m.in_features, m.out_features, dtype, device,
+                                  m.output_sizes)
                 self.buffers[path, "weight"] = m.lora = buf
             elif isinstance(m, Router):
                 self.buffers[path, "weight"] = m.lora = LoRABuffers(s, 1, r, m.hidden_size, m.num_experts, dtype,
                                                                     device)
             elif isinstance(m, FusedMoE):
                 e, h, i = m.num_experts, m.hidden_size, m.intermediate_size
-                gate_up = LoRABuffers(s, e, 2 * r, h, 2 * i, dtype, device)
+                gate_up = LoRABuffers(s, e, 2 * r, h, 2 * i, dtype, device, (i, i))
                 down = LoRABuffers(s, e, r, i, h, dtype, device)
                 self.buffers[path, "gate_up_proj"], self.buffers[path, "down_proj"] = gate_up, down
                 m.lora = ExpertLoRA(gate_up, down)

@@ -12,45 +12,63 @@ from __future__ import annotations
 
 import torch
 
-from sparrow.kernels.lora import lora_delta, lora_index
+from sparrow.kernels.lora import MAX_SEGMENTS, lora_delta, lora_index
 
 
 class LoRABuffers:
-    """Slot buffers of one weight: ``a`` [S E, W, K], ``b`` [S E, N, W] (E = 1 for a linear or a router),
-    ``ranks`` [S] int32."""
+    """Slot buffers of one weight: ``a`` [S E, W, K], ``b`` [S E, W, N] (rank-major; E = 1 for a linear or a
+    router), ``ranks`` [S] int32, and per output segment (``out_sizes``: a packed projection's shard sizes, default
+    one segment of N) ``seg_cols`` [S, G, 2] int32: the (first rank row, rank rows) of B a slot's segment uses.
+    Raises ValueError for out_sizes not summing to n or more than ``MAX_SEGMENTS`` of them."""
 
     def __init__(self, slots: int, experts: int, width: int, k: int, n: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, out_sizes: tuple[int, ...] | list[int] | None = None):
         self.experts, self.width = experts, width
+        self.out_sizes = tuple(int(v) for v in out_sizes) if out_sizes else (n,)
+        if sum(self.out_sizes) != n or len(self.out_sizes) > MAX_SEGMENTS:
+            raise ValueError(f"LoRABuffers: out_sizes {self.out_sizes} must be at most {MAX_SEGMENTS} sizes "
+                             f"summing to {n}")
         self.a = torch.zeros(slots * experts, width, k, dtype=dtype, device=device)
-        self.b = torch.zeros(slots * experts, n, width, dtype=dtype, device=device)
+        self.b = torch.zeros(slots * experts, width, n, dtype=dtype, device=device)
         self.ranks = torch.zeros(slots, dtype=torch.int32, device=device)
+        self.seg_cols = torch.zeros(slots, len(self.out_sizes), 2, dtype=torch.int32, device=device)
 
     @property
     def nbytes(self) -> int:
         return self.a.nbytes + self.b.nbytes
 
     def write(self, slot: int, factors: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Put (A [(E,) r, K], B [(E,) N, r]) into ``slot`` (zeros past r); None clears the slot."""
+        """Put (A [(E,) r, K], B [(E,) N, r]) into ``slot`` (B transposed; zeros past r); None clears the slot.
+        Each segment's rank rows: from its first to its last rank row holding a nonzero of B in the segment's
+        outputs (a block-diagonal B of side-by-side shards: that shard's own rows), none if all zero."""
         e = self.experts
         a = self.a[slot * e:(slot + 1) * e]
         b = self.b[slot * e:(slot + 1) * e]
         a.zero_()
         b.zero_()
         r = 0
+        cols = [(0, 0)] * len(self.out_sizes)
         if factors is not None:
             fa, fb = factors
             if e == 1:
                 fa, fb = fa[None], fb[None]
             r = fa.shape[1]
             a[:, :r].copy_(fa)
-            b[:, :, :r].copy_(fb)
+            b[:, :r].copy_(fb.transpose(1, 2))
+            lo = 0
+            for g, size in enumerate(self.out_sizes):
+                used = (b[:, :r, lo:lo + size] != 0).any(dim=2).any(dim=0).nonzero().flatten().tolist()
+                if used:
+                    cols[g] = (used[0], used[-1] + 1 - used[0])
+                lo += size
         self.ranks[slot] = r
+        self.seg_cols[slot] = torch.tensor(cols, dtype=torch.int32)
 
     def add(self, x: torch.Tensor, out: torch.Tensor, slots: torch.Tensor, **kw) -> torch.Tensor:
-        """out[p] (+)= B[w(p)] @ (A[w(p)] @ x[..]) in place (``sparrow.kernels.lora.lora_delta``, whose keywords
-        ``kw`` are); returns out."""
-        return lora_delta(x, self.a, self.b, slots, self.ranks, out, **kw)
+        """out[p] (+)= B[w(p)]^T @ (A[w(p)] @ x[..]) in place (``sparrow.kernels.lora.lora_delta`` with the
+        buffers' segments, whose keywords ``kw`` are); returns out."""
+        return lora_delta(x, self.a, self.b, slots, self.ranks, out, out_sizes=self.out_sizes,
+                          seg_cols=self.seg_cols, **kw)
 
 
 def add_linear_delta(lora: LoRABuffers, x: torch.Tensor, y: torch.Tensor, adapter_ids: torch.Tensor) -> torch.Tensor:
@@ -80,7 +98,7 @@ class ExpertDelta:
         return dict(expert_ids=self.expert_ids, num_experts=self.experts, slot_div=self.top_k, x_div=x_div)
 
     def gate_up(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(self.expert_ids.numel(), self.gate_up_buffers.b.shape[1], dtype=torch.float32,
+        out = torch.empty(self.expert_ids.numel(), self.gate_up_buffers.b.shape[2], dtype=torch.float32,
                           device=x.device)
         return self.gate_up_buffers.add(x, out, self.slots, accumulate=False, **self._pairs(self.top_k))
 

@@ -41,11 +41,12 @@ def test_lru_slots_and_their_contents(setup):
     a_o, b_o = mgr.adapters[2].targets["model.layers.0.self_attn.o_proj", "weight"]
     assert int(o.ranks[slot]) == 2 and int(qkv.ranks[slot]) == 0
     assert torch.equal(o.a[slot, :2], a_o) and torch.all(o.a[slot, 2:] == 0)
-    assert torch.equal(o.b[slot, :, :2], b_o) and torch.all(o.b[slot, :, 2:] == 0)
+    assert torch.equal(o.b[slot, :2], b_o.t()) and torch.all(o.b[slot, 2:] == 0)  # B stored rank-major
     assert torch.all(qkv.a[slot] == 0) and torch.all(qkv.b[slot] == 0)
     # adapter 3 (= a: q and v of rank 4 side by side in the packed qkv_proj, B block-diagonal)
     slot = mgr.slots[3]
     q_rows, k_rows = 64, 32
     assert int(qkv.ranks[slot]) == 8
-    assert torch.all(qkv.b[slot, :q_rows, 4:] == 0) and torch.all(qkv.b[slot, q_rows:q_rows + k_rows] == 0)
-    assert torch.all(qkv.b[slot, q_rows + k_rows:, :4] == 0)
+    assert torch.all(qkv.b[slot, 4:, :q_rows] == 0) and torch.all(qkv.b[slot, :, q_rows:q_rows + k_rows] == 0)
+    assert torch.all(qkv.b[slot, :4, q_rows + k_rows:] == 0)
+    assert qkv.seg_cols[slot].tolist() == [[0, 4], [0, 0], [4, 4]]  # q: rank rows 0-3, k: none, v: 4-7
