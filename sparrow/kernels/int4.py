@@ -154,14 +154,15 @@ class Int4Config:
 
 GEMV_MAX_ROWS = 16
 """Rows up to which one M tile covers the batch (decode, verify): each weight word is read once."""
-# (largest R, config): the first entry whose bound covers R (tile configs as data, style.md 9). Not measured on
-# the H200 yet (benchmarks/kernels_micro.py tune_int4 sweeps the GEMV tiles); chosen from the sm_90 SASS of the
-# loop bodies (Triton 3.9, ahead-of-time compile): swapped 64 x 128 tiles run wgmma and cost ~5.4 instructions
-# per weight element (int4; NVFP4 ~8.6), against ~7.5 for plain 32 x 256 tiles on mma.sync; automatic split-K
-# gives N = 2816..8192 (44..128 tiles) ~352 programs on 132 SMs. Above 64 rows a 128 x 128 x 64 tile on wgmma
-# with the scales on the weights (no spills at 8 warps).
+# (largest R, config): the first entry whose bound covers R (tile configs as data, style.md 9). The GEMV entry:
+# the H200 sweep of benchmarks/kernels_micro.py tune_int4 (19 tiles at R = 1 and 8, gemma4-26b-a4b's
+# (N, K) = (4096, 2816), (2816, 4096), (8192, 2816)): swapped 64 x 128 tiles with split-K 4 were the fastest
+# or within 7 % of it on every shape (R = 1: 8.2 / 9.7 / 12.9 us against the best 8.2 / 9.7 / 12.1), while
+# automatic split-K was not among any shape's four best. 17-64 rows: swapped 64 x 64 x 128 (from the sm_90
+# SASS: wgmma, ~5.4 instructions per weight element for int4, ~8.6 NVFP4). Above 64 rows a 128 x 128 x 64 tile
+# on wgmma with the scales on the weights (no spills at 8 warps).
 INT4_CONFIGS: tuple[tuple[int, Int4Config], ...] = (
-    (GEMV_MAX_ROWS, Int4Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=0,
+    (GEMV_MAX_ROWS, Int4Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=4,
                                swap_ab=True)),
     (64, Int4Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=0, swap_ab=True)),
     (1 << 62, Int4Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, scale_w=True)),
