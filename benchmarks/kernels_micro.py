@@ -11,8 +11,6 @@
     python benchmarks/kernels_micro.py int4                      (4-bit linears: int4 and NVFP4 W4A16 at 1-16 rows
                                                                   and 2,048, FP8 beside; % = of the bytes bound)
     python benchmarks/kernels_micro.py tune_int4                 (sweep Int4Config for INT4_CONFIGS' GEMV entry)
-    python benchmarks/kernels_micro.py nvfp4_modes               (NVFP4 linears W4A16 vs W4A8 at 1 / 8 / 64 / 1,024
-                                                                  rows, W4A8 over a few tiles)
     python benchmarks/kernels_micro.py router_logits             (Gemma 4's router logits: kernel vs torch)
     python benchmarks/kernels_micro.py tune_router_logits        (its tiles and H splits above 16 rows)
     python benchmarks/kernels_micro.py lora                      (multi-LoRA lora_delta at decode shapes, 8 rank-16
@@ -232,39 +230,6 @@ def tune_int4(peak: float) -> None:
             for t, cfg in results[:4]:
                 print(f"tune int4 R={rows:<2} N={n} K={k}: {t * 1e6:6.1f} us {nbytes / t / 1e9:7.1f} GB/s "
                       f"{100 * nbytes / t / peak:5.1f} %  {cfg}", flush=True)
-
-
-def nvfp4_modes(peak: float) -> None:
-    """NVFP4 dense linears, W4A16 (``w4a8=False``: the int4 linears' 4-bit kernel) against W4A8 (e4m3 dots, the
-    activations quantized per 16 columns in the kernel) at 1, 8, 64 and 1,024 rows per INT4_SHAPES shape, W4A8
-    over a few (BLOCK_R, BLOCK_N, num_warps, num_stages) tiles (``NVFP4_CONFIGS`` forced for the call): each
-    mode's time, % of the bytes bound, the best W4A8 tile and W4A8 / W4A16 (below 1: W4A8 wins)."""
-    import itertools
-
-    from sparrow.kernels import nvfp4_linear as mod
-
-    shipped = mod.NVFP4_CONFIGS
-    tiles = [(br, bn, w, s) for br, bn, w, s in itertools.product((16, 64, 128), (64, 128), (4, 8), (3, 4))
-             if not (br == 128 and bn == 128 and w == 4)]
-    for n, k in INT4_SHAPES:
-        _, _, nvfp4_next, _, nbytes = _w4_weights(n, k)
-        for rows in (1, 8, 64, 1024):
-            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            total = nbytes + 2 * rows * (k + n)
-            t16 = time_s(lambda: mod.nvfp4_linear_triton(x, *nvfp4_next()))
-            best = (float("inf"), None)
-            for tile in (t for t in tiles if t[0] <= max(16, rows)):
-                mod.NVFP4_CONFIGS = ((1 << 62, tile),)
-                try:
-                    best = min(best, (time_s(lambda: mod.nvfp4_linear_triton(x, *nvfp4_next(), w4a8=True), rep=20), tile))
-                except Exception:
-                    continue
-                finally:
-                    mod.NVFP4_CONFIGS = shipped
-            t8, tile = best
-            print(f"nvfp4 R={rows:<5} N={n} K={k}: W4A16 {t16 * 1e6:8.2f} us ({100 * total / t16 / peak:5.1f} %)  "
-                  f"W4A8 {t8 * 1e6:8.2f} us ({100 * total / t8 / peak:5.1f} %) tile {tile}  W4A8 / W4A16 {t8 / t16:5.2f}",
-                  flush=True)
 
 
 def tune_fp8_gemm(peak: float) -> None:
@@ -628,7 +593,7 @@ def main(which: list[str]) -> None:
          "tune_gemv_fp8": lambda p: tune_gemv(p, (True,)),
          "tune_gemv_bf16": lambda p: tune_gemv(p, (False,)), "tune_fp8_gemm": tune_fp8_gemm,
          "tune_fp8_rows": tune_fp8_rows, "tune_w8a8": tune_w8a8, "tune_w8a8_launch": tune_w8a8_launch,
-         "fp8_linears": fp8_linears, "int4": bench_int4, "tune_int4": tune_int4, "nvfp4_modes": nvfp4_modes,
+         "fp8_linears": fp8_linears, "int4": bench_int4, "tune_int4": tune_int4,
          "router_logits": bench_router_logits, "tune_router_logits": tune_router_logits, "lora": bench_lora,
          "tune_lora": tune_lora}[name](peak)
 

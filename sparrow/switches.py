@@ -62,12 +62,6 @@ DUAL_STREAM: bool = _bool(
     "Gemma 4 decode graphs run the dense MLP branch on a second stream beside the router + MoE chain")
 """Read when a graph is captured (sparrow.models.gemma4.side_stream); eager steps always run one stream."""
 
-NVFP4_W4A8: bool = _bool(
-    "SPARROW_NVFP4_W4A8", False,
-    "NVFP4 linears compute W4A8 (activations to e4m3 per 16 columns, e4m3 dots) instead of W4A16 (bf16 dots)")
-"""Read at each NVFP4 linear call (sparrow.quant.nvfp4); not measured on the H200 yet, so W4A16 is the
-default until the A/B (sparrow.kernels._nvfp4_jit explains the two modes)."""
-
 TRITON_INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
 """Triton's own variable, read here as Triton parses it (1 / true / on): Triton runs its kernels in its CPU
 interpreter, and sparrow's launchers switch on their interpreter workarounds (``sparrow.kernels.interpreting``).

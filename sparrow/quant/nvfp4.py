@@ -22,11 +22,10 @@ On-load quantization (``quantization="nvfp4"`` on a float checkpoint / named sha
 shard is quantized by ModelOpt's formula (global = amax / (6 * 448), ``quantize_nvfp4_ref``) into the
 "modelopt" parameters, so an offline ModelOpt export of the same shards loads to the same bytes.
 
-apply(x [R, K]) -> [R, N] in x's dtype: on CUDA the Triton kernels of ``sparrow.kernels.nvfp4_linear`` at every
-row count (K a multiple of 32), W4A16 by default (the int4 linears' 4-bit kernel), W4A8 with
-SPARROW_NVFP4_W4A8=1; elsewhere (CPU) the weight dequantized to x's dtype (fp32 products, as the format's library
-dequantizes) and ``F.linear``. The routed experts: ``sparrow.quant.nvfp4_moe`` (W4A16 Triton kernels on CUDA,
-``sparrow.kernels.nvfp4_moe``).
+apply(x [R, K]) -> [R, N] in x's dtype: on CUDA the W4A16 Triton kernel of ``sparrow.kernels.nvfp4_linear`` (the
+int4 linears' 4-bit kernel) at every row count; elsewhere (CPU) the weight dequantized to x's dtype (fp32 products,
+as the format's library dequantizes) and ``F.linear``. The routed experts: ``sparrow.quant.nvfp4_moe`` (W4A16
+Triton kernels on CUDA, ``sparrow.kernels.nvfp4_moe``).
 """
 from __future__ import annotations
 
@@ -298,17 +297,16 @@ class Nvfp4LinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype (+ bias). Where Triton runs (CUDA): the NVFP4 kernel
-        (``sparrow.kernels.nvfp4_linear``), W4A16, or W4A8 with the switch SPARROW_NVFP4_W4A8; elsewhere the
-        weight dequantized to x's dtype as the checkpoint's library does, and F.linear."""
-        from sparrow import switches
+        (``sparrow.kernels.nvfp4_linear``, W4A16); elsewhere the weight dequantized to x's dtype as the
+        checkpoint's library does, and F.linear."""
         from sparrow.kernels import use_triton
 
-        if use_triton(x) and layer.in_features % 32 == 0 and getattr(layer, "nvfp4_g", None) is not None:
+        if use_triton(x) and getattr(layer, "nvfp4_g", None) is not None:
             from sparrow.kernels.nvfp4_linear import nvfp4_linear_triton
 
             shape = x.shape
             y = nvfp4_linear_triton(x.reshape(-1, shape[-1]), getattr(layer, self.codes), getattr(layer, self.scale),
-                                    layer.nvfp4_g, w4a8=switches.NVFP4_W4A8)
+                                    layer.nvfp4_g)
             y = y if layer.bias is None else y + layer.bias
             return y.reshape(*shape[:-1], y.shape[-1])
         return F.linear(x, self.dequantized_weight(layer).to(x.dtype), layer.bias)
