@@ -31,18 +31,22 @@ import torch
 
 from sparrow.kernels import pdl_kwargs, use_triton
 
-SPLIT_K_CHUNK = 256
+# Tile constants: the least total time of benchmarks/kernels_micro.py tune_lora on the H200 over gemma4-26b-a4b's
+# qkv, o_proj, expert gate_up and expert down deltas at 1, 8 and 64 decode rows (157.6 us against 262.1 for the
+# untuned 256-column chunks, 4 shrink warps and 256-output expand tiles). Per case the best differs (1 row:
+# 128-column chunks and 128-output tiles were faster on the dense deltas), which one set of constants gives up.
+SPLIT_K_CHUNK = 512
 """K columns per shrink program of lora_delta at up to SPLIT_K_MAX_ROWS rows (decode, verify, routed pairs)."""
 SPLIT_K_MAX_ROWS = 1024
 """Above this many rows the grid is full with one shrink program per row (over all of K: no partials to keep);
 64 decode rows x top-8 experts = 512 pairs stay split."""
 SHRINK_TILE = 8192
 """Elements of A a shrink program loads at once (BLOCK_R x BLOCK_K; BLOCK_R covers R)."""
-SHRINK_WARPS = 4
+SHRINK_WARPS = 8
 """Warps of a shrink program."""
-EXPAND_BLOCK_N = 256
+EXPAND_BLOCK_N = 512
 """Outputs per expand program (one segment's; each rank row of B a contiguous run of them)."""
-EXPAND_TILE = 4096
+EXPAND_TILE = 8192
 """Most elements of B an expand program loads at once (BLOCK_R x EXPAND_BLOCK_N; more rank rows loop)."""
 EXPAND_WARPS = 4
 """Warps of an expand program."""
