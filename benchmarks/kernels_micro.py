@@ -15,7 +15,8 @@
     python benchmarks/kernels_micro.py tune_router_logits        (its tiles and H splits above 16 rows)
     python benchmarks/kernels_micro.py lora                      (multi-LoRA lora_delta at decode shapes, 8 rank-16
                                                                   adapters; % = of the bytes that must be read)
-    python benchmarks/kernels_micro.py tune_lora                 (sweep sparrow.kernels.lora's tile constants)
+    python benchmarks/kernels_micro.py tune_lora                 (sweep sparrow.kernels.lora's tile constants;
+                                                                  prints a ROW_TILES table per row count too)
 
 Each line: kernel, shape, time per call (CUDA-graph replay, so launch overhead is excluded), bytes moved
 (each input read once + each output written once), GB/s and % of the device-to-device copy bandwidth
@@ -543,15 +544,19 @@ LORA_EXPAND_SWEEP = [dict(EXPAND_BLOCK_N=bn, EXPAND_TILE=t, EXPAND_WARPS=w) for 
 
 
 def tune_lora(peak: float) -> None:
-    """Sweep sparrow.kernels.lora's tile constants over LORA_SHAPES x rows 1 / 8 / 64: the shrink's, then the
-    expand's with the best shrink; per case the best setting, and the setting of least total time over all cases
-    (the constants are global), with its total against the defaults'."""
+    """Sweep sparrow.kernels.lora's tile constants over LORA_SHAPES x rows 1 / 8 / 64 (``ROW_TILES`` off): the
+    shrink's, then the expand's with the best shrink; per case the best setting, the setting of least total time
+    over all cases (the constants), with its total against the defaults', and a ``ROW_TILES`` table: per launch
+    row count P (rows, or rows x top-k pairs) the shrink and the expand settings of least total over its cases."""
     from sparrow.kernels import lora as lk
 
     names = [k for d in (LORA_SHRINK_SWEEP[0], LORA_EXPAND_SWEEP[0]) for k in d]
     default = {k: getattr(lk, k) for k in names}
     cases = [(shape, rows) for shape in LORA_SHAPES for rows in (1, 8, 64)]
     built = [_lora_case(shape, rows) for shape, rows in cases]
+    pairs = [rows * (LORA_TOP_K if shape[4] > 1 else 1) for shape, rows in cases]  # P of each case's launches
+    shipped_row_tiles, lk.ROW_TILES = lk.ROW_TILES, ()
+    table = {p: {} for p in sorted(set(pairs))}
 
     def run(settings) -> list[float]:
         for key, v in {**default, **settings}.items():
@@ -579,6 +584,15 @@ def tune_lora(peak: float) -> None:
         print(f"  least total: {sum(times) * 1e6:8.2f} us (defaults {sum(base) * 1e6:8.2f} us)  {cfg}", flush=True)
         if label == "shrink":
             best_shrink = {k: cfg[k] for k in LORA_SHRINK_SWEEP[0]}
+        sweep_names = list(sweep[0])
+        for p, values in table.items():
+            group = [j for j, q in enumerate(pairs) if q == p]
+            _, cfg_p = min(results, key=lambda r: sum(r[0][j] for j in group))
+            values.update({k: cfg_p[k] for k in sweep_names})
+    lk.ROW_TILES = shipped_row_tiles
+    bounds = list(table)[:-1] + ["1 << 62"]
+    print("tune_lora ROW_TILES (per P, least total of its cases; the expand timed with the least-total shrink):\n"
+          "ROW_TILES = (\n" + "".join(f"    ({b}, {v}),\n" for b, v in zip(bounds, table.values())) + ")", flush=True)
 
 
 def main(which: list[str]) -> None:

@@ -22,8 +22,8 @@ rank rows left out must be zero in that segment for the result to be the full pr
 
 Triton kernels (``_lora_jit``) where ``use_triton(x)``: no launch synchronizes with the host (CUDA graph safe);
 PDL launches on Hopper. The torch twins (one matmul per distinct weight set, a host sync) are the CPU path and the
-oracle. Tile choices are the module constants below (read at each launch, so a sweep may set them). Errors:
-ValueError naming the bad argument.
+oracle. Tile choices are the module constants below, per row range ``ROW_TILES`` (read at each launch, so a sweep
+may set them). Errors: ValueError naming the bad argument.
 """
 from __future__ import annotations
 
@@ -50,7 +50,23 @@ EXPAND_TILE = 8192
 """Most elements of B an expand program loads at once (BLOCK_R x EXPAND_BLOCK_N; more rank rows loop)."""
 EXPAND_WARPS = 4
 """Warps of an expand program."""
+ROW_TILES: tuple[tuple[int, dict[str, int]], ...] = ()
+"""Per row range values of the constants above: (largest P, {constant name: value}) entries, smallest bound
+first; a launch of P rows takes the names that the first entry covering P holds, and the constants for the
+rest (``tile``). ``benchmarks/kernels_micro.py tune_lora`` prints such a table from its per-row-count sweep;
+empty until one is measured end to end."""
 MAX_SEGMENTS = 3
+
+
+def tile(name: str, p: int) -> int:
+    """The tile constant ``name`` (e.g. "SPLIT_K_CHUNK") for a launch of P rows: ROW_TILES' first entry whose
+    bound covers P, where it holds the name, else the module constant."""
+    for bound, values in ROW_TILES:
+        if p <= bound:
+            if name in values:
+                return values[name]
+            break
+    return globals()[name]
 
 
 def lora_index(slots: torch.Tensor, expert_ids: torch.Tensor | None = None, num_experts: int = 1,
@@ -158,7 +174,7 @@ def _common(x, slots, ranks, expert_ids, num_experts, slot_div, rank_div):
 
 def shrink_chunk(p: int, k: int) -> int:
     """K columns per shrink program of lora_delta at P rows (the dispatch rule, module doc)."""
-    return SPLIT_K_CHUNK if p <= SPLIT_K_MAX_ROWS else max(k, 1)
+    return tile("SPLIT_K_CHUNK", p) if p <= SPLIT_K_MAX_ROWS else max(k, 1)
 
 
 def _shrink_parts(x, a, slots, ranks, expert_ids, num_experts, slot_div, x_div, rank_div, chunk, name):
@@ -173,10 +189,10 @@ def _shrink_parts(x, a, slots, ranks, expert_ids, num_experts, slot_div, x_div, 
     if p:
         ptrs, divs, flags = _common(x, slots, ranks, expert_ids, num_experts, slot_div, rank_div)
         block_r = _block(r)
-        block_k = max(16, min(_block(chunk), SHRINK_TILE // block_r))
+        block_k = max(16, min(_block(chunk), tile("SHRINK_TILE", p) // block_r))
         lora_shrink_kernel[(p, splits)](
             x, a, *ptrs, t, k, r, splits, chunk, x_div, divs["SLOT_DIV"], divs["NUM_E"], divs["RANK_DIV"],
-            x.stride(0), **flags, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=SHRINK_WARPS, **pdl_kwargs(x))
+            x.stride(0), **flags, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=tile("SHRINK_WARPS", p), **pdl_kwargs(x))
     return t
 
 
@@ -205,15 +221,15 @@ def lora_expand_triton(t, b, slots, ranks, out, expert_ids=None, num_experts=1, 
                          f"{t.dtype} {tuple(t.shape)}")
     if p:
         ptrs, divs, flags = _common(t, slots, ranks, expert_ids, num_experts, slot_div, rank_div)
-        splits, block_n = parts.shape[1], EXPAND_BLOCK_N
-        block_r = max(1, min(_block(max(1, r // len(sizes)), 1), EXPAND_TILE // block_n))
+        splits, block_n = parts.shape[1], tile("EXPAND_BLOCK_N", p)
+        block_r = max(1, min(_block(max(1, r // len(sizes)), 1), tile("EXPAND_TILE", p) // block_n))
         n0, n1 = (sizes + (0, 0))[:2]
         tiles = sum(-(-v // block_n) for v in sizes)
         lora_expand_kernel[(p, tiles)](
             parts, b, *ptrs, segs if segs is not None else ranks, out, n, r, splits, len(sizes), n0, n1,
             divs["SLOT_DIV"], divs["NUM_E"], divs["RANK_DIV"], **flags, HAS_SEGS=segs is not None,
             ACCUMULATE=accumulate, BLOCK_R=block_r, BLOCK_S=_block(splits, 1), BLOCK_N=block_n,
-            num_warps=EXPAND_WARPS, **pdl_kwargs(t))
+            num_warps=tile("EXPAND_WARPS", p), **pdl_kwargs(t))
     return out
 
 

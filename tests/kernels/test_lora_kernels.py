@@ -83,6 +83,33 @@ def test_delta_split_k_and_one_chunk(chunk, rows, accumulate, monkeypatch):
         assert torch.all(got[slots < 0] == 0)
 
 
+def test_row_tiles_pick_per_range(monkeypatch):
+    """ROW_TILES: a launch's P takes the first covering entry's values, the constants for names it lacks and
+    for P past every bound."""
+    monkeypatch.setattr(lora_kernels, "ROW_TILES", ((1, {"SPLIT_K_CHUNK": 16}), (8, {"EXPAND_BLOCK_N": 32})))
+    assert lora_kernels.tile("SPLIT_K_CHUNK", 1) == 16
+    assert lora_kernels.tile("SPLIT_K_CHUNK", 2) == lora_kernels.SPLIT_K_CHUNK  # entry 8 lacks it
+    assert lora_kernels.tile("EXPAND_BLOCK_N", 8) == 32
+    assert lora_kernels.tile("EXPAND_BLOCK_N", 9) == lora_kernels.EXPAND_BLOCK_N
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_delta_with_row_tiles(rows, monkeypatch):
+    """lora_delta with per range tiles (small chunks and expand tiles at 1 row, others at 2-8, the constants
+    above) gives the twin's result: K = 40, N = 300 (ragged last tiles), ranks 16 / 7 / 0."""
+    monkeypatch.setattr(lora_kernels, "ROW_TILES", (
+        (1, {"SPLIT_K_CHUNK": 16, "EXPAND_BLOCK_N": 32, "EXPAND_TILE": 256, "SHRINK_WARPS": 2}),
+        (8, {"SPLIT_K_CHUNK": 32, "EXPAND_BLOCK_N": 64, "EXPAND_TILE": 512})))
+    k, n = 40, 300
+    buf = _buffers(1, 16, k, n, torch.float32, ranks=[16, 7, 0], seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    slots = _slots(rows, rows + 1)
+    y0 = torch.randn(rows, n, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    want = lora_delta_ref(x, buf.a, buf.b, slots, buf.ranks, y0.clone())
+    got = lora_delta_triton(x, buf.a, buf.b, slots, buf.ranks, y0.clone())
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("chunk", [16, 1 << 20])
 @pytest.mark.parametrize("rows,top_k", [(1, 2), (5, 3), (16, 1)])
 def test_pair_indexing(rows, top_k, chunk, monkeypatch):
