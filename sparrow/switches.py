@@ -62,6 +62,14 @@ DUAL_STREAM: bool = _bool(
     "Gemma 4 decode graphs run the dense MLP branch on a second stream beside the router + MoE chain")
 """Read when a graph is captured (sparrow.models.gemma4.side_stream); eager steps always run one stream."""
 
+SPEC_CLOSED_BATCH: bool = _bool(
+    "SPARROW_SPEC_CLOSED_BATCH", False,
+    "Speculative decoding with no request waiting: verify only when each sequence with the most tokens left "
+    "drafts and gains the step's cost")
+"""Read at each step (sparrow.spec_decode.decoder.SpeculativeDecoder.pays): a batch no waiting request can
+join ends with its longest sequences, so other sequences' gains shorten nothing. Off: the drafted sequences'
+gains are summed against the step's cost (throughput when finished sequences' slots are taken at once)."""
+
 TRITON_INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
 """Triton's own variable, read here as Triton parses it (1 / true / on): Triton runs its kernels in its CPU
 interpreter, and sparrow's launchers switch on their interpreter workarounds (``sparrow.kernels.interpreting``).

@@ -16,7 +16,8 @@ ALLOWED = {"sparrow/switches.py", "sparrow/cache.py"}
 
 
 def test_table_lists_each_switch_with_type_default_and_doc():
-    assert set(switches.SWITCHES) == {"SPARROW_OVERLAP", "SPARROW_PDL", "SPARROW_DUAL_STREAM", "TRITON_INTERPRET"}
+    assert set(switches.SWITCHES) == {"SPARROW_OVERLAP", "SPARROW_PDL", "SPARROW_DUAL_STREAM", "SPARROW_SPEC_CLOSED_BATCH",
+                                      "TRITON_INTERPRET"}
     for s in switches.SWITCHES.values():
         assert s.type is bool and isinstance(s.default, bool) and s.doc
     assert switches.SWITCHES["SPARROW_PDL"].default is True and switches.SWITCHES["SPARROW_OVERLAP"].default is True

@@ -149,7 +149,8 @@ class Engine:
         if self._ahead is not None:  # queued during the previous call
             (plan, result), self._ahead = self._ahead, None
         else:
-            drafts = self.spec.propose(self.scheduler.running) if self.spec is not None else None
+            drafts = (self.spec.propose(self.scheduler.running, len(self.scheduler.waiting))
+                      if self.spec is not None else None)
             plan = self.scheduler.schedule(drafts)
             if not plan.seqs:
                 return []

@@ -21,6 +21,10 @@ the H200, Gemma 3 270M's q = 5 step was 1.5x its q = 1 step at batch 1 and 4.6x 
 
     sum_i rate_i * len(d_i)  >=  (t(q) / t(1) - 1) * B,     q = 1 + max len(d_i)
 
+With switches.SPEC_CLOSED_BATCH and no request waiting for a slot, the batch ends with its sequences with the
+most tokens left, so each of them (within k of the longest) must draft and gain the cost alone:
+rate_i * len(d_i) >= t(q) / t(1) - 1 (the free prompts of spec_decode.py at batch 8 ran 0.87-0.91x plain
+decoding with the sum: tokens gained by sequences that end early shortened nothing).
 Otherwise its drafts are dropped and proposing pauses for 4, 8 .. 32 steps (doubling while it keeps losing),
 which the engine overlaps; after the longest pause one verify step runs regardless, so costs and rates stay
 measured. (On the H200, Gemma 3 270M with n-gram drafts at batch 8 verified a few sequences' drafts in most
@@ -48,13 +52,18 @@ def batch_bucket(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def tokens_left(seq: Sequence, max_model_len: int) -> int:
+    """Tokens ``seq`` may still append before max_tokens or max_model_len (EOS and stops aside)."""
+    left = max_model_len - seq.num_tokens
+    if seq.params.max_tokens is not None:
+        left = min(left, seq.params.max_tokens - len(seq.output_token_ids))
+    return left
+
+
 def draft_limit(seq: Sequence, k: int, max_model_len: int) -> int:
     """Most drafts ``seq`` may verify in its next step: k, less what would pass max_tokens or max_model_len
     (a verify step of k' drafts appends up to k' + 1 tokens), never below 0."""
-    left = max_model_len - seq.num_tokens - 1
-    if seq.params.max_tokens is not None:
-        left = min(left, seq.params.max_tokens - len(seq.output_token_ids) - 1)
-    return max(0, min(k, left))
+    return max(0, min(k, tokens_left(seq, max_model_len) - 1))
 
 
 class _BackOff:
@@ -93,9 +102,10 @@ class SpeculativeDecoder:
         self._hold_until = 0
         self._hold = 0
 
-    def propose(self, running: list[Sequence]) -> dict[Sequence, list[int]]:
+    def propose(self, running: list[Sequence], waiting: int = 0) -> dict[Sequence, list[int]]:
         """Drafts for the running sequences in their decode phase (their last token not yet computed), outside
-        back-off, with room for at least one draft; sequences that left the batch are forgotten."""
+        back-off, with room for at least one draft; sequences that left the batch are forgotten. ``waiting``:
+        requests queued for a slot (none: the batch is closed, ``pays``)."""
         live = set(running)
         for seq in [s for s in self._backoff if s not in live]:
             del self._backoff[seq]
@@ -104,11 +114,11 @@ class SpeculativeDecoder:
         if self._steps < self._hold_until:
             return {}
         requests = []
-        decoding = 0
+        decoding = []
         for seq in running:
             if seq.num_computed_tokens != seq.num_tokens - 1 or not seq.output_token_ids:
                 continue
-            decoding += 1
+            decoding.append(seq)
             state = self._backoff.get(seq)
             if state is None:
                 state = self._backoff[seq] = _BackOff()
@@ -124,7 +134,7 @@ class SpeculativeDecoder:
             if not d:
                 self._backoff[seq].miss(len(seq.output_token_ids))
         out = {seq: d for (seq, _), d in zip(requests, drafts) if d}
-        if out and not self.pays(out, decoding):
+        if out and not self.pays(out, decoding, waiting):
             self._hold = min(max(FIRST_HOLD_STEPS, 2 * self._hold), MAX_BACKOFF_STEPS)
             self._hold_until = self._steps + self._hold
             return {}
@@ -132,19 +142,30 @@ class SpeculativeDecoder:
             self._hold = 0
         return out
 
-    def pays(self, drafts: dict[Sequence, list[int]], decoding: int) -> bool:
-        """Whether verifying ``drafts`` in a step of ``decoding`` decoding sequences is expected to beat a decode
-        step (the rule above). Unmeasured step times count as equal (verify, so that they get measured); after
-        the longest pause it pays once regardless."""
+    def pays(self, drafts: dict[Sequence, list[int]], decoding: list[Sequence], waiting: int = 0) -> bool:
+        """Whether verifying ``drafts`` in a step of the ``decoding`` sequences is expected to beat a decode
+        step (the rule above; with switches.SPEC_CLOSED_BATCH and no request ``waiting``, every sequence with
+        the most tokens left, within k, must draft and gain the cost alone). Unmeasured step times count as
+        equal (verify, so that they get measured); after the longest pause it pays once regardless."""
+        from sparrow import switches
+
         if self._hold >= MAX_BACKOFF_STEPS:
             self._hold = 0
             return True
-        q, b = 1 + max(len(d) for d in drafts.values()), batch_bucket(decoding)
+        q, b = 1 + max(len(d) for d in drafts.values()), batch_bucket(len(decoding))
         t1, tq = self.step_seconds.get((b, 1)), self.step_seconds.get((b, q))
         if t1 is None or tq is None:
             return True
-        gain = sum(self._rate.get(seq, INITIAL_RATE) * len(d) for seq, d in drafts.items())
-        return gain >= (tq / t1 - 1.0) * decoding
+        cost = tq / t1 - 1.0
+
+        def gain(seq: Sequence) -> float:
+            return self._rate.get(seq, INITIAL_RATE) * len(drafts.get(seq, ()))
+
+        if switches.SPEC_CLOSED_BATCH and not waiting and len(decoding) > 1:
+            left = {seq: tokens_left(seq, self.max_model_len) for seq in decoding}
+            longest = max(left.values())
+            return all(gain(seq) >= cost for seq in decoding if left[seq] >= longest - self.k)
+        return sum(gain(seq) for seq in drafts) >= cost * len(decoding)
 
     def observe_step(self, q: int, seconds: float, batch: int = 1) -> None:
         """A decode (q = 1) or verify step of ``batch`` sequences and at most q rows per sequence took

@@ -3,7 +3,7 @@ it expects to gain pay for the verify step's measured cost; otherwise drafting p
 engine may overlap those steps, and after the longest pause one verify step runs regardless."""
 from __future__ import annotations
 
-from sparrow import SamplingParams
+from sparrow import SamplingParams, switches
 from sparrow.config import SpeculativeConfig
 from sparrow.engine.sequence import Sequence
 from sparrow.engine.step_plan import ScheduledSeq
@@ -150,3 +150,32 @@ def test_step_costs_are_kept_per_batch_bucket():
     assert set(dec.propose(one)) == set(one)
     assert dec.propose(eight) == {}
     assert sorted(dec.step_seconds) == [(1, 1), (1, K + 1), (8, 1), (8, K + 1)]
+
+
+def test_closed_batch_verifies_only_when_every_longest_sequence_gains(monkeypatch):
+    """SPEC_CLOSED_BATCH, no request waiting: each sequence with the most tokens left (within k) must draft and
+    gain the step's cost; a sequence near its max_tokens does not count; with a request waiting the gains sum."""
+    monkeypatch.setattr(switches, "SPEC_CLOSED_BATCH", True)
+    dec, prop = _decoder()
+    seqs = _decoding(8)
+    _measure(dec, 1.0e-3, 3.0e-3, len(seqs))  # cost: 2 tokens per sequence
+    prop.drafting = set(seqs[:7])  # summed: 7 * 4 * 0.7 = 19.6 >= 16 would verify
+    assert dec.propose(seqs, waiting=1) != {}
+    dec._hold_until = 0
+    assert dec.propose(seqs) == {}  # the eighth sequence, as long as the rest, gains nothing
+    dec._hold, dec._hold_until = 0, 0
+    seqs[7].params = SamplingParams(max_tokens=len(seqs[7].output_token_ids) + 2)  # ends in 2 tokens
+    assert set(dec.propose(seqs)) == set(seqs[:7])  # 2.8 >= 2 for each of the longest
+    prop.drafting = set(seqs)
+    for s in seqs[:7]:  # the longest sequences' acceptance falls: 4 * 0.3 < 2
+        dec._rate[s] = 0.3
+    assert dec.propose(seqs) == {}
+
+
+def test_closed_batch_off_sums_the_gains(monkeypatch):
+    monkeypatch.setattr(switches, "SPEC_CLOSED_BATCH", False)
+    dec, prop = _decoder()
+    seqs = _decoding(8)
+    _measure(dec, 1.0e-3, 3.0e-3, len(seqs))
+    prop.drafting = set(seqs[:7])
+    assert set(dec.propose(seqs)) == set(seqs[:7])
