@@ -32,6 +32,7 @@ steps: 3.3 ms a step against 1.0 for overlapped decode steps, 0.55x the tok/s of
 """
 from __future__ import annotations
 
+from sparrow import switches
 from sparrow.config import SpeculativeConfig
 from sparrow.engine.sequence import Sequence
 from sparrow.engine.step_plan import ScheduledSeq
@@ -147,8 +148,6 @@ class SpeculativeDecoder:
         step (the rule above; with switches.SPEC_CLOSED_BATCH and no request ``waiting``, every sequence with
         the most tokens left, within k, must draft and gain the cost alone). Unmeasured step times count as
         equal (verify, so that they get measured); after the longest pause it pays once regardless."""
-        from sparrow import switches
-
         if self._hold >= MAX_BACKOFF_STEPS:
             self._hold = 0
             return True
