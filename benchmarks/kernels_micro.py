@@ -11,6 +11,8 @@
     python benchmarks/kernels_micro.py int4                      (4-bit linears: int4 and NVFP4 W4A16 at 1-16 rows
                                                                   and 2,048, FP8 beside; % = of the bytes bound)
     python benchmarks/kernels_micro.py tune_int4                 (sweep Int4Config for INT4_CONFIGS' GEMV entry)
+    python benchmarks/kernels_micro.py w4_prefill                (4-bit linears at 128-16,384 rows: kernel vs
+                                                                  dequantize + cuBLAS, for int4.DEQUANT_MIN_ROWS)
     python benchmarks/kernels_micro.py router_logits             (Gemma 4's router logits: kernel vs torch)
     python benchmarks/kernels_micro.py tune_router_logits        (its tiles and H splits above 16 rows)
     python benchmarks/kernels_micro.py lora                      (multi-LoRA lora_delta at decode shapes, 8 rank-16
@@ -210,6 +212,49 @@ def bench_int4(peak: float) -> None:
                     print(f"{name:<22} {shape:<24} {t * 1e6:9.2f} us {2 * rows * n * k / t / 1e12:9.1f} TFLOP/s",
                           flush=True)
         del w, int4_next, nvfp4_next, fp8_next
+
+
+def w4_prefill(peak: float) -> None:
+    """4-bit linears at prefill row counts (128 .. 16,384), us a call: ``w4_matmul_kernel`` against the dequantize
+    path (``int4.w4_dequantize`` then F.linear, what ``int4.DEQUANT_MIN_ROWS`` switches to), int4 and NVFP4, beside
+    cuBLAS's block-scaled FP8 GEMM with its quantizer (the FP8 checkpoints' prefill) and cuBLAS bf16; the
+    dequantize step alone last. Fill DEQUANT_MIN_ROWS with the first row count where the dequantize path wins."""
+    import torch.nn.functional as F
+
+    from sparrow.kernels import int4 as int4_mod
+    from sparrow.kernels.fp8 import quantize_fp8_block_ref
+    from sparrow.kernels.nvfp4_linear import nvfp4_linear_triton
+    from sparrow.kernels.scaled_mm import fp8_scaled_mm, scaled_mm_supported
+
+    shipped = int4_mod.DEQUANT_MIN_ROWS
+    print("w4 prefill    rows     N     K | int4 kernel  int4 dequant | nvfp4 kernel  nvfp4 dequant | FP8 scaled_mm  "
+          "bf16 | dequant alone (int4 / nvfp4)")
+    for n, k in INT4_SHAPES:
+        w, int4_next, nvfp4_next, int4_bytes, nvfp4_bytes = _w4_weights(n, k)
+        nxt_mm = _rotating(lambda: _for_cublas(*quantize_fp8_block_ref(w)), n * k)
+        nxt16 = _rotating(lambda: (w.clone(),), 2 * n * k)
+        for rows in (128, 256, 512, 1024, 2048, 8192, 16384):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            t = {}
+            for side, bound in (("kernel", 1 << 62), ("dequant", 0)):
+                int4_mod.DEQUANT_MIN_ROWS = bound
+                t["int4 " + side] = time_s(lambda: int4_mod.int4_linear_triton(x, *int4_next()), rep=20)
+                t["nvfp4 " + side] = time_s(lambda: nvfp4_linear_triton(x, *nvfp4_next()), rep=20)
+            int4_mod.DEQUANT_MIN_ROWS = shipped
+            t["fp8"] = (time_s(lambda: fp8_scaled_mm(x, *nxt_mm()), rep=20)
+                        if scaled_mm_supported(x.device) else float("nan"))
+            t["bf16"] = time_s(lambda: F.linear(x, *nxt16()), rep=20)
+            print(f"w4 prefill {rows:7d} {n:5d} {k:5d} | {t['int4 kernel'] * 1e6:11.1f} {t['int4 dequant'] * 1e6:13.1f} | "
+                  f"{t['nvfp4 kernel'] * 1e6:12.1f} {t['nvfp4 dequant'] * 1e6:14.1f} | {t['fp8'] * 1e6:13.1f} "
+                  f"{t['bf16'] * 1e6:5.1f}", flush=True)
+        p, s, _, _ = int4_next()
+        c, s4, g4 = nvfp4_next()
+        dq_int4 = time_s(lambda: int4_mod.w4_dequantize(p, s, None, None, 128, torch.bfloat16), rep=20)
+        dq_nv = time_s(lambda: int4_mod.w4_dequantize(c.view(torch.int32), s4, None, g4, 16, torch.bfloat16), rep=20)
+        print(f"w4 dequantize N={n} K={k}: int4 {dq_int4 * 1e6:.1f} us ({(int4_bytes + 2 * n * k) / dq_int4 / peak:.0%} "
+              f"of copy bandwidth), nvfp4 {dq_nv * 1e6:.1f} us ({(nvfp4_bytes + 2 * n * k) / dq_nv / peak:.0%})",
+              flush=True)
+        del w, int4_next, nvfp4_next, nxt_mm, nxt16
 
 
 def tune_int4(peak: float) -> None:
@@ -607,7 +652,7 @@ def main(which: list[str]) -> None:
          "tune_gemv_fp8": lambda p: tune_gemv(p, (True,)),
          "tune_gemv_bf16": lambda p: tune_gemv(p, (False,)), "tune_fp8_gemm": tune_fp8_gemm,
          "tune_fp8_rows": tune_fp8_rows, "tune_w8a8": tune_w8a8, "tune_w8a8_launch": tune_w8a8_launch,
-         "fp8_linears": fp8_linears, "int4": bench_int4, "tune_int4": tune_int4,
+         "fp8_linears": fp8_linears, "int4": bench_int4, "tune_int4": tune_int4, "w4_prefill": w4_prefill,
          "router_logits": bench_router_logits, "tune_router_logits": tune_router_logits, "lora": bench_lora,
          "tune_lora": tune_lora}[name](peak)
 

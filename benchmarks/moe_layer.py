@@ -5,6 +5,7 @@ ModelOpt's formula, one global scale per projection).
 
     python benchmarks/moe_layer.py [--rows 1 8 64 1024] [--dtypes bf16 fp8 int4 nvfp4] [--out result.json] [--torch]
     python benchmarks/moe_layer.py --rows 1 8 --dtypes fp8 int4 nvfp4    (the 4-bit experts beside FP8)
+    python benchmarks/moe_layer.py --rows 1024 8192 --dtypes fp8 int4 nvfp4 --w4-dequant   (kernel vs dequantize)
     python benchmarks/moe_layer.py --shape qwen3-30b-a3b      (H 2048, E 128, K 8, I 768: its own config file)
     python benchmarks/moe_layer.py --tune [--rows ...]     (sweep tiles, write sparrow/kernels/configs/*.json)
     python benchmarks/moe_layer.py --tune --quick --rows 2048 8192 --dtypes fp8   (prefill sizes: a short list)
@@ -322,6 +323,12 @@ def write_table(table: dict, dtype: str, out_dir: pathlib.Path, device_name: str
     return path
 
 
+def _print_row(r: dict, with_torch: bool) -> None:
+    print(f"{r['rows']:5d} {r['dtype']:>5} {r['path']:>8} {r['us']:9.2f} {r['bound_us']:9.2f} "
+          f"{r['gbps']:8.1f} {r['pct_copy']:6.1f}% {r['us'] / r['bound_us']:7.2f} {r['tflops']:7.1f}"
+          + (f" {r['torch_us']:9.1f}" if with_torch else ""), flush=True)
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 1024])
@@ -335,6 +342,9 @@ def main(argv=None) -> list[dict]:
                    help="with --tune: try only the swapped-dot tiles against the current entry")
     p.add_argument("--warps-stages", action="store_true",
                    help="with --tune: only each GEMM's num_warps x num_stages, from the current entry")
+    p.add_argument("--w4-dequant", action="store_true",
+                   help="int4 / nvfp4 on the grouped path: also time every expert dequantized then the float kernels "
+                        "(int4_moe.DEQUANT_MIN_ROWS = 0), path 'dequant'")
     p.add_argument("--quick", action="store_true",
                    help="with --tune: time only the current entry and the prefill candidates (grouped path)")
     args = p.parse_args(argv)
@@ -359,9 +369,15 @@ def main(argv=None) -> list[dict]:
         for rows in args.rows:
             r = bench_one(rows, dtype, layer, peak, args.torch)
             results.append(r)
-            print(f"{r['rows']:5d} {r['dtype']:>5} {r['path']:>8} {r['us']:9.2f} {r['bound_us']:9.2f} "
-                  f"{r['gbps']:8.1f} {r['pct_copy']:6.1f}% {r['us'] / r['bound_us']:7.2f} {r['tflops']:7.1f}"
-                  + (f" {r['torch_us']:9.1f}" if args.torch else ""))
+            _print_row(r, args.torch)
+            if args.w4_dequant and dtype in ("int4", "nvfp4") and rows * K > 64:
+                from sparrow.kernels import int4_moe
+
+                shipped, int4_moe.DEQUANT_MIN_ROWS = int4_moe.DEQUANT_MIN_ROWS, 0
+                r = dict(bench_one(rows, dtype, layer, peak, args.torch), path="dequant")
+                int4_moe.DEQUANT_MIN_ROWS = shipped
+                results.append(r)
+                _print_row(r, args.torch)
         del layer
         torch.cuda.empty_cache()
     if args.out:

@@ -371,3 +371,59 @@ def w4_moe_gemm_kernel(
         acc_g, acc_u = _w4_global(acc_g, acc_u, g_ptr, a_ptr, expert, stride_ge, GATED, NVFP4, DIVIDE_G)
         _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit, GATED, ACT, HAS_LIMIT, RNE_BF16,
                   c_ptr, False)  # no LoRA delta: 4-bit experts with adapters run the float kernels
+
+
+# ------------------------------------------------------------------------------------------- dequantize
+
+
+@triton.jit
+def w4_dequant_kernel(
+    w_ptr,  # int32 words [ROWS, K / 8] (rows of one weight, or of stacked experts [E * N]); unit last stride
+    s_ptr,  # int4: scales [ROWS, G]; NVFP4: e4m3 [ROWS, K / 16]
+    z_ptr,  # int4 HAS_ZERO: uint8 zero points [ROWS, G]; else dummy
+    g_ptr,  # NVFP4 HAS_G: fp32 global multipliers, one per G_ROWS consecutive rows; else dummy
+    out_ptr,  # [ROWS, K] in the output dtype, unit last stride
+    ROWS, K, stride_wr, stride_sr, stride_or, G_ROWS, GROUP: tl.constexpr,
+    NVFP4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_G: tl.constexpr, DIVIDE_G: tl.constexpr,
+    RNE_S: tl.constexpr, RNE_OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The weight in float, as the twins compute it (``int4.dequantize_int4_ref``: (u - zero) * scale in fp32,
+    rounded to the scale dtype, then to the output's; ``nvfp4.dequantize_nvfp4_ref``: e2m1 * (scale * global)
+    (or / global with DIVIDE_G) in fp32, rounded to the output's dtype): program per (BLOCK_R rows, BLOCK_K
+    columns); int4 BLOCK_K divides GROUP. RNE_S / RNE_OUT: bf16 scales / output under the interpreter (its fp32 ->
+    bf16 casts truncate)."""
+    pid_r = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rr = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    r_mask = rr < ROWS
+    kw = pid_k * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+    words = tl.load(w_ptr + rr[:, None] * stride_wr + kw[None, :], mask=r_mask[:, None] & (kw < K // 8)[None, :],
+                    other=0)
+    kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = r_mask[:, None] & (kk < K)[None, :]
+    if NVFP4:
+        kg = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+        sc = tl.load(s_ptr + rr[:, None] * stride_sr + kg[None, :],
+                     mask=r_mask[:, None] & (kg < K // 16)[None, :], other=0.0).to(tl.float32)
+        if HAS_G:
+            g = tl.load(g_ptr + rr // G_ROWS, mask=r_mask, other=1.0)
+            if DIVIDE_G:
+                sc = sc / g[:, None]
+            else:
+                sc = sc * g[:, None]
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BLOCK_R, BLOCK_K // 16, 16]), [BLOCK_R, BLOCK_K])
+        w = e2m1_values(words, BLOCK_R, BLOCK_K) * NV_PRE * NV_POST * sc  # e2m1 exactly, times its scale
+    else:
+        gi = (pid_k * BLOCK_K) // GROUP
+        s = tl.load(s_ptr + rr * stride_sr + gi, mask=r_mask, other=0.0)
+        if HAS_ZERO:
+            z = tl.load(z_ptr + rr * stride_sr + gi, mask=r_mask, other=8).to(tl.float32)
+        else:
+            z = tl.full([BLOCK_R], 8.0, tl.float32)
+        w = int4_values(words, z[:, None], BLOCK_R, BLOCK_K) * s.to(tl.float32)[:, None]
+        if RNE_S:
+            w = _rne_bf16(w)
+        w = w.to(s.dtype).to(tl.float32)
+    if RNE_OUT:
+        w = _rne_bf16(w)
+    tl.store(out_ptr + rr[:, None] * stride_or + kk[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)

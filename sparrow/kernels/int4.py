@@ -24,6 +24,7 @@ dtype's eps. Computed in fp32, so it equals compressed-tensors bit for bit on fp
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.nn.functional as F
@@ -190,11 +191,52 @@ def int4_linear_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
     return w4_linear_launch(x, packed, scale, zero, None, group)
 
 
+DEQUANT_MIN_ROWS = 128
+"""Rows from which a 4-bit linear dequantizes its weight to x's dtype (``w4_dequantize``) and runs F.linear
+(cuBLAS) instead of ``w4_matmul_kernel``. Read at each call. H200, ``benchmarks/kernels_micro.py w4_prefill``
+(Gemma 4 26B-A4B's three dense shapes, bf16): the dequantize path is faster from 128 rows on every shape (128 rows
+18.0 / 17.8 / 32.8 us against 38.1 / 52.8 / 38.6; 16,384 rows 577 / 576 / 1,172 against 931 / 946 / 1,844; the
+dequantize step alone 7-18 us, 77-93 % of copy bandwidth); below 128 rows the kernels read 4x fewer bytes."""
+
+
+def w4_dequantize(words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, g: torch.Tensor | None,
+                  group: int, dtype: torch.dtype, g_rows: int = 1, divide_global: bool = False) -> torch.Tensor:
+    """4-bit weights as int32 words [..., N, K / 8] (one weight [N, ...] or stacked experts [E, N, ...]) -> float
+    [..., N, K] in ``dtype``, on Triton (``_int4_jit.w4_dequant_kernel``), equal to the twins:
+    int4 (``g`` None; scale [..., N, G], zero uint8 [..., N, G] | None): ``dequantize_int4_ref(...).to(dtype)``;
+    NVFP4 (scale e4m3 [..., N, K / 16], group 16; ``g`` fp32, one global multiplier per ``g_rows`` consecutive rows
+    of the flattened [E * N] rows, e.g. [E, 2] for gate|up halves of I rows with g_rows = I, or None):
+    ``dequantize_nvfp4_ref(...).to(dtype)`` (w = e2m1 * (scale * g), or / g with ``divide_global``).
+    Operands contiguous, checked by the caller."""
+    from sparrow.kernels._int4_jit import w4_dequant_kernel
+
+    nvfp4 = scale.dtype == torch.float8_e4m3fn
+    k = words.shape[-1] * PACK
+    rows = words.numel() // words.shape[-1]
+    out = torch.empty(*words.shape[:-1], k, dtype=dtype, device=words.device)
+    if rows == 0 or k == 0:
+        return out
+    block_k = 128 if nvfp4 else math.gcd(group, 128)  # int4: each tile inside one group
+    if nvfp4 and k % 16 or not nvfp4 and block_k < 8:
+        raise ValueError(f"w4_dequantize: K = {k} with group {group} does not fit (NVFP4: K % 16 == 0; int4: a "
+                         "group that is a multiple of 8)")
+    interp = interpreting()
+    block_r = 32
+    w4_dequant_kernel[(triton_cdiv(rows, block_r), triton_cdiv(k, block_k))](
+        words, scale, zero if zero is not None else scale, g if g is not None else scale, out, rows, k,
+        words.shape[-1], scale.shape[-1], k, g_rows, group, NVFP4=nvfp4, HAS_ZERO=zero is not None,
+        HAS_G=g is not None, DIVIDE_G=divide_global, RNE_S=interp and scale.dtype == torch.bfloat16,
+        RNE_OUT=interp and dtype == torch.bfloat16, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+    return out
+
+
 def w4_linear_launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                      g: torch.Tensor | None, group: int) -> torch.Tensor:
     """y [R, N] = x [R, K] @ W^T for 4-bit weights as int32 words [N, K / 8]: int4 (``g`` None: scale [N, G],
-    zero [N, G] uint8 | None) or NVFP4 W4A16 (``g`` fp32 [N]: scale e4m3 [N, K / 16], group 16). Operands checked
-    by the caller. Raises ValueError for a forced config the kernel cannot run."""
+    zero [N, G] uint8 | None) or NVFP4 W4A16 (``g`` fp32 [N]: scale e4m3 [N, K / 16], group 16). From
+    ``DEQUANT_MIN_ROWS`` rows (no forced config): ``w4_dequantize`` then F.linear (NVFP4: the global multiplier
+    folded into the weight, rounded to x's dtype once); else ``w4_matmul_kernel``. Operands checked by the caller.
+    Raises ValueError for a forced config the kernel cannot run."""
     from sparrow.kernels._int4_jit import w4_matmul_kernel
     from sparrow.kernels import pdl_kwargs, split_k
 
@@ -202,6 +244,8 @@ def w4_linear_launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, 
     rows, k = x.shape
     n = words.shape[0]
     nvfp4 = g is not None
+    if rows >= DEQUANT_MIN_ROWS and forced_config.value is None and n:
+        return F.linear(x, w4_dequantize(words, scale, zero, g, group, x.dtype))
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return y

@@ -37,6 +37,10 @@ def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor 
     return out
 
 
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
+
+
 def int4_fused_moe_ref(x, w13, w13_scale, w13_zero, w2, w2_scale, w2_zero, group, topk_weights, topk_ids,
                        activation="silu", *, pair_threshold=64, swiglu_limit=None, reduce=True, lora=None):
     """The torch twin of ``int4_fused_moe`` (module doc)."""
@@ -51,16 +55,17 @@ def int4_fused_moe(x, w13, w13_scale, w13_zero, w2, w2_scale, w2_zero, group, to
                    activation="silu", *, pair_threshold=64, swiglu_limit=None, reduce=True, lora=None):
     """Routed int4 experts; see the module doc. Triton (``int4_fused_moe_triton``) where ``use_triton(x)``.
     ``lora``: per-pair adapter deltas (``sparrow.kernels.moe.fused_moe``'s); on Triton they take every expert
-    dequantized to x's dtype and the float kernels (``moe.fused_moe``), at every size."""
+    dequantized to x's dtype (``dequantized_experts``) and the float kernels (``moe.fused_moe``), at every size."""
     from sparrow.kernels import use_triton
 
     if lora is not None and use_triton(x):
         from sparrow.kernels.moe import fused_moe
 
-        return fused_moe(x, dequantize_experts(w13, w13_scale, w13_zero, group, x.dtype),
-                         dequantize_experts(w2, w2_scale, w2_zero, group, x.dtype), topk_weights, topk_ids,
-                         activation, pair_threshold=pair_threshold, swiglu_limit=swiglu_limit, reduce=reduce,
-                         lora=lora)
+        gate_up, down = dequantized_experts(w13.contiguous(), w13_scale.contiguous(), _contiguous(w13_zero), None,
+                                            w2.contiguous(), w2_scale.contiguous(), _contiguous(w2_zero), None,
+                                            group, x.dtype)
+        return fused_moe(x, gate_up, down, topk_weights, topk_ids, activation, pair_threshold=pair_threshold,
+                         swiglu_limit=swiglu_limit, reduce=reduce, lora=lora)
     if use_triton(x):
         return int4_fused_moe_triton(x, w13, w13_scale, w13_zero, w2, w2_scale, w2_zero, group, topk_weights,
                                      topk_ids, activation, pair_threshold=pair_threshold, swiglu_limit=swiglu_limit,
@@ -79,6 +84,25 @@ def int4_fused_moe_triton(x, w13, w13_scale, w13_zero, w2, w2_scale, w2_zero, gr
 
 
 _ACT_CODE = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
+
+DEQUANT_MIN_ROWS = 1024
+"""Rows (tokens) from which the 4-bit experts dequantize every expert to x's dtype (``dequantized_experts``) and
+run the float grouped path (``moe.fused_moe_triton``) instead of ``w4_moe_gemm_kernel``; the transient weights
+take 2 bytes per element (Gemma 4 26B-A4B: 1.5 GB a layer). Read at each call. H200, one Gemma 4 26B-A4B layer
+(``benchmarks/moe_layer.py --rows 1024 2048 8192 --dtypes int4 nvfp4 --w4-dequant``), kernel / dequantize, us:
+int4 1,473 / 1,142 (1,024 rows), 2,758 / 1,379 (2,048), 10,493 / 2,958 (8,192); NVFP4 1,512 / 1,180, 2,847 /
+1,419, 11,343 / 3,059 (FP8: 408, 700, 2,534). Smaller row counts were not measured."""
+
+
+def dequantized_experts(w13, s13, z13, g13, w2, s2, z2, g2, group, dtype, divide_global=False):
+    """(gate_up [E, 2I, H], down [E, H, I]) in ``dtype`` from ``w4_fused_moe_triton``'s operands (int4: ``g13``
+    None; NVFP4: the global multipliers g13 [E, 2] per gate / up half, g2 [E, 1]), on Triton
+    (``int4.w4_dequantize``): equal to the twins' dequantized experts."""
+    from sparrow.kernels.int4 import w4_dequantize
+
+    width = w13.shape[1] // 2
+    return (w4_dequantize(w13, s13, z13, g13, group, dtype, width, divide_global),
+            w4_dequantize(w2, s2, z2, g2, group, dtype, w2.shape[1], divide_global))
 
 
 def w4_fused_moe_triton(x, w13, s13, z13, g13, w2, s2, z2, g2, group, topk_weights, topk_ids, activation="silu", *,
@@ -106,6 +130,12 @@ def w4_fused_moe_triton(x, w13, s13, z13, g13, w2, s2, z2, g2, group, topk_weigh
         return torch.zeros_like(x) if reduce else x.new_zeros(0, hidden)
     nvfp4 = g13 is not None
     small = pairs <= min(pair_threshold, SMALL_MAX_PAIRS)
+    if not small and rows >= DEQUANT_MIN_ROWS and forced_config.value is None:
+        from sparrow.kernels.moe import fused_moe_triton
+
+        gate_up, down = dequantized_experts(w13, s13, z13, g13, w2, s2, z2, g2, group, x.dtype, divide_global)
+        return fused_moe_triton(x, gate_up, down, topk_weights, topk_ids, activation, pair_threshold=pair_threshold,
+                                swiglu_limit=swiglu_limit, reduce=reduce)
     cfg = pick_config(rows, topk_ids.shape[1], num_experts, hidden, width, small, False,
                       torch.cuda.get_device_name(x.device) if x.is_cuda else None, "nvfp4" if nvfp4 else "int4")
     if x.dtype == torch.float32 and x.is_cuda and forced_config.value is None:  # fp32 dots: smaller tiles

@@ -50,7 +50,17 @@ EXPAND_TILE = 8192
 """Most elements of B an expand program loads at once (BLOCK_R x EXPAND_BLOCK_N; more rank rows loop)."""
 EXPAND_WARPS = 4
 """Warps of an expand program."""
-ROW_TILES: tuple[tuple[int, dict[str, int]], ...] = ()
+ROW_TILES: tuple[tuple[int, dict[str, int]], ...] = (
+    # H200, benchmarks/kernels_micro.py tune_lora (per launch row count P, least total of its cases): with this
+    # table benchmarks/lora.py gave 83.0 / 87.9 / 83.8 % of the no-LoRA tok/s at batch 1 / 8 / 64, against
+    # 79.4 / 86.0 / 82.4 % with the global constants alone (two machine starts, not an alternating A/B)
+    (1, {"SPLIT_K_CHUNK": 128, "SHRINK_TILE": 8192, "SHRINK_WARPS": 8, "EXPAND_BLOCK_N": 128, "EXPAND_TILE": 4096,
+         "EXPAND_WARPS": 4}),
+    (8, {"SPLIT_K_CHUNK": 128, "SHRINK_TILE": 8192, "SHRINK_WARPS": 4, "EXPAND_BLOCK_N": 512, "EXPAND_TILE": 8192,
+         "EXPAND_WARPS": 4}),
+    (64, {"SPLIT_K_CHUNK": 128, "SHRINK_TILE": 4096, "SHRINK_WARPS": 4, "EXPAND_BLOCK_N": 512, "EXPAND_TILE": 8192,
+          "EXPAND_WARPS": 4}),
+)
 """Per row range values of the constants above: (largest P, {constant name: value}) entries, smallest bound
 first; a launch of P rows takes the names that the first entry covering P holds, and the constants for the
 rest (``tile``). ``benchmarks/kernels_micro.py tune_lora`` prints such a table from its per-row-count sweep;

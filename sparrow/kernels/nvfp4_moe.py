@@ -48,6 +48,11 @@ def nvfp4_fused_moe_ref(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, 
     return path(x, gate_up, down, topk_weights, topk_ids, activation, swiglu_limit, reduce=reduce, lora=lora)
 
 
+def _words(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [..., K/2] viewed as int32 words [..., K/8] (K % 16 == 0)."""
+    return codes.contiguous().view(torch.int32)
+
+
 def nvfp4_fused_moe_triton(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights, topk_ids,
                            activation="silu", *, divide_global=False, pair_threshold=64, swiglu_limit=None,
                            reduce=True):
@@ -57,9 +62,8 @@ def nvfp4_fused_moe_triton(x, w13, w13_scale, w13_global, w2, w2_scale, w2_globa
 
     _check(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global)
     e = w13.shape[0]
-    words = lambda c: c.contiguous().view(torch.int32)  # noqa: E731  (K/2 bytes = K/8 words: K % 16 == 0)
     return w4_fused_moe_triton(
-        x, words(w13), w13_scale.contiguous(), None, w13_global.reshape(e, 2).float().contiguous(), words(w2),
+        x, _words(w13), w13_scale.contiguous(), None, w13_global.reshape(e, 2).float().contiguous(), _words(w2),
         w2_scale.contiguous(), None, w2_global.reshape(e, 1).float().contiguous(), GROUP, topk_weights, topk_ids,
         activation, pair_threshold=pair_threshold, swiglu_limit=swiglu_limit, reduce=reduce,
         divide_global=divide_global)
@@ -70,17 +74,21 @@ def nvfp4_fused_moe(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk
                     lora=None):
     """Routed NVFP4 experts; see the module doc. Triton (``nvfp4_fused_moe_triton``) where ``use_triton(x)``, else
     the twin. ``lora``: per-pair adapter deltas (``moe.fused_moe``'s); on Triton they take every expert
-    dequantized to x's dtype and the float kernels. Raises ValueError on bad shapes or dtypes."""
+    dequantized to x's dtype (``int4_moe.dequantized_experts``) and the float kernels. Raises ValueError on bad shapes or dtypes."""
     from sparrow.kernels import use_triton
 
     if lora is not None and use_triton(x):
         from sparrow.kernels.moe import fused_moe
 
+        from sparrow.kernels.int4_moe import dequantized_experts
+
         _check(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global)
-        return fused_moe(x, dequantize_nvfp4_experts(w13, w13_scale, w13_global, divide_global).to(x.dtype),
-                         dequantize_nvfp4_experts(w2, w2_scale, w2_global, divide_global).to(x.dtype), topk_weights,
-                         topk_ids, activation, pair_threshold=pair_threshold, swiglu_limit=swiglu_limit,
-                         reduce=reduce, lora=lora)
+        e = w13.shape[0]
+        gate_up, down = dequantized_experts(
+            _words(w13), w13_scale.contiguous(), None, w13_global.reshape(e, 2).float().contiguous(), _words(w2),
+            w2_scale.contiguous(), None, w2_global.reshape(e, 1).float().contiguous(), GROUP, x.dtype, divide_global)
+        return fused_moe(x, gate_up, down, topk_weights, topk_ids, activation, pair_threshold=pair_threshold,
+                         swiglu_limit=swiglu_limit, reduce=reduce, lora=lora)
     if use_triton(x):
         return nvfp4_fused_moe_triton(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_weights,
                                       topk_ids, activation, divide_global=divide_global,
