@@ -450,8 +450,8 @@ def test_template_refusal_is_400(tiny_text_model_dir):
                        json={"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and "System role not supported" in r.json()["error"]["message"]
         ok = httpx.post(srv.base_url + "/chat/completions",
-                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "ignore_eos": True})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2  # random weights: no EOS
     finally:
         stop_server(srv)
 
