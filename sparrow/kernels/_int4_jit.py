@@ -17,7 +17,10 @@ plane (nibble j of every word), and put in column order by three rounds of ``tl.
   and the fp32 global multiplier of each output row (or each expert half). fp16 activations (whose range ends
   at 2^-24) take the weights unscaled.
 Dots are plain (rows as the MMA's M side, padded to 16) or swapped (SWAP_AB: the weight tile as M, wgmma from
-BN = 64). Accumulation is fp32; outputs are rounded once to x's dtype. UPCAST / RNE_OUT: the interpreter's
+BN = 64). FMA (``_w4_fma_rows``, GEMVs of 1, 2 or 4 rows): no dots and no column order; each nibble plane is decoded
+in place and meets the matching strided columns of x in fp32 FMAs, one accumulator per row in the words' own
+layout, the next step's words and scales loaded during the current one. Accumulation is fp32; outputs are rounded
+once to x's dtype. UPCAST / RNE_OUT: the interpreter's
 workarounds (``_fp8_jit``: dots on exactly widened fp32 operands, bf16 outputs rounded to nearest).
 """
 import triton
@@ -81,9 +84,10 @@ def e2m1_values(words, BN: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _nv_post(x_ptr):
-    """The factor on NVFP4 sums for activations of x_ptr's dtype: NV_POST, or 1 for fp16 (``_w4_dot``)."""
-    if x_ptr.dtype.element_ty == tl.float16:
+def _nv_post(x_ptr, FMA: tl.constexpr = False):
+    """The factor on NVFP4 sums for activations of x_ptr's dtype: NV_POST, or 1 for fp16 on the dots (``_w4_dot``);
+    always NV_POST on the FMA path (``_w4_fma_rows``: fp32 throughout)."""
+    if x_ptr.dtype.element_ty == tl.float16 and not FMA:
         return 1.0
     else:
         return NV_POST
@@ -145,6 +149,195 @@ def _w4_dot(a, w_rows, s_rows, z_rows, ks, k_end, n_mask, group,
     return part
 
 
+FMA_MAX_ROWS = tl.constexpr(4)  # rows of one FMA program (``_w4_fma_rows``): one accumulator each
+
+
+@triton.jit
+def _x_cols(x_row, ok, cols, k_end, MASK_K: tl.constexpr, NVFP4: tl.constexpr):
+    """One row of x at columns ``cols`` [W] in fp32 (zero where not ``ok``, or past k_end with MASK_K); NVFP4: times
+    NV_PRE (2^64), so that products with the e2m1 * 2^-126 planes stay normal fp32 for |x| in 2^-64 .. 2^64."""
+    if MASK_K:
+        mask = tl.where(ok, cols < k_end, False)
+    else:
+        mask = tl.where(ok, cols >= 0, False)
+    v = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    if NVFP4:
+        v = v * NV_PRE
+    return v
+
+
+@triton.jit
+def _w4_fma_load(w_rows, s_rows, z_rows, k0, k_end, n_mask, load_ok, group: tl.constexpr, NVFP4: tl.constexpr,
+                 HAS_ZERO: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MASK_K: tl.constexpr):
+    """The operands of one ``_w4_fma_step`` at k0 (loaded one step ahead of their use): words int32 [BN, BK / 8]
+    and the scale (and int4 zero point) of each word, [BN, BK / 8] (NVFP4: e4m3 block scales; int4 with BK above
+    the group: its groups') or [BN, 1] (int4, one group a step); nothing where not ``load_ok`` (a scalar) or, with
+    MASK_K, past k_end."""
+    W: tl.constexpr = BK // 8
+    kw = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, W), W), W)
+    row_ok = tl.where(load_ok, n_mask, False)  # [BN]
+    if MASK_K:
+        mask = row_ok[:, None] & (kw < k_end // 8)[None, :]
+    else:
+        mask = row_ok[:, None]  # constant along K: 16-byte loads
+    words = tl.load(w_rows + kw[None, :], mask=mask, other=0)
+    if NVFP4:
+        sc = tl.load(s_rows[:, None] + (kw // 2)[None, :], mask=mask, other=0.0)  # 16-column blocks: 2 words each
+        z = sc
+    elif BK > group:  # several groups a step
+        gw = kw * 8 // group
+        sc = tl.load(s_rows[:, None] + gw[None, :], mask=mask, other=0.0)
+        if HAS_ZERO:
+            z = tl.load(z_rows[:, None] + gw[None, :], mask=mask, other=8)
+        else:
+            z = sc
+    else:
+        gi = tl.minimum(k0, k_end - 1) // group  # a step wholly past K adds 0; keep the scale in bounds
+        sc = tl.load(s_rows + gi, mask=row_ok, other=0.0)[:, None]
+        if HAS_ZERO:
+            z = tl.load(z_rows + gi, mask=row_ok, other=8)[:, None]
+        else:
+            z = sc
+    return words, sc, z
+
+
+@triton.jit
+def _w4_fma_step(acc0, acc1, acc2, acc3, x0, x1, x2, x3, ok0, ok1, ok2, ok3, words, sc, zp, k0, k_end,
+                 NVFP4: tl.constexpr, HAS_ZERO: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
+                 MASK_K: tl.constexpr):
+    """acc_m [BN, BK / 8] fp32 (m < ROWS) += row m's products of the BK columns at k0 on fp32 FMAs (no dot): element
+    [n, w] sums over the 8 nibbles j of word w, x_m[8w + j] * value(n, 8w + j), times word w's scale. The words are
+    never put in column order: nibble plane j ([BN, BK / 8], int4: one AND and one FFMA an element) meets x's
+    columns 8w + j (a strided load of one row, from L1), and every accumulator keeps the words' own layout (no
+    layout conversion in the loop). int4: u - zero, times the group scale; NVFP4: e2m1 * 2^-126 times x * 2^64,
+    times the 16-column block's e4m3 scale (the caller multiplies by 2^62 and the global multiplier). x_m: row m's
+    pointer, ok_m its validity; words / sc / zp from ``_w4_fma_load``."""
+    W: tl.constexpr = BK // 8
+    kw = k0 // 8 + tl.arange(0, W)
+    sc = sc.to(tl.float32)
+    p0 = tl.zeros_like(acc0)
+    p1 = tl.zeros_like(acc0)
+    p2 = tl.zeros_like(acc0)
+    p3 = tl.zeros_like(acc0)
+    if not NVFP4:
+        if HAS_ZERO:
+            z = zp.to(tl.float32)
+        else:
+            z = 8.0
+        lo = (words & 0xFFFFF) | 0x4B000000  # nibbles 0..4 at bits 0..19
+        hi = ((words >> 12) & 0xFFF00) | 0x4B000000  # nibbles 5..7 at bits 8..19
+    for j in tl.static_range(8):
+        if NVFP4:
+            wj = _e2m1_plane(words, 4 * j)
+        elif j < 5:
+            wj = _int4_plane(lo, z, 4 * j)
+        else:
+            wj = _int4_plane(hi, z, 4 * j - 12)
+        cols = kw * 8 + j
+        p0 += wj * _x_cols(x0, ok0, cols, k_end, MASK_K, NVFP4)[None, :]
+        if ROWS > 1:
+            p1 += wj * _x_cols(x1, ok1, cols, k_end, MASK_K, NVFP4)[None, :]
+        if ROWS > 2:
+            p2 += wj * _x_cols(x2, ok2, cols, k_end, MASK_K, NVFP4)[None, :]
+            p3 += wj * _x_cols(x3, ok3, cols, k_end, MASK_K, NVFP4)[None, :]
+    acc0 += p0 * sc
+    if ROWS > 1:
+        acc1 += p1 * sc
+    if ROWS > 2:
+        acc2 += p2 * sc
+        acc3 += p3 * sc
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _fma_row(t, rows, m):
+    """Element m of the [BM] tensor ``t`` as a scalar."""
+    return tl.sum(tl.where(rows == m, t, 0), axis=0)
+
+
+@triton.jit
+def _fma_out(acc0, acc1, acc2, acc3, BM: tl.constexpr, BN: tl.constexpr):
+    """[BM, BN] fp32 whose row m is acc_m [BN, W] summed over W."""
+    rows = tl.arange(0, BM)[:, None]
+    out = tl.zeros([BM, BN], dtype=tl.float32) + tl.sum(acc0, axis=1)[None, :]
+    if BM > 1:
+        out = tl.where(rows == 1, tl.sum(acc1, axis=1)[None, :], out)
+    if BM > 2:
+        out = tl.where(rows == 2, tl.sum(acc2, axis=1)[None, :], out)
+        out = tl.where(rows == 3, tl.sum(acc3, axis=1)[None, :], out)
+    return out
+
+
+@triton.jit
+def _w4_fma_rows(a_ptr, arow, m_mask, stride_ar, w_ptr, stride_wn, s_ptr, z_ptr, stride_sn, stride_zn,
+                 rn, n_mask, N_UP, k_start, k_end, group: tl.constexpr, GATED: tl.constexpr, NVFP4: tl.constexpr,
+                 HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``_w4_mm_rows`` on FMAs (``_w4_fma_step``), the GEMV of BLOCK_M <= FMA_MAX_ROWS rows (1, 2 or 4), one fp32
+    FMA per weight element and row: (acc_gate, acc_up) [BM, BN] fp32. A row of ``arow`` [BM] (int64) is valid
+    where ``m_mask``. Whole BLOCK_K steps over k_start:k_end (k_start a multiple of BLOCK_K) with each step's
+    words and scales loaded during the step before (two steps of weight bytes in flight a program), then one masked
+    tail step; each row's accumulators [BN, BLOCK_K / 8] are summed over their last axis once at the end."""
+    tl.static_assert(BLOCK_M <= FMA_MAX_ROWS, "FMA rows: at most FMA_MAX_ROWS")
+    rows = tl.arange(0, BLOCK_M)
+    okv = m_mask.to(tl.int32)
+    x0 = a_ptr + _fma_row(arow, rows, 0) * stride_ar
+    x1 = a_ptr + _fma_row(arow, rows, 1) * stride_ar
+    x2 = a_ptr + _fma_row(arow, rows, 2) * stride_ar
+    x3 = a_ptr + _fma_row(arow, rows, 3) * stride_ar
+    ok0 = _fma_row(okv, rows, 0) != 0
+    ok1 = _fma_row(okv, rows, 1) != 0
+    ok2 = _fma_row(okv, rows, 2) != 0
+    ok3 = _fma_row(okv, rows, 3) != 0
+    g0 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    g1 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    g2 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    g3 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    u0 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    u1 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    u2 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    u3 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    rg = rn.to(tl.int64)
+    ru = (rn + N_UP).to(tl.int64)
+    wg_rows = w_ptr + rg[:, None] * stride_wn
+    wu_rows = w_ptr + ru[:, None] * stride_wn
+    sg_rows, zg_rows = s_ptr + rg * stride_sn, z_ptr + rg * stride_zn
+    su_rows, zu_rows = s_ptr + ru * stride_sn, z_ptr + ru * stride_zn
+    k_full = k_start + (k_end - k_start) // BLOCK_K * BLOCK_K
+    wg, sg, zg = _w4_fma_load(wg_rows, sg_rows, zg_rows, k_start, k_end, n_mask, k_start < k_full, group, NVFP4,
+                              HAS_ZERO, BLOCK_N, BLOCK_K, False)
+    if GATED:
+        wu, su, zu = _w4_fma_load(wu_rows, su_rows, zu_rows, k_start, k_end, n_mask, k_start < k_full, group,
+                                  NVFP4, HAS_ZERO, BLOCK_N, BLOCK_K, False)
+    else:
+        wu, su, zu = wg, sg, zg
+    for k0 in range(k_start, k_full, BLOCK_K):
+        more = k0 + BLOCK_K < k_full
+        wg_n, sg_n, zg_n = _w4_fma_load(wg_rows, sg_rows, zg_rows, k0 + BLOCK_K, k_end, n_mask, more, group, NVFP4,
+                                        HAS_ZERO, BLOCK_N, BLOCK_K, False)
+        if GATED:
+            wu_n, su_n, zu_n = _w4_fma_load(wu_rows, su_rows, zu_rows, k0 + BLOCK_K, k_end, n_mask, more, group,
+                                            NVFP4, HAS_ZERO, BLOCK_N, BLOCK_K, False)
+        else:
+            wu_n, su_n, zu_n = wg_n, sg_n, zg_n
+        g0, g1, g2, g3 = _w4_fma_step(g0, g1, g2, g3, x0, x1, x2, x3, ok0, ok1, ok2, ok3, wg, sg, zg, k0, k_end,
+                                      NVFP4, HAS_ZERO, BLOCK_M, BLOCK_K, False)
+        if GATED:
+            u0, u1, u2, u3 = _w4_fma_step(u0, u1, u2, u3, x0, x1, x2, x3, ok0, ok1, ok2, ok3, wu, su, zu, k0, k_end,
+                                          NVFP4, HAS_ZERO, BLOCK_M, BLOCK_K, False)
+        wg, sg, zg, wu, su, zu = wg_n, sg_n, zg_n, wu_n, su_n, zu_n
+    if k_full < k_end:
+        wg, sg, zg = _w4_fma_load(wg_rows, sg_rows, zg_rows, k_full, k_end, n_mask, True, group, NVFP4, HAS_ZERO,
+                                  BLOCK_N, BLOCK_K, True)
+        g0, g1, g2, g3 = _w4_fma_step(g0, g1, g2, g3, x0, x1, x2, x3, ok0, ok1, ok2, ok3, wg, sg, zg, k_full, k_end,
+                                      NVFP4, HAS_ZERO, BLOCK_M, BLOCK_K, True)
+        if GATED:
+            wu, su, zu = _w4_fma_load(wu_rows, su_rows, zu_rows, k_full, k_end, n_mask, True, group, NVFP4,
+                                      HAS_ZERO, BLOCK_N, BLOCK_K, True)
+            u0, u1, u2, u3 = _w4_fma_step(u0, u1, u2, u3, x0, x1, x2, x3, ok0, ok1, ok2, ok3, wu, su, zu, k_full,
+                                          k_end, NVFP4, HAS_ZERO, BLOCK_M, BLOCK_K, True)
+    return _fma_out(g0, g1, g2, g3, BLOCK_M, BLOCK_N), _fma_out(u0, u1, u2, u3, BLOCK_M, BLOCK_N)
+
+
 # ----------------------------------------------------------------------------------------------- dense
 
 
@@ -164,9 +357,10 @@ def w4_matmul_kernel(
     SPLIT_K: tl.constexpr,  # programs per output tile (grid axis 2), each over a contiguous run of BLOCK_K steps
     USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
     SWAP_AB: tl.constexpr = False,  # the weight tile as the dots' first operand (``_w4_dot``)
+    FMA: tl.constexpr = False,  # fp32 FMAs instead of dots (``_w4_fma_rows``; BLOCK_M any power of two)
 ):
     """y [R, N] = x [R, K] @ W^T; grid (cdiv(N, BLOCK_N), cdiv(R, BLOCK_M), SPLIT_K). At R <= BLOCK_M (the GEMV
-    configs, rows padded to 16 for the dot) every weight word is read once for all rows."""
+    configs, rows padded to 16 for the dot, or BLOCK_M rows of FMAs) every weight word is read once for all rows."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -176,16 +370,21 @@ def w4_matmul_kernel(
     n_mask = rn < N
     m_mask = rm < R
     k_start, k_end = split_k_range(K, pid_k, SPLIT_K, BLOCK_K)
-    acc, _ = _w4_mm_rows(x_ptr, rm.to(tl.int64), m_mask, stride_x, w_ptr, stride_w, s_ptr, z_ptr, stride_s, stride_z,
-                         rn, n_mask, 0, k_start, k_end, GROUP, False, NVFP4, HAS_ZERO, SCALE_W, UPCAST, RNE_OUT,
-                         BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, SWAP_AB)
+    if FMA:
+        acc, _ = _w4_fma_rows(x_ptr, rm.to(tl.int64), m_mask, stride_x, w_ptr, stride_w, s_ptr, z_ptr, stride_s,
+                              stride_z, rn, n_mask, 0, k_start, k_end, GROUP, False, NVFP4, HAS_ZERO, BLOCK_M, BLOCK_N,
+                              BLOCK_K)
+    else:
+        acc, _ = _w4_mm_rows(x_ptr, rm.to(tl.int64), m_mask, stride_x, w_ptr, stride_w, s_ptr, z_ptr, stride_s,
+                             stride_z, rn, n_mask, 0, k_start, k_end, GROUP, False, NVFP4, HAS_ZERO, SCALE_W, UPCAST,
+                             RNE_OUT, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, SWAP_AB)
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
         acc, last = split_k_reduce(acc, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K,
                                    BLOCK_M, BLOCK_N)
         mask = split_k_and(mask, last)
     if NVFP4:
-        acc = acc * (tl.load(g_ptr + rn, mask=n_mask, other=0.0) * _nv_post(x_ptr))[None, :]
+        acc = acc * (tl.load(g_ptr + rn, mask=n_mask, other=0.0) * _nv_post(x_ptr, FMA))[None, :]
     if RNE_OUT:
         acc = _rne_bf16(acc)
     tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
@@ -262,14 +461,14 @@ def _w4_mm_rows(
 
 @triton.jit
 def _w4_global(acc_g, acc_u, g_ptr, a_ptr, expert, stride_ge, GATED: tl.constexpr, NVFP4: tl.constexpr,
-               DIVIDE_G: tl.constexpr):
+               DIVIDE_G: tl.constexpr, FMA: tl.constexpr = False):
     """NVFP4: the accumulators times the expert's global multipliers g [E, 1 + GATED] (divided by them with
-    DIVIDE_G: compressed-tensors' weight_global_scale) and ``_nv_post(a_ptr)``; int4: unchanged."""
+    DIVIDE_G: compressed-tensors' weight_global_scale) and ``_nv_post(a_ptr, FMA)``; int4: unchanged."""
     if NVFP4:
         UP: tl.constexpr = 1 if GATED else 0
         gg = tl.load(g_ptr + expert * stride_ge)
         gu = tl.load(g_ptr + expert * stride_ge + UP)
-        post = _nv_post(a_ptr)
+        post = _nv_post(a_ptr, FMA)
         if DIVIDE_G:
             acc_g = acc_g * (post / gg)
             acc_u = acc_u * (post / gu)
@@ -292,11 +491,12 @@ def w4_moe_gemv_kernel(
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, NVFP4: tl.constexpr, HAS_ZERO: tl.constexpr,
     DIVIDE_G: tl.constexpr, SCALE_W: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
     P_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
+    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False, FMA: tl.constexpr = False,
 ):
     """The small path (``_moe_jit.moe_gemv_kernel``'s scheme on 4-bit weights): program per (pair, N tile, K split);
-    the first pair of each expert gathers all pairs routed to it into BLOCK_R dot rows and streams the expert's
-    words once for all of them, the other programs exit at once."""
+    the first pair of each expert gathers all pairs routed to it into BLOCK_R dot rows (FMA: BLOCK_R rows of fp32
+    FMAs, ``_w4_fma_rows``) and streams the expert's words once for each BLOCK_R of them, the other programs exit
+    at once."""
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -319,11 +519,17 @@ def w4_moe_gemv_kernel(
             pair = tl.sum(tl.where(match, q[None, :], 0), axis=1)
             m_mask = (c0 + sl) < count
             arow = (pair // A_ROW_DIV).to(tl.int64)
-            acc_g, acc_u = _w4_mm_rows(
-                a_ptr, arow, m_mask, stride_ar, w_ptr + expert * stride_we, stride_wn, s_ptr + expert * stride_se,
-                z_ptr + expert * stride_se, stride_sn, stride_sn, rn, n_mask, N, k_start, k_end, GROUP,
-                GATED, NVFP4, HAS_ZERO, SCALE_W, UPCAST, RNE_BF16, BLOCK_R, BLOCK_N, BLOCK_K, SUB_K, SWAP_AB)
-            acc_g, acc_u = _w4_global(acc_g, acc_u, g_ptr, a_ptr, expert, stride_ge, GATED, NVFP4, DIVIDE_G)
+            if FMA:
+                acc_g, acc_u = _w4_fma_rows(
+                    a_ptr, arow, m_mask, stride_ar, w_ptr + expert * stride_we, stride_wn, s_ptr + expert * stride_se,
+                    z_ptr + expert * stride_se, stride_sn, stride_sn, rn, n_mask, N, k_start, k_end, GROUP,
+                    GATED, NVFP4, HAS_ZERO, BLOCK_R, BLOCK_N, BLOCK_K)
+            else:
+                acc_g, acc_u = _w4_mm_rows(
+                    a_ptr, arow, m_mask, stride_ar, w_ptr + expert * stride_we, stride_wn, s_ptr + expert * stride_se,
+                    z_ptr + expert * stride_se, stride_sn, stride_sn, rn, n_mask, N, k_start, k_end, GROUP,
+                    GATED, NVFP4, HAS_ZERO, SCALE_W, UPCAST, RNE_BF16, BLOCK_R, BLOCK_N, BLOCK_K, SUB_K, SWAP_AB)
+            acc_g, acc_u = _w4_global(acc_g, acc_u, g_ptr, a_ptr, expert, stride_ge, GATED, NVFP4, DIVIDE_G, FMA)
             if SPLIT_K > 1:
                 tile = tl.sum(tl.where(sl == 0, pair, 0), axis=0) * tl.num_programs(1) + pid_n
                 NACC: tl.constexpr = 2 if GATED else 1

@@ -134,7 +134,8 @@ def int4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
 class Int4Config:
     """A tile config of ``w4_matmul_kernel`` (int4 and NVFP4 W4A16 linears)."""
     block_m: int
-    """Rows per program (power of two, >= 16); at most GEMV_MAX_ROWS rows take one M tile (weights read once)."""
+    """Rows per program (power of two, >= 16; with ``fma`` any power of two); at most GEMV_MAX_ROWS rows take one
+    M tile (weights read once)."""
     block_n: int
     """Output columns per program (power of two, >= 16)."""
     block_k: int
@@ -151,8 +152,15 @@ class Int4Config:
     swap_ab: bool = False
     """Dots as W tile [block_n, K step] @ rows^T: the weight fills the MMA's M side (Hopper wgmma from
     block_n = 64) and the few rows its N side."""
+    fma: bool = False
+    """No dots: each weight element decoded in place (nibble planes, never put in column order) meets the rows of
+    x in fp32 FMAs (``_int4_jit._w4_fma_rows``): no MMA padding of the rows to 16 and no layout conversion of the
+    weight tile, one more FMA per element per row (GEMV tiles of one or a few rows)."""
 
 
+FMA_ROWS = (1, 2, 4)
+"""Rows one FMA program computes (``Int4Config.fma``'s block_m, ``moe_configs.Tile.fma_rows``): one accumulator
+each (``_int4_jit.FMA_MAX_ROWS``)."""
 GEMV_MAX_ROWS = 16
 """Rows up to which one M tile covers the batch (decode, verify): each weight word is read once."""
 # (largest R, config): the first entry whose bound covers R (tile configs as data, style.md 9). The GEMV entry:
@@ -250,12 +258,13 @@ def w4_linear_launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, 
     if rows == 0 or n == 0:
         return y
     cfg = pick_config(rows)
-    if x.dtype == torch.float32 and x.is_cuda and forced_config.value is None:
+    if x.dtype == torch.float32 and x.is_cuda and forced_config.value is None and not cfg.fma:
         cfg = FP32_CONFIG(rows)
     sub_k = min(cfg.block_k, 128 if nvfp4 else group)
-    if cfg.block_k % sub_k or sub_k < 16 or cfg.block_m < 16 or cfg.block_n < 16:
+    if cfg.block_k % sub_k or sub_k < 16 or cfg.block_n < 16 or (
+            cfg.block_m not in FMA_ROWS if cfg.fma else cfg.block_m < 16):
         raise ValueError(f"int4_linear: {cfg} does not fit group {group} (block_k a multiple of the group or "
-                         "dividing it, tiles >= 16)")
+                         f"dividing it, tiles >= 16; FMA tiles: block_m in {FMA_ROWS})")
     interp = interpreting()
     m_tiles, n_tiles = triton_cdiv(rows, cfg.block_m), triton_cdiv(n, cfg.block_n)
     split, ws, locks = split_k.plan(x.device, n_tiles, triton_cdiv(k, cfg.block_k), cfg.split_k if m_tiles == 1 else 1,
@@ -265,7 +274,7 @@ def w4_linear_launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, 
         x.stride(0), words.stride(0), scale.stride(0), zero.stride(0) if zero is not None else 0, y.stride(0), group,
         NVFP4=nvfp4, HAS_ZERO=zero is not None, SCALE_W=cfg.scale_w, UPCAST=interp or x.dtype == torch.float32,
         RNE_OUT=interp and x.dtype == torch.bfloat16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SUB_K=sub_k, SPLIT_K=split, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps,
+        BLOCK_K=cfg.block_k, SUB_K=sub_k, SPLIT_K=split, SWAP_AB=cfg.swap_ab, FMA=cfg.fma, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_kwargs(x))
     return y
 

@@ -117,6 +117,7 @@ def w4_fused_moe_triton(x, w13, s13, z13, g13, w2, s2, z2, g2, group, topk_weigh
     sorted pairs; then ``moe_reduce``. Tiles: ``moe_configs.pick_config`` with kind "int4" / "nvfp4". No host
     sync. Raises ValueError for a tile the kernels cannot run."""
     from sparrow.kernels import interpreting, pdl_kwargs, split_k
+    from sparrow.kernels.int4 import FMA_ROWS
     from sparrow.kernels.moe import SMALL_MAX_PAIRS, _next_pow2
     from sparrow.kernels.moe_align import moe_align_triton
     from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config, pick_config
@@ -139,7 +140,7 @@ def w4_fused_moe_triton(x, w13, s13, z13, g13, w2, s2, z2, g2, group, topk_weigh
     cfg = pick_config(rows, topk_ids.shape[1], num_experts, hidden, width, small, False,
                       torch.cuda.get_device_name(x.device) if x.is_cuda else None, "nvfp4" if nvfp4 else "int4")
     if x.dtype == torch.float32 and x.is_cuda and forced_config.value is None:  # fp32 dots: smaller tiles
-        fp32_tile = lambda t: Tile(32, 64, 4, 2, split_k=t.split_k, swap_ab=True)  # noqa: E731  (no spills)
+        fp32_tile = lambda t: t if t.fma_rows else Tile(32, 64, 4, 2, split_k=t.split_k, swap_ab=True)  # noqa: E731
         cfg = MoeConfig(16, fp32_tile(cfg.gate_up), fp32_tile(cfg.down))
     x = x if x.stride(1) == 1 else x.contiguous()
     act = torch.empty(pairs, width, dtype=x.dtype, device=x.device)  # [P, I]
@@ -154,9 +155,11 @@ def w4_fused_moe_triton(x, w13, s13, z13, g13, w2, s2, z2, g2, group, topk_weigh
         sorted_ids, block_expert, total = moe_align_triton(topk_ids, num_experts, cfg.block_m)
     for a, div, w, s, z, g, out, n, k, gated, tile in gemms:
         sub_k = min(tile.block_k, 128 if nvfp4 else group)
-        if tile.block_k % sub_k or min(sub_k, tile.block_n, cfg.block_m) < 16:
+        if tile.block_k % sub_k or min(sub_k, tile.block_n, cfg.block_m) < 16 or (
+                tile.fma_rows and tile.fma_rows not in FMA_ROWS):
             raise ValueError(f"int4 / NVFP4 fused_moe: tile {tile} (block_m {cfg.block_m}) does not fit group "
-                             f"{group} (block_k a multiple of the group or dividing it, tiles >= 16)")
+                             f"{group} (block_k a multiple of the group or dividing it, tiles >= 16, fma_rows 0 or "
+                             f"in {FMA_ROWS})")
         args = (a, w, s, z if z is not None else s, g if nvfp4 else s, out)
         strides = (pairs, n, k, div, a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
                    g.stride(0) if nvfp4 else 0, group)
@@ -166,13 +169,14 @@ def w4_fused_moe_triton(x, w13, s13, z13, g13, w2, s2, z2, g2, group, topk_weigh
         if small:
             from sparrow.kernels._int4_jit import w4_moe_gemv_kernel
 
-            block_r = max(16, min(_next_pow2(pairs), _next_pow2(rows)))  # an expert appears once per row at most
+            block_r = min(_next_pow2(pairs), _next_pow2(rows))  # an expert appears once per row at most
+            block_r = min(block_r, tile.fma_rows) if tile.fma_rows else max(16, block_r)
             n_tiles = -(-n // tile.block_n)
             split, ws, locks = split_k.plan(x.device, pairs * n_tiles, -(-k // tile.block_k), tile.split_k,
                                             (2 if gated else 1) * block_r * tile.block_n, out)
             w4_moe_gemv_kernel[(pairs, n_tiles, split)](
                 *args, topk_ids.reshape(-1), ws, locks, *strides, P_PAD=_next_pow2(pairs), BLOCK_R=block_r,
-                SPLIT_K=split, **flags)
+                SPLIT_K=split, FMA=tile.fma_rows > 0, **flags)
         else:
             from sparrow.kernels._int4_jit import w4_moe_gemm_kernel
 

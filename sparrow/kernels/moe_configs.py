@@ -38,6 +38,10 @@ class Tile:
     needs M >= 64: block_n >= 64) and the few rows (or block_m sorted pairs) its N side. With e4m3 weights
     this keeps the dot on e4m3 wgmma; Triton lowers a 16-row e4m3 dot to f16 mma.sync after converting both
     operands."""
+    fma_rows: int = 0
+    """4-bit weights (``int4_moe``), small path: 0 - dots (rows padded to 16); n (a power of two) - no dots, each
+    expert's pairs n at a time as fp32 FMAs on the decoded weights (``_int4_jit._w4_fma_rows``; an expert with
+    more pairs reads its weights again for each n). Other kernels ignore it."""
     a_fp8: bool = False
     """FP8 weights, grouped path: the GEMM's activations (x, the intermediate) are quantized per 128-column
     group by a launch of their own before it, so the kernel loads e4m3 rows and their scales instead of

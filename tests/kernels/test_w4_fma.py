@@ -1,0 +1,192 @@
+"""The FMA GEMV of the 4-bit kernels (``Int4Config.fma``, ``Tile.fma_rows``: rows as fp32 FMAs on the decoded
+nibble planes, no dots) against the torch twins, int4 and NVFP4, dense linears and the small MoE path.
+CPU: TRITON_INTERPRET=1 at tiny shapes (tests/conftest.py); the GPU-marked tests at gemma4-26b-a4b's shapes.
+
+Budgets: the FMA path multiplies x by the exact weight values (int4: u - zero, then the group scale on the sums;
+NVFP4: e2m1 times x * 2^64, the block scale on each word's sum) in fp32, so against the fp32 twins only the
+summation order differs (fp32: atol 1e-4 on outputs of magnitude ~1; NVFP4 dense NMSE 1e-10); bf16 / fp16: one
+output rounding plus the twin's bf16 weights (NMSE <= 1e-5 dense; MoE 1e-4: the twin also rounds gate|up before
+the activation), as tests/kernels/test_int4_kernels.py and test_nvfp4_*.py state."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparrow.kernels import backend
+from sparrow.kernels.int4 import Int4Config, forced_config, int4_linear, int4_linear_ref, quantize_int4_ref
+from sparrow.kernels.int4_moe import int4_fused_moe, int4_fused_moe_ref
+from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config as moe_forced_config
+from sparrow.kernels.nvfp4 import quantize_nvfp4_ref
+from sparrow.kernels.nvfp4_linear import nvfp4_linear_triton, nvfp4_linear_w4a16_ref
+from sparrow.kernels.nvfp4_moe import nvfp4_fused_moe, nvfp4_fused_moe_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP32_ATOL = 1e-4
+DENSE_NMSE = 1e-5
+MOE_NMSE = 1e-4
+
+
+def nmse(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float(((got.float() - want.float()) ** 2).sum() / (want.float() ** 2).sum().clamp_min(1e-30))
+
+
+def _check(got, want, dtype, budget):
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=0)
+    else:
+        assert nmse(got, want) <= budget
+
+
+def _x(rows, k, dtype, seed, device=DEVICE):
+    return torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
+
+
+def _int4(n, k, group, symmetric, scale_dtype, seed=0, device=DEVICE):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1
+    return tuple(None if t is None else t.to(device) for t in quantize_int4_ref(w, group, symmetric, scale_dtype))
+
+
+def _nvfp4(n, k, seed=0, device=DEVICE):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) / k ** 0.5
+    codes, scale, g2 = quantize_nvfp4_ref(w)
+    g = g2.expand(n).clone()
+    g[: n // 2] *= 0.5  # two shards with different global scales
+    return codes.to(device), scale.to(device), g.to(device)
+
+
+# K = 200: three whole 64-column steps and a masked tail; N = 40 ragged against 16 / 32-wide tiles
+DENSE_CFGS = [Int4Config(block_m=1, block_n=16, block_k=64, split_k=1, fma=True),
+              Int4Config(block_m=2, block_n=32, block_k=128, split_k=2, fma=True),  # two 64-column dots a step
+              Int4Config(block_m=4, block_n=16, block_k=64, split_k=0, fma=True)]
+
+
+@pytest.mark.parametrize("rows", (1, 2, 3, 5))  # 3 and 5 rows take several M tiles at block_m 1 / 2 / 4
+@pytest.mark.parametrize("symmetric,scale_dtype,dtype", [(False, torch.float32, torch.float32),
+                                                         (True, torch.bfloat16, torch.bfloat16)])
+def test_int4_linear_fma(rows, symmetric, scale_dtype, dtype):
+    packed, scale, zero = _int4(40, 200, 64, symmetric, scale_dtype)
+    x = _x(rows, 200, dtype, rows)
+    want = int4_linear_ref(x, packed, scale, zero, 64)
+    for cfg in DENSE_CFGS:
+        with backend("triton"), forced_config(cfg):
+            got = int4_linear(x, packed, scale, zero, 64)
+        _check(got, want, dtype, DENSE_NMSE)
+
+
+@pytest.mark.parametrize("rows", (1, 3))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+def test_nvfp4_linear_fma(rows, dtype):
+    """K = 208: 16-column blocks past the last whole 64-column step (a masked tail); fp16 too (the FMA path
+    keeps its sums in fp32, unlike the dots' unscaled fp16 weights)."""
+    codes, scale, g = _nvfp4(40, 208)
+    x = _x(rows, 208, dtype, rows + 10)
+    want = nvfp4_linear_w4a16_ref(x, codes, scale, g)
+    for cfg in DENSE_CFGS:
+        with forced_config(cfg):
+            got = nvfp4_linear_triton(x, codes, scale, g)
+        assert nmse(got, want) <= (1e-10 if dtype == torch.float32 else DENSE_NMSE)
+
+
+def _moe_case(rows, e, h, i, k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed + rows)
+    x = torch.randn(rows, h, generator=g).to(dtype).to(DEVICE)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(rows)]).to(DEVICE)
+    wts = torch.softmax(torch.randn(rows, k, generator=g), -1).to(DEVICE)
+    return x, wts, ids
+
+
+def _int4_experts(e, h, i, group, symmetric, scale_dtype, device=DEVICE):
+    w13 = _int4(e * 2 * i, h, group, symmetric, scale_dtype, 1, device)
+    w2 = _int4(e * h, i, group, symmetric, scale_dtype, 2, device)
+    stack = lambda t, n: None if t is None else t.reshape(e, n, -1)  # noqa: E731
+    return tuple(stack(t, 2 * i) for t in w13), tuple(stack(t, h) for t in w2)
+
+
+def _nvfp4_experts(e, h, i, device=DEVICE):
+    out = []
+    for n, k, halves, seed in ((2 * i, h, 2, 1), (h, i, 1, 2)):
+        codes, scale, g = _nvfp4(e * n, k, seed, device)
+        out += [codes.reshape(e, n, -1), scale.reshape(e, n, -1), g.reshape(e, halves, -1)[:, :, 0].contiguous()]
+    return out
+
+
+# gate|up: 2 rows at a time with K split over 2 programs; down: one row at a time, 64-column steps over I = 96
+MOE_CFG = MoeConfig(16, Tile(block_n=16, block_k=64, split_k=2, fma_rows=2), Tile(block_n=32, block_k=64, fma_rows=1))
+
+
+@pytest.mark.parametrize("rows", (1, 3))  # 3 rows: experts with 2 or 3 pairs loop over their pairs
+@pytest.mark.parametrize("symmetric,dtype", [(False, torch.float32), (True, torch.bfloat16)])
+def test_int4_moe_fma(rows, symmetric, dtype):
+    scale_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+    w13, w2 = _int4_experts(4, 64, 96, 32, symmetric, scale_dtype)
+    x, wts, ids = _moe_case(rows, 4, 64, 96, 3, dtype)
+    want = int4_fused_moe_ref(x, *w13, *w2, 32, wts, ids, "gelu_pytorch_tanh")
+    with backend("triton"), moe_forced_config(MOE_CFG):
+        got = int4_fused_moe(x, *w13, *w2, 32, wts, ids, "gelu_pytorch_tanh")
+    _check(got, want, dtype, MOE_NMSE)
+
+
+@pytest.mark.parametrize("rows", (1, 3))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+def test_nvfp4_moe_fma(rows, dtype):
+    w = _nvfp4_experts(4, 64, 96)
+    x, wts, ids = _moe_case(rows, 4, 64, 96, 3, dtype, seed=5)
+    want = nvfp4_fused_moe_ref(x, *w, wts, ids, "silu")
+    with backend("triton"), moe_forced_config(MOE_CFG):
+        got = nvfp4_fused_moe(x, *w, wts, ids, "silu")
+    _check(got, want, dtype, MOE_NMSE)
+
+
+def test_fma_rows_out_of_range():
+    """An FMA tile of more rows than one program holds accumulators for is refused, naming the limit."""
+    packed, scale, zero = _int4(40, 200, 64, True, torch.float32)
+    x = _x(3, 200, torch.float32, 0)
+    with backend("triton"), forced_config(Int4Config(block_m=8, block_n=16, block_k=64, fma=True)):
+        with pytest.raises(ValueError, match=r"block_m in \(1, 2, 4\)"):
+            int4_linear(x, packed, scale, zero, 64)
+    w13, w2 = _int4_experts(4, 64, 96, 32, True, torch.float32)
+    x, wts, ids = _moe_case(3, 4, 64, 96, 3, torch.float32)
+    tile = Tile(block_n=16, block_k=64, fma_rows=3)
+    with backend("triton"), moe_forced_config(MoeConfig(16, tile, tile)):
+        with pytest.raises(ValueError, match="fma_rows"):
+            int4_fused_moe(x, *w13, *w2, 32, wts, ids)
+
+
+GPU_FMA_ROWS = (1, 2, 3, 4, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", GPU_FMA_ROWS)
+@pytest.mark.parametrize("fmt", ("int4", "nvfp4"))
+def test_w4_fma_gpu(rows, fmt):
+    """gemma4-26b-a4b's shapes: the dense 2816 -> 4096 linear and one MoE layer (E 128, top-8, H 2816, I 704),
+    bf16, each FMA tile of the sweep (1 / 2 / 4 rows at a time) against the fp32 twins."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    x = _x(rows, 2816, torch.bfloat16, rows, "cuda")
+    if fmt == "int4":
+        packed, scale, zero = _int4(4096, 2816, 128, True, torch.bfloat16, device="cuda")
+        dense = lambda: int4_linear(x, packed, scale, zero, 128)  # noqa: E731
+        dense_ref = int4_linear_ref(x.float(), packed, scale.float(), zero, 128)
+    else:
+        codes, scale, g = _nvfp4(4096, 2816, device="cuda")
+        dense = lambda: nvfp4_linear_triton(x, codes, scale, g)  # noqa: E731
+        dense_ref = nvfp4_linear_w4a16_ref(x.float(), codes, scale, g)
+    for bm in (1, 2, 4):
+        with forced_config(Int4Config(block_m=bm, block_n=64, block_k=128, split_k=0, fma=True)):
+            assert nmse(dense(), dense_ref) <= DENSE_NMSE
+    xm, wts, ids = _moe_case(rows, 128, 2816, 704, 8, torch.bfloat16)
+    if fmt == "int4":
+        w13, w2 = _int4_experts(128, 2816, 704, 128, True, torch.bfloat16, "cuda")
+        moe = lambda: int4_fused_moe(xm, *w13, *w2, 128, wts, ids, "gelu_pytorch_tanh")  # noqa: E731
+        with backend("torch"):
+            moe_ref = int4_fused_moe_ref(xm.float(), *w13, *w2, 128, wts, ids, "gelu_pytorch_tanh")
+    else:
+        w = _nvfp4_experts(128, 2816, 704, "cuda")
+        moe = lambda: nvfp4_fused_moe(xm, *w, wts, ids, "gelu_pytorch_tanh")  # noqa: E731
+        with backend("torch"):
+            moe_ref = nvfp4_fused_moe_ref(xm.float(), *w, wts, ids, "gelu_pytorch_tanh")
+    for fr in (1, 2, 4):
+        tile = Tile(block_n=64, block_k=128, split_k=0, fma_rows=fr)
+        with moe_forced_config(MoeConfig(16, tile, tile)):
+            assert nmse(moe(), moe_ref) <= MOE_NMSE
