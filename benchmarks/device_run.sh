@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call on the H200 (device tool); logs and JSON under $OUT.
 #   bash benchmarks/device_run.sh [STAGE ...]   stages: tests packaged profile prefill attn gemv moe tune
-#   int4 w4e2e gemma4 llama fp8 eager ab verify spec serve lora
+#   int4 w4fma w4e2e gemma4 llama fp8 eager ab verify spec serve lora
 # (no stage: tests gemma4 llama eager). Each stage has its own time limit (T_<STAGE> seconds). GPU_TESTS picks
 # the test files of the `tests` stage (default: tests without tests/server, whose `openai` import the device image
 # lacks) and TEST_ARGS adds pytest options (e.g. "-k 'bf16 and mixtral'"; "-n 8":
@@ -18,6 +18,9 @@
 # Logs: int4_micro.log, moe_layer_int4.log / .json. Stage `w4e2e`: `sparrow bench` decode end to end for each
 # of W4_FORMATS (default fp8 int4 nvfp4, each quantized at load) on W4_SHAPE (default gemma4-26b-a4b) at W4_BATCHES
 # (default 1,64), one after another in one call; T_W4E2E (default 200 s) each; e2e_<format>.json / .log.
+# Stage `w4fma`: the 4-bit FMA GEMV tiles: kernels_micro.py tune_w4_fma (dense, W4_FMA_ROWS, default "1 4"), then
+# moe_layer.py --tune --fma-only at W4FMA_ROWS (default 1) for int4 and nvfp4 (writes their config files, copied to
+# $OUT); each sweep compiled first in SWEEP_PROCS (12) processes at once (``sharded``), T_W4FMA (240 s) each.
 # Stage `ab`: the same `sparrow bench` (AB_ARGS, default gemma4-26b-a4b FP8 at batch 1 and 8) on this tree and on an
 # older one, alternating, AB_REPEATS rounds, on one machine (runs of one tree on one machine spread by up to ~5 %:
 # benchmarks/README.md, "Running an A/B"). Make the older tree first, here: `mkdir -p .ab/old && git archive REV sparrow | tar -x -C .ab/old`,
@@ -59,6 +62,13 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
 
+sharded() {  # time limit, command...: compile a sweep's candidates in SWEEP_PROCS processes at once (SWEEP_SHARD,
+  # benchmarks/gpu_timing.py), then run the sweep itself, timing from Triton's cache
+  local limit=$1 n=${SWEEP_PROCS:-12} i; shift
+  for i in $(seq 0 $((n - 1))); do SWEEP_SHARD=$i/$n timeout "$limit" "$@" > /dev/null 2>&1 & done; wait
+  timeout "$limit" "$@"
+}
+
 bench() {  # name, time limit, sparrow bench arguments...
   local name=$1 limit=$2; shift 2
   timeout "$limit" python3 -m sparrow bench --device cuda --out "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.log" | tail -40
@@ -87,6 +97,11 @@ for stage in ${@:-tests gemma4 llama eager}; do
     int4) timeout "${T_INT4:-400}" bash -c "python3 benchmarks/kernels_micro.py int4 ${INT4_ARGS:-} 2>&1 \
             | tee '$OUT/int4_micro.log'; python3 benchmarks/moe_layer.py --rows ${INT4_ROWS:-1 8 64} \
             --dtypes fp8 int4 nvfp4 --out '$OUT/moe_layer_int4.json' 2>&1 | tee '$OUT/moe_layer_int4.log'" ;;
+    w4fma) sharded "${T_W4FMA:-240}" python3 benchmarks/kernels_micro.py tune_w4_fma 2>&1 | tee "$OUT/w4_fma_dense.log" \
+             | grep -E "shipped|best"
+           sharded "${T_W4FMA:-240}" python3 benchmarks/moe_layer.py --tune --fma-only --rows ${W4FMA_ROWS:-1} \
+             --dtypes int4 nvfp4 2>&1 | tee "$OUT/w4_fma_moe.log" | grep -v skip
+           cp sparrow/kernels/configs/*int4*.json sparrow/kernels/configs/*nvfp4*.json "$OUT/" ;;
     w4e2e) for q in ${W4_FORMATS:-fp8 int4 nvfp4}; do
              bench "e2e_${q}" "${T_W4E2E:-200}" --model-shape "${W4_SHAPE:-gemma4-26b-a4b}" --quantization "$q" \
                --batch-sizes ${W4_BATCHES:-1,64} --prompt-len 128 --decode-tokens 32 --no-hf

@@ -1,7 +1,37 @@
-"""Timing helpers shared by the GPU micro-benchmarks (kernels_micro.py, moe_layer.py, attention_prefill.py)."""
+"""Timing helpers shared by the GPU micro-benchmarks (kernels_micro.py, moe_layer.py, attention_prefill.py).
+
+Sweeps compile one Triton variant per candidate, seconds each. ``SWEEP_SHARD=i/n`` in the environment makes a sweep
+compile only (one call per candidate, no timing) its share, candidates i, i + n, ...: run n such processes at once
+to fill Triton's on-disk cache, then the sweep itself times every candidate from that cache (``device_run.sh
+precompile``).
+"""
 from __future__ import annotations
 
+import os
+
 import torch
+
+
+def sweep_shard() -> tuple[int, int] | None:
+    """(i, n) from ``SWEEP_SHARD=i/n``, or None: this process times its candidates."""
+    value = os.environ.get("SWEEP_SHARD")
+    if not value:
+        return None
+    i, n = map(int, value.split("/"))
+    return i, n
+
+
+def compile_share(candidates, run) -> None:
+    """Under ``SWEEP_SHARD=i/n``: ``run(candidate)`` once for this process's share of ``candidates`` (compiles
+    them), skipping those that fail."""
+    i, n = sweep_shard()
+    for idx, cand in enumerate(candidates):
+        if idx % n == i:
+            try:
+                run(cand)
+                torch.cuda.synchronize()
+            except Exception:  # out of shared memory / registers: the timed sweep skips it too
+                pass
 
 
 def time_s(fn, rep: int = 50) -> float:

@@ -11,6 +11,8 @@
     python benchmarks/kernels_micro.py int4                      (4-bit linears: int4 and NVFP4 W4A16 at 1-16 rows
                                                                   and 2,048, FP8 beside; % = of the bytes bound)
     python benchmarks/kernels_micro.py tune_int4                 (sweep Int4Config for INT4_CONFIGS' GEMV entry)
+    python benchmarks/kernels_micro.py tune_w4_fma               (the FMA GEMV tiles at 1-8 rows, int4 and NVFP4,
+                                                                  against the shipped entry)
     python benchmarks/kernels_micro.py w4_prefill                (4-bit linears at 128-16,384 rows: kernel vs
                                                                   dequantize + cuBLAS, for int4.DEQUANT_MIN_ROWS)
     python benchmarks/kernels_micro.py router_logits             (Gemma 4's router logits: kernel vs torch)
@@ -35,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from gpu_timing import copy_bandwidth, time_s  # noqa: E402  (beside this script)
+from gpu_timing import compile_share, copy_bandwidth, sweep_shard, time_s  # noqa: E402  (beside this script)
 
 
 
@@ -119,7 +121,14 @@ GEMV_SHAPES = ((2816, 8192), (4096, 2816), (2816, 4224), (2112, 2816), (2816, 26
 
 def _sweep(configs, forced_config, call) -> list:
     """[(seconds per call, config)] fastest first, each config forced around ``call``; configs that fail to
-    compile or launch (out of shared memory / registers) are left out."""
+    compile or launch (out of shared memory / registers) are left out. Under ``SWEEP_SHARD`` only this process's
+    share is compiled, and nothing is timed ([])."""
+    if sweep_shard():
+        def once(cfg):
+            with forced_config(cfg):
+                call()
+        compile_share(configs, once)
+        return []
     results = []
     for cfg in configs:
         with forced_config(cfg):
@@ -276,6 +285,33 @@ def tune_int4(peak: float) -> None:
             for t, cfg in results[:4]:
                 print(f"tune int4 R={rows:<2} N={n} K={k}: {t * 1e6:6.1f} us {nbytes / t / 1e9:7.1f} GB/s "
                       f"{100 * nbytes / t / peak:5.1f} %  {cfg}", flush=True)
+
+
+def tune_w4_fma(peak: float) -> None:
+    """The FMA GEMV tiles (``Int4Config.fma``: no dots, BLOCK_M = the rows rounded up to a power of two) against the
+    shipped INT4_CONFIGS entry, int4 and NVFP4, per INT4_SHAPES shape: BLOCK_N x BLOCK_K x
+    split-K x warps; prints the shipped entry's time and the best three. ``W4_FMA_ROWS`` (environment, default
+    "1 4"): the row counts."""
+    import itertools
+    import os
+
+    from sparrow.kernels.int4 import Int4Config, forced_config, int4_linear_triton, pick_config
+    from sparrow.kernels.nvfp4_linear import nvfp4_linear_triton
+
+    for n, k in INT4_SHAPES:
+        _, int4_next, nvfp4_next, int4_bytes, nvfp4_bytes = _w4_weights(n, k)
+        for rows in map(int, os.environ.get("W4_FMA_ROWS", "1 4").split()):
+            configs = [Int4Config(1 << (rows - 1).bit_length(), bn, bk, num_warps=w, split_k=sk, fma=True)
+                       for (bn, w), bk, sk in itertools.product(((32, 4), (64, 4), (128, 4), (128, 8)), (128, 256),
+                                                                (0, 2, 4, 8))]
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            for fmt, fn, nbytes in (("int4", lambda: int4_linear_triton(x, *int4_next()), int4_bytes),
+                                    ("nvfp4", lambda: nvfp4_linear_triton(x, *nvfp4_next()), nvfp4_bytes)):
+                results = _sweep([pick_config(rows)] + configs, forced_config, fn)
+                shipped = [r for r in results if r[1] == pick_config(rows)]
+                for tag, (t, cfg) in [("shipped", r) for r in shipped] + [("best", r) for r in results[:3]]:
+                    print(f"tune_w4_fma {fmt:<5} R={rows} N={n} K={k} {tag:<7}: {t * 1e6:6.1f} us "
+                          f"{100 * nbytes / t / peak:5.1f} %  {cfg}", flush=True)
 
 
 def tune_fp8_gemm(peak: float) -> None:
@@ -645,14 +681,15 @@ def main(which: list[str]) -> None:
         print("kernels_micro: needs a CUDA GPU")
         return
     which = which or ["norm", "act", "gemv"]
-    peak = copy_bandwidth()
+    peak = copy_bandwidth(1 << 24 if sweep_shard() else 1 << 31)
     print(f"{torch.cuda.get_device_name()}: measured copy bandwidth {peak / 1e9:.0f} GB/s")
     for name in which:
         {"norm": bench_norm, "act": bench_act, "gemv": bench_gemv, "tune_gemv": tune_gemv,
          "tune_gemv_fp8": lambda p: tune_gemv(p, (True,)),
          "tune_gemv_bf16": lambda p: tune_gemv(p, (False,)), "tune_fp8_gemm": tune_fp8_gemm,
          "tune_fp8_rows": tune_fp8_rows, "tune_w8a8": tune_w8a8, "tune_w8a8_launch": tune_w8a8_launch,
-         "fp8_linears": fp8_linears, "int4": bench_int4, "tune_int4": tune_int4, "w4_prefill": w4_prefill,
+         "fp8_linears": fp8_linears, "int4": bench_int4, "tune_int4": tune_int4, "tune_w4_fma": tune_w4_fma,
+         "w4_prefill": w4_prefill,
          "router_logits": bench_router_logits, "tune_router_logits": tune_router_logits, "lora": bench_lora,
          "tune_lora": tune_lora}[name](peak)
 

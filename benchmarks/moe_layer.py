@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from gpu_timing import copy_bandwidth, time_s  # noqa: E402  (beside this script)
+from gpu_timing import compile_share, copy_bandwidth, sweep_shard, time_s  # noqa: E402  (beside this script)
 
 H, E, K, I = 2816, 128, 8, 704
 N_ROUTINGS = 16
@@ -160,20 +160,32 @@ def bench_one(rows: int, dtype: str, layer, peak: float, with_torch: bool = Fals
     return res
 
 
+def fma_tiles(rows: int) -> list:
+    """The 4-bit small path's FMA tiles (``Tile.fma_rows``): (BLOCK_N, warps) x BLOCK_K x split-K (0: automatic),
+    one pair at a time (and two above one row)."""
+    from sparrow.kernels.moe_configs import Tile
+
+    return [Tile(n, k, w, 3, split, fma_rows=fr)
+            for (n, w), k, split, fr in itertools.product(((32, 4), (64, 4), (128, 4)), (128, 256), (0, 1, 2),
+                                                          (1,) if rows == 1 else (1, 2))]
+
+
 def tune(rows_list, dtype: str, layer, out_dir: pathlib.Path, verbose: bool = False,
-         swapped_only: bool = False, warps_stages_only: bool = False) -> pathlib.Path:
+         swapped_only: bool = False, warps_stages_only: bool = False, fma_only: bool = False) -> pathlib.Path:
     """Coordinate search per rows, from the data file's entry for those rows (else the default): BLOCK_M (on the
     grouped path also paired with each swapped tile, and for FP8 with the pre-quantized-activation tiles), then
     the gate|up tile, then the down tile (45 tiles each on the small path, 18 with ``swapped_only``; 24 grouped,
     32 FP8 grouped (16 and the same with ``a_fp8``), 6 / 8 with ``swapped_only``), then each GEMM's num_warps x
     num_stages (12 each; ``warps_stages_only``: only this last step, from the current entry). The 4-bit kernels
-    (int4, nvfp4): 24 small-path tiles (16 swapped; K steps 128 / 256), 12 grouped (4 swapped).
-    Writes the data file ``pick_config`` reads for this shape and device."""
+    (int4, nvfp4): 24 small-path tiles (16 swapped; K steps 128 / 256) and ``fma_tiles`` (``fma_only``: those
+    alone, without the warps x stages step), 12 grouped (4 swapped). Under ``SWEEP_SHARD`` it compiles its share of
+    the tiles (as both GEMMs) and writes nothing. Writes the data file ``pick_config`` reads for this shape and
+    device."""
     fp8, kind = _fp8_kind(dtype)
     from sparrow.kernels import moe_configs
     from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config
 
-    table = {}
+    table, path = {}, None
     for rows in rows_list:
         _, _, call = make_call(rows, layer, dtype)
         small = rows * K <= 64
@@ -190,6 +202,7 @@ def tune(rows_list, dtype: str, layer, out_dir: pathlib.Path, verbose: bool = Fa
                 tiles = [Tile(n, k, 4, 3, split, swap_ab=True)
                          for n, k, split in itertools.product((64, 128), (128, 256), (0, 1, 2, 4))]
                 tiles += [Tile(n, k, 4, 3, split) for n, k, split in itertools.product((32, 64), (128, 256), (0, 1))]
+                tiles = fma_tiles(rows) if fma_only else tiles + fma_tiles(rows)
                 swapped = []
         else:  # 24 tiles per GEMM (16 for FP8), the last 6 (4) with swapped dots
             ks = (128,) if fp8 else (32, 64, 128)
@@ -203,6 +216,13 @@ def tune(rows_list, dtype: str, layer, out_dir: pathlib.Path, verbose: bool = Fa
                 tiles = [Tile(n, k, w, 3) for n, k, w in itertools.product((64, 128), (64, 128), (4, 8))]
                 swapped = [Tile(n, k, 4, 3, swap_ab=True) for n, k in itertools.product((64, 128), (64, 128))]
                 tiles += swapped
+
+        if sweep_shard():
+            def once(tile):
+                with forced_config(MoeConfig(best.block_m, tile, tile)):
+                    call()
+            compile_share(tiles, once)
+            continue
 
         def timed(cfg):
             try:
@@ -236,7 +256,7 @@ def tune(rows_list, dtype: str, layer, out_dir: pathlib.Path, verbose: bool = Fa
                 t = timed(cand)
                 if t < best_t:
                     best, best_t = cand, t
-        for which in ("gate_up", "down"):
+        for which in ("gate_up", "down") if not fma_only else ():
             for nw, ns in itertools.product((2, 4, 8), (2, 3, 4, 5)):
                 tile = dataclasses.replace(getattr(best, which), num_warps=nw, num_stages=ns)
                 cand = dataclasses.replace(best, **{which: tile})
@@ -340,6 +360,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--verbose", action="store_true", help="with --tune: print every candidate's time")
     p.add_argument("--swapped-only", action="store_true",
                    help="with --tune: try only the swapped-dot tiles against the current entry")
+    p.add_argument("--fma-only", action="store_true",
+                   help="with --tune, 4-bit small path: only the FMA tiles against the current entry")
     p.add_argument("--warps-stages", action="store_true",
                    help="with --tune: only each GEMM's num_warps x num_stages, from the current entry")
     p.add_argument("--w4-dequant", action="store_true",
@@ -353,7 +375,10 @@ def main(argv=None) -> list[dict]:
         raise SystemExit("moe_layer.py needs a CUDA GPU")
     from sparrow.kernels.moe_configs import CONFIG_DIR
 
-    peak = copy_bandwidth()
+    if sweep_shard():  # compiling only: 16 experts keep each process small (the same kernel variants as E)
+        global E
+        E = min(E, 16)
+    peak = copy_bandwidth(1 << 24 if sweep_shard() else 1 << 31)
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {peak / 1e9:.0f} GB/s; "
           f"MoE layer H={H} E={E} K={K} I={I}")
     results = []
@@ -362,8 +387,11 @@ def main(argv=None) -> list[dict]:
         if args.tune and args.quick:
             print("wrote", tune_quick(args.rows, dtype, layer, CONFIG_DIR))
         elif args.tune:
-            print("wrote", tune(args.rows, dtype, layer, CONFIG_DIR, args.verbose, args.swapped_only,
-                                args.warps_stages))
+            path = tune(args.rows, dtype, layer, CONFIG_DIR, args.verbose, args.swapped_only, args.warps_stages,
+                        args.fma_only)
+            if sweep_shard():
+                continue
+            print("wrote", path)
         print(f"{'rows':>5} {'dtype':>5} {'path':>8} {'us':>9} {'bound us':>9} {'GB/s':>8} {'% copy':>7} "
               f"{'x bound':>7} {'TFLOP/s':>7}" + (f" {'torch us':>9}" if args.torch else ""))
         for rows in args.rows:
