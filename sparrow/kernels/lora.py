@@ -63,8 +63,7 @@ ROW_TILES: tuple[tuple[int, dict[str, int]], ...] = (
 )
 """Per row range values of the constants above: (largest P, {constant name: value}) entries, smallest bound
 first; a launch of P rows takes the names that the first entry covering P holds, and the constants for the
-rest (``tile``). ``benchmarks/kernels_micro.py tune_lora`` prints such a table from its per-row-count sweep;
-empty until one is measured end to end."""
+rest (``tile``). ``benchmarks/kernels_micro.py tune_lora`` prints such a table from its per-row-count sweep."""
 MAX_SEGMENTS = 3
 
 
