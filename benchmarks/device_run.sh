@@ -18,7 +18,8 @@
 # Logs: int4_micro.log, moe_layer_int4.log / .json. Stage `w4e2e`: `sparrow bench` decode end to end for each
 # of W4_FORMATS (default fp8 int4 nvfp4, each quantized at load) on W4_SHAPE (default gemma4-26b-a4b) at W4_BATCHES
 # (default 1,64), one after another in one call; T_W4E2E (default 200 s) each; e2e_<format>.json / .log.
-# Stage `w4fma`: the 4-bit FMA GEMV tiles: kernels_micro.py tune_w4_fma (dense, W4_FMA_ROWS, default "1 4"), then
+# Stage `w4fma`: the 4-bit FMA GEMV tiles: kernels_micro.py tune_w4_fma (dense, W4_FMA_ROWS, default "1 4"; writes
+# configs/w4_linear_<format>_<device>.json where a tile beats the current entry), then
 # moe_layer.py --tune --fma-only at W4FMA_ROWS (default 1) for int4 and nvfp4 (writes their config files, copied to
 # $OUT); each sweep compiled first in SWEEP_PROCS (12) processes at once (``sharded``), T_W4FMA (240 s) each.
 # Stage `ab`: the same `sparrow bench` (AB_ARGS, default gemma4-26b-a4b FP8 at batch 1 and 8) on this tree and on an

@@ -289,29 +289,61 @@ def tune_int4(peak: float) -> None:
 
 def tune_w4_fma(peak: float) -> None:
     """The FMA GEMV tiles (``Int4Config.fma``: no dots, BLOCK_M = the rows rounded up to a power of two) against the
-    shipped INT4_CONFIGS entry, int4 and NVFP4, per INT4_SHAPES shape: BLOCK_N x BLOCK_K x
-    split-K x warps; prints the shipped entry's time and the best three. ``W4_FMA_ROWS`` (environment, default
-    "1 4"): the row counts."""
+    entry ``int4.pick_config`` gives now, int4 and NVFP4, at ``W4_FMA_ROWS`` (environment, default "1 4") rows:
+    BLOCK_N x warps x BLOCK_K x split-K on each INT4_SHAPES shape (the current entry's time and the best three
+    printed per shape), then the tile of least total time over the shapes; where it beats the current entry it
+    is written into the format's tuned file for this device (``int4.config_file``, read by ``pick_config``)."""
+    import collections
+    import dataclasses
     import itertools
+    import json
     import os
 
+    from sparrow.kernels import int4
     from sparrow.kernels.int4 import Int4Config, forced_config, int4_linear_triton, pick_config
     from sparrow.kernels.nvfp4_linear import nvfp4_linear_triton
 
-    for n, k in INT4_SHAPES:
-        _, int4_next, nvfp4_next, int4_bytes, nvfp4_bytes = _w4_weights(n, k)
+    device = torch.cuda.get_device_name()
+    weights = {(n, k): _w4_weights(n, k) for n, k in INT4_SHAPES}
+    for fmt in ("int4", "nvfp4"):
+        table = {}
         for rows in map(int, os.environ.get("W4_FMA_ROWS", "1 4").split()):
-            configs = [Int4Config(1 << (rows - 1).bit_length(), bn, bk, num_warps=w, split_k=sk, fma=True)
-                       for (bn, w), bk, sk in itertools.product(((32, 4), (64, 4), (128, 4), (128, 8)), (128, 256),
-                                                                (0, 2, 4, 8))]
-            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            for fmt, fn, nbytes in (("int4", lambda: int4_linear_triton(x, *int4_next()), int4_bytes),
-                                    ("nvfp4", lambda: nvfp4_linear_triton(x, *nvfp4_next()), nvfp4_bytes)):
-                results = _sweep([pick_config(rows)] + configs, forced_config, fn)
-                shipped = [r for r in results if r[1] == pick_config(rows)]
-                for tag, (t, cfg) in [("shipped", r) for r in shipped] + [("best", r) for r in results[:3]]:
+            current = pick_config(rows, fmt, device)
+            configs = [current] + [Int4Config(1 << (rows - 1).bit_length(), bn, bk, num_warps=w, split_k=sk, fma=True)
+                                   for (bn, w), bk, sk in itertools.product(((32, 4), (64, 4), (128, 4), (128, 8)),
+                                                                            (128, 256), (0, 2, 4, 8))]
+            totals, counts = collections.defaultdict(float), collections.Counter()
+            for (n, k), (_, int4_next, nvfp4_next, int4_bytes, nvfp4_bytes) in weights.items():
+                x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+                if fmt == "int4":
+                    fn, nbytes = (lambda: int4_linear_triton(x, *int4_next())), int4_bytes
+                else:
+                    fn, nbytes = (lambda: nvfp4_linear_triton(x, *nvfp4_next())), nvfp4_bytes
+                results = _sweep(configs, forced_config, fn)
+                for t, cfg in results:
+                    totals[cfg] += t
+                    counts[cfg] += 1
+                for tag, (t, cfg) in [("current", r) for r in results if r[1] == current] + [
+                        ("best", r) for r in results[:3]]:
                     print(f"tune_w4_fma {fmt:<5} R={rows} N={n} K={k} {tag:<7}: {t * 1e6:6.1f} us "
                           f"{100 * nbytes / t / peak:5.1f} %  {cfg}", flush=True)
+            complete = {c: t for c, t in totals.items() if counts[c] == len(weights)}
+            if not complete:  # compiling only (SWEEP_SHARD), or nothing ran
+                continue
+            best = min(complete, key=complete.get)
+            print(f"tune_w4_fma {fmt:<5} R={rows} total over the shapes: best {complete[best] * 1e6:6.1f} us, current "
+                  f"{complete.get(current, float('nan')) * 1e6:6.1f} us  {best}", flush=True)
+            if best != current:
+                table[str(rows)] = dataclasses.asdict(best)
+        if table:
+            path = int4.config_file(fmt, device)
+            old = json.loads(path.read_text())["configs"] if path.is_file() else {}
+            configs_out = dict(sorted({**old, **table}.items(), key=lambda kv: int(kv[0])))
+            path.write_text(json.dumps({"meta": {"device": device, "torch": torch.__version__, "source":
+                                                 "benchmarks/kernels_micro.py tune_w4_fma (least total over "
+                                                 "INT4_SHAPES)"}, "configs": configs_out}, indent=1) + "\n")
+            int4.tuned_configs.cache_clear()
+            print(f"tune_w4_fma: wrote {path}", flush=True)
 
 
 def tune_fp8_gemm(peak: float) -> None:

@@ -24,12 +24,16 @@ dtype's eps. Computed in fp32, so it equals compressed-tensors bit for bit on fp
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
+import pathlib
 
 import torch
 import torch.nn.functional as F
 
 from sparrow.kernels import ForcedConfig, interpreting, use_triton
+from sparrow.kernels.moe_configs import CONFIG_DIR
 
 PACK = 8
 """Codes per int32 word."""
@@ -163,7 +167,8 @@ FMA_ROWS = (1, 2, 4)
 each (``_int4_jit.FMA_MAX_ROWS``)."""
 GEMV_MAX_ROWS = 16
 """Rows up to which one M tile covers the batch (decode, verify): each weight word is read once."""
-# (largest R, config): the first entry whose bound covers R (tile configs as data, style.md 9). The GEMV entry:
+# (largest R, config): the first entry whose bound covers R (tile configs as data, style.md 9), after the entries of
+# the device's tuned file for the format (``config_file``, ``pick_config``). The GEMV entry:
 # the H200 sweep of benchmarks/kernels_micro.py tune_int4 (19 tiles at R = 1 and 8, gemma4-26b-a4b's
 # (N, K) = (4096, 2816), (2816, 4096), (8192, 2816)): swapped 64 x 128 tiles with split-K 4 were the fastest
 # or within 7 % of it on every shape (R = 1: 8.2 / 9.7 / 12.9 us against the best 8.2 / 9.7 / 12.1), while
@@ -186,9 +191,30 @@ def FP32_CONFIG(rows: int) -> Int4Config:  # noqa: N802  (a table entry computed
                       num_stages=2, split_k=0 if rows <= 64 else 1, swap_ab=True)
 
 
-def pick_config(rows: int) -> Int4Config:
-    """The forced config, else the first INT4_CONFIGS entry whose bound covers ``rows``."""
-    return forced_config.value or next(c for bound, c in INT4_CONFIGS if rows <= bound)
+def config_file(kind: str, device_name: str) -> pathlib.Path:
+    """The tuned dense-tile data file of a 4-bit format (``kind`` "int4" / "nvfp4") on a device (its
+    ``torch.cuda.get_device_name()``, spaces as underscores), written by ``benchmarks/kernels_micro.py
+    tune_w4_fma``: {"configs": {"R": Int4Config fields}}, each entry covering the rows up to R (smallest first)."""
+    return CONFIG_DIR / f"w4_linear_{kind}_{device_name.replace(' ', '_')}.json"
+
+
+@functools.lru_cache(maxsize=16)
+def tuned_configs(kind: str, device_name: str) -> tuple[tuple[int, Int4Config], ...]:
+    """(largest R, config) entries of ``config_file``, smallest bound first; () when there is none."""
+    path = config_file(kind, device_name)
+    if not path.is_file():
+        return ()
+    data = json.loads(path.read_text())["configs"]
+    return tuple(sorted((int(r), Int4Config(**c)) for r, c in data.items()))
+
+
+def pick_config(rows: int, kind: str = "int4", device_name: str | None = None) -> Int4Config:
+    """The forced config, else the first entry covering ``rows`` of the device's tuned file for the format
+    (``tuned_configs``; rows past its last bound fall through), else of INT4_CONFIGS."""
+    if forced_config.value is not None:
+        return forced_config.value
+    table = tuned_configs(kind, device_name) if device_name else ()
+    return next(c for bound, c in table + INT4_CONFIGS if rows <= bound)
 
 
 def int4_linear_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
@@ -257,7 +283,7 @@ def w4_linear_launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, 
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return y
-    cfg = pick_config(rows)
+    cfg = pick_config(rows, "nvfp4" if nvfp4 else "int4", torch.cuda.get_device_name(x.device) if x.is_cuda else None)
     if x.dtype == torch.float32 and x.is_cuda and forced_config.value is None and not cfg.fma:
         cfg = FP32_CONFIG(rows)
     sub_k = min(cfg.block_k, 128 if nvfp4 else group)

@@ -190,3 +190,31 @@ def test_w4_fma_gpu(rows, fmt):
         tile = Tile(block_n=64, block_k=128, split_k=0, fma_rows=fr)
         with moe_forced_config(MoeConfig(16, tile, tile)):
             assert nmse(moe(), moe_ref) <= MOE_NMSE
+
+
+def test_tuned_dense_file(monkeypatch, tmp_path):
+    """``int4.pick_config`` reads the device's tuned file of the format (written by kernels_micro.py tune_w4_fma):
+    each entry covers the rows up to its bound, rows past the last bound take INT4_CONFIGS, and another format or
+    device keeps the table."""
+    import dataclasses
+    import json
+
+    from sparrow.kernels import int4
+
+    one = Int4Config(1, 64, 128, split_k=4, fma=True)
+    four = Int4Config(4, 128, 256, num_warps=8, split_k=2, fma=True)
+    monkeypatch.setattr(int4, "CONFIG_DIR", tmp_path)
+    int4.tuned_configs.cache_clear()
+    int4.config_file("int4", "Fake GPU").write_text(json.dumps(
+        {"configs": {"4": dataclasses.asdict(four), "1": dataclasses.asdict(one)}}))
+    try:
+        assert int4.config_file("int4", "Fake GPU").name == "w4_linear_int4_Fake_GPU.json"
+        assert int4.pick_config(1, "int4", "Fake GPU") == one
+        assert int4.pick_config(3, "int4", "Fake GPU") == int4.pick_config(4, "int4", "Fake GPU") == four
+        assert int4.pick_config(5, "int4", "Fake GPU") == int4.INT4_CONFIGS[0][1]
+        assert int4.pick_config(1, "nvfp4", "Fake GPU") == int4.pick_config(1, "int4", "Other GPU") \
+            == int4.pick_config(1) == int4.INT4_CONFIGS[0][1]
+        with forced_config(four):
+            assert int4.pick_config(1, "int4", "Fake GPU") == four
+    finally:
+        int4.tuned_configs.cache_clear()
