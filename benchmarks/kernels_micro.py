@@ -290,9 +290,10 @@ def tune_int4(peak: float) -> None:
 def tune_w4_fma(peak: float) -> None:
     """The FMA GEMV tiles (``Int4Config.fma``: no dots, BLOCK_M = the rows rounded up to a power of two) against the
     entry ``int4.pick_config`` gives now, int4 and NVFP4, at ``W4_FMA_ROWS`` (environment, default "1 4") rows:
-    BLOCK_N x warps x BLOCK_K x split-K on each INT4_SHAPES shape (the current entry's time and the best three
-    printed per shape), then the tile of least total time over the shapes; where it beats the current entry it
-    is written into the format's tuned file for this device (``int4.config_file``, read by ``pick_config``)."""
+    BLOCK_N x warps x BLOCK_K (int4: 128, its group) x split-K on each INT4_SHAPES shape (the current entry's time
+    and the best three printed per shape), then the tile of least total time over the shapes; where it beats the
+    current entry it is written into the format's tuned file for this device (``int4.config_file``, read by
+    ``pick_config``)."""
     import collections
     import dataclasses
     import itertools
@@ -311,7 +312,8 @@ def tune_w4_fma(peak: float) -> None:
             current = pick_config(rows, fmt, device)
             configs = [current] + [Int4Config(1 << (rows - 1).bit_length(), bn, bk, num_warps=w, split_k=sk, fma=True)
                                    for (bn, w), bk, sk in itertools.product(((32, 4), (64, 4), (128, 4), (128, 8)),
-                                                                            (128, 256), (0, 2, 4, 8))]
+                                                                            (128,) if fmt == "int4" else (128, 256),
+                                                                            (0, 2, 4, 8))]
             totals, counts = collections.defaultdict(float), collections.Counter()
             for (n, k), (_, int4_next, nvfp4_next, int4_bytes, nvfp4_bytes) in weights.items():
                 x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)

@@ -160,13 +160,14 @@ def bench_one(rows: int, dtype: str, layer, peak: float, with_torch: bool = Fals
     return res
 
 
-def fma_tiles(rows: int) -> list:
-    """The 4-bit small path's FMA tiles (``Tile.fma_rows``): (BLOCK_N, warps) x BLOCK_K x split-K (0: automatic),
-    one pair at a time (and two above one row)."""
+def fma_tiles(rows: int, kind: str) -> list:
+    """The 4-bit small path's FMA tiles (``Tile.fma_rows``): (BLOCK_N, warps) x BLOCK_K (int4: 128, one group of
+    make_layer's; NVFP4 also 256) x split-K (0: automatic), one pair at a time (and two above one row)."""
     from sparrow.kernels.moe_configs import Tile
 
+    ks = (128,) if kind == "int4" else (128, 256)
     return [Tile(n, k, w, 3, split, fma_rows=fr)
-            for (n, w), k, split, fr in itertools.product(((32, 4), (64, 4), (128, 4)), (128, 256), (0, 1, 2),
+            for (n, w), k, split, fr in itertools.product(((32, 4), (64, 4), (128, 4)), ks, (0, 1, 2, 4),
                                                           (1,) if rows == 1 else (1, 2))]
 
 
@@ -202,7 +203,7 @@ def tune(rows_list, dtype: str, layer, out_dir: pathlib.Path, verbose: bool = Fa
                 tiles = [Tile(n, k, 4, 3, split, swap_ab=True)
                          for n, k, split in itertools.product((64, 128), (128, 256), (0, 1, 2, 4))]
                 tiles += [Tile(n, k, 4, 3, split) for n, k, split in itertools.product((32, 64), (128, 256), (0, 1))]
-                tiles = fma_tiles(rows) if fma_only else tiles + fma_tiles(rows)
+                tiles = fma_tiles(rows, kind) if fma_only else tiles + fma_tiles(rows, kind)
                 swapped = []
         else:  # 24 tiles per GEMM (16 for FP8), the last 6 (4) with swapped dots
             ks = (128,) if fp8 else (32, 64, 128)

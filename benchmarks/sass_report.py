@@ -224,13 +224,15 @@ def main(argv=None) -> None:
         dense_variants("int4", 1, 256, 512, [Int4Config(1, 64, 128, split_k=1, fma=True), pick_config(1)], args.dump)
         return
 
-    dense = [pick_config(1), Int4Config(1, 64, 128, split_k=4, fma=True), Int4Config(1, 64, 256, split_k=4, fma=True),
-             Int4Config(1, 128, 128, num_warps=8, split_k=4, fma=True), Int4Config(1, 32, 128, split_k=4, fma=True)]
+    dense = [pick_config(1), Int4Config(1, 64, 128, split_k=4, fma=True),
+             Int4Config(1, 128, 128, num_warps=8, split_k=4, fma=True), Int4Config(1, 128, 128, split_k=4, fma=True),
+             Int4Config(1, 32, 128, split_k=4, fma=True)]
     moe = [default_w4_config(1, 8, 128, True).gate_up, Tile(64, 128, 4, 3, 0, fma_rows=1),
-           Tile(32, 256, 4, 3, 0, fma_rows=1), Tile(128, 128, 4, 3, 0, fma_rows=1)]
+           Tile(32, 128, 4, 3, 0, fma_rows=1), Tile(128, 128, 4, 3, 0, fma_rows=1)]
+    wide = [Int4Config(1, 64, 256, split_k=4, fma=True)], [Tile(64, 256, 4, 3, 0, fma_rows=1)]  # NVFP4 only
     for fmt in ("int4", "nvfp4"):
-        dense_variants(fmt, 1, 4096, 2816, dense, args.dump)
-        moe_variants(fmt, 1, moe, args.dump)
+        dense_variants(fmt, 1, 4096, 2816, dense + (wide[0] if fmt == "nvfp4" else []), args.dump)
+        moe_variants(fmt, 1, moe + (wide[1] if fmt == "nvfp4" else []), args.dump)
 
 
 if __name__ == "__main__":

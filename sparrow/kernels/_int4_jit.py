@@ -17,11 +17,10 @@ plane (nibble j of every word), and put in column order by three rounds of ``tl.
   and the fp32 global multiplier of each output row (or each expert half). fp16 activations (whose range ends
   at 2^-24) take the weights unscaled.
 Dots are plain (rows as the MMA's M side, padded to 16) or swapped (SWAP_AB: the weight tile as M, wgmma from
-BN = 64). FMA (``_w4_fma_rows``, GEMVs of 1, 2 or 4 rows): no dots and no column order; each nibble plane is decoded
-in place and meets the matching strided columns of x in fp32 FMAs, one accumulator per row in the words' own
-layout, the next step's words and scales loaded during the current one. Accumulation is fp32; outputs are rounded
-once to x's dtype. UPCAST / RNE_OUT: the interpreter's
-workarounds (``_fp8_jit``: dots on exactly widened fp32 operands, bf16 outputs rounded to nearest).
+BN = 64). FMA (``_w4_fma_rows``, GEMVs of 1, 2 or 4 rows): no dots; the decoded tile (fp32, column order) times
+each row's x step (contiguous 16-byte loads) in fp32, summed per step, with the next step's words and scales
+loaded during the current one. Accumulation is fp32; outputs are rounded once to x's dtype. UPCAST / RNE_OUT: the
+interpreter's workarounds (``_fp8_jit``: dots on exactly widened fp32 operands, bf16 outputs rounded to nearest).
 """
 import triton
 import triton.language as tl
@@ -153,26 +152,11 @@ FMA_MAX_ROWS = tl.constexpr(4)  # rows of one FMA program (``_w4_fma_rows``): on
 
 
 @triton.jit
-def _x_cols(x_row, ok, cols, k_end, MASK_K: tl.constexpr, NVFP4: tl.constexpr):
-    """One row of x at columns ``cols`` [W] in fp32 (zero where not ``ok``, or past k_end with MASK_K); NVFP4: times
-    NV_PRE (2^64), so that products with the e2m1 * 2^-126 planes stay normal fp32 for |x| in 2^-64 .. 2^64."""
-    if MASK_K:
-        mask = tl.where(ok, cols < k_end, False)
-    else:
-        mask = tl.where(ok, cols >= 0, False)
-    v = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-    if NVFP4:
-        v = v * NV_PRE
-    return v
-
-
-@triton.jit
 def _w4_fma_load(w_rows, s_rows, z_rows, k0, k_end, n_mask, load_ok, group: tl.constexpr, NVFP4: tl.constexpr,
                  HAS_ZERO: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MASK_K: tl.constexpr):
-    """The operands of one ``_w4_fma_step`` at k0 (loaded one step ahead of their use): words int32 [BN, BK / 8]
-    and the scale (and int4 zero point) of each word, [BN, BK / 8] (NVFP4: e4m3 block scales; int4 with BK above
-    the group: its groups') or [BN, 1] (int4, one group a step); nothing where not ``load_ok`` (a scalar) or, with
-    MASK_K, past k_end."""
+    """The operands of one ``_w4_fma_step`` at k0 (loaded one step ahead of their use): words int32 [BN, BK / 8],
+    the scales (NVFP4: e4m3 [BN, BK / 16]; int4: the step's group, [BN, 1]: BK <= group) and the int4 zero points
+    ([BN, 1], or the scales as a dummy); nothing where not ``load_ok`` (a scalar) or, with MASK_K, past k_end."""
     W: tl.constexpr = BK // 8
     kw = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, W), W), W)
     row_ok = tl.where(load_ok, n_mask, False)  # [BN]
@@ -182,15 +166,13 @@ def _w4_fma_load(w_rows, s_rows, z_rows, k0, k_end, n_mask, load_ok, group: tl.c
         mask = row_ok[:, None]  # constant along K: 16-byte loads
     words = tl.load(w_rows + kw[None, :], mask=mask, other=0)
     if NVFP4:
-        sc = tl.load(s_rows[:, None] + (kw // 2)[None, :], mask=mask, other=0.0)  # 16-column blocks: 2 words each
-        z = sc
-    elif BK > group:  # several groups a step
-        gw = kw * 8 // group
-        sc = tl.load(s_rows[:, None] + gw[None, :], mask=mask, other=0.0)
-        if HAS_ZERO:
-            z = tl.load(z_rows[:, None] + gw[None, :], mask=mask, other=8)
+        kg = k0 // 16 + tl.arange(0, BK // 16)
+        if MASK_K:
+            s_mask = row_ok[:, None] & (kg < k_end // 16)[None, :]
         else:
-            z = sc
+            s_mask = row_ok[:, None]
+        sc = tl.load(s_rows[:, None] + kg[None, :], mask=s_mask, other=0.0)
+        z = sc
     else:
         gi = tl.minimum(k0, k_end - 1) // group  # a step wholly past K adds 0; keep the scale in bounds
         sc = tl.load(s_rows + gi, mask=row_ok, other=0.0)[:, None]
@@ -202,50 +184,55 @@ def _w4_fma_load(w_rows, s_rows, z_rows, k0, k_end, n_mask, load_ok, group: tl.c
 
 
 @triton.jit
-def _w4_fma_step(acc0, acc1, acc2, acc3, x0, x1, x2, x3, ok0, ok1, ok2, ok3, words, sc, zp, k0, k_end,
-                 NVFP4: tl.constexpr, HAS_ZERO: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
-                 MASK_K: tl.constexpr):
-    """acc_m [BN, BK / 8] fp32 (m < ROWS) += row m's products of the BK columns at k0 on fp32 FMAs (no dot): element
-    [n, w] sums over the 8 nibbles j of word w, x_m[8w + j] * value(n, 8w + j), times word w's scale. The words are
-    never put in column order: nibble plane j ([BN, BK / 8], int4: one AND and one FFMA an element) meets x's
-    columns 8w + j (a strided load of one row, from L1), and every accumulator keeps the words' own layout (no
-    layout conversion in the loop). int4: u - zero, times the group scale; NVFP4: e2m1 * 2^-126 times x * 2^64,
-    times the 16-column block's e4m3 scale (the caller multiplies by 2^62 and the global multiplier). x_m: row m's
-    pointer, ok_m its validity; words / sc / zp from ``_w4_fma_load``."""
-    W: tl.constexpr = BK // 8
-    kw = k0 // 8 + tl.arange(0, W)
-    sc = sc.to(tl.float32)
-    p0 = tl.zeros_like(acc0)
-    p1 = tl.zeros_like(acc0)
-    p2 = tl.zeros_like(acc0)
-    p3 = tl.zeros_like(acc0)
-    if not NVFP4:
+def _x_step(x_row, k0, k_end, BK: tl.constexpr, MASK_K: tl.constexpr):
+    """x[row, k0:k0 + BK] in fp32 (zero past k_end with MASK_K; else unmasked: 16-byte loads of a valid row)."""
+    cols = k0 + tl.arange(0, BK)
+    if MASK_K:
+        v = tl.load(x_row + cols, mask=cols < k_end, other=0.0)
+    else:
+        v = tl.load(x_row + cols)
+    return v.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _w4_fma_step(acc0, acc1, acc2, acc3, x0, x1, x2, x3, words, sc, zp, k0, k_end,
+                 NVFP4: tl.constexpr, HAS_ZERO: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, MASK_K: tl.constexpr):
+    """acc_m [BN, 1] fp32 (m < ROWS) += row m's products with the BK columns at k0, on fp32 FMAs (no dot): the words
+    decoded in place into column order (``int4_values`` / ``e2m1_values``: register moves), times x_m[k0:k0 + BK]
+    (x_m: row m's pointer), summed over the step. int4: u - zero, the sum times the group's scale (BK inside one
+    group); NVFP4: e2m1 times its 16-column block's e4m3 scale times 2^64 (exact, normal fp32), the caller
+    multiplying by 2^62 and the global multiplier. words / sc / zp from ``_w4_fma_load``."""
+    if NVFP4:
+        s16 = sc.to(tl.float32) * NV_PRE
+        s16 = tl.reshape(tl.broadcast_to(s16[:, :, None], [BN, BK // 16, 16]), [BN, BK])
+        w = e2m1_values(words, BN, BK) * s16
+    else:
         if HAS_ZERO:
             z = zp.to(tl.float32)
         else:
-            z = 8.0
-        lo = (words & 0xFFFFF) | 0x4B000000  # nibbles 0..4 at bits 0..19
-        hi = ((words >> 12) & 0xFFF00) | 0x4B000000  # nibbles 5..7 at bits 8..19
-    for j in tl.static_range(8):
-        if NVFP4:
-            wj = _e2m1_plane(words, 4 * j)
-        elif j < 5:
-            wj = _int4_plane(lo, z, 4 * j)
-        else:
-            wj = _int4_plane(hi, z, 4 * j - 12)
-        cols = kw * 8 + j
-        p0 += wj * _x_cols(x0, ok0, cols, k_end, MASK_K, NVFP4)[None, :]
-        if ROWS > 1:
-            p1 += wj * _x_cols(x1, ok1, cols, k_end, MASK_K, NVFP4)[None, :]
-        if ROWS > 2:
-            p2 += wj * _x_cols(x2, ok2, cols, k_end, MASK_K, NVFP4)[None, :]
-            p3 += wj * _x_cols(x3, ok3, cols, k_end, MASK_K, NVFP4)[None, :]
-    acc0 += p0 * sc
+            z = tl.full([BN, 1], 8.0, tl.float32)
+        w = int4_values(words, z, BN, BK)
+    p0 = tl.sum(w * _x_step(x0, k0, k_end, BK, MASK_K), axis=1, keep_dims=True)
     if ROWS > 1:
-        acc1 += p1 * sc
+        p1 = tl.sum(w * _x_step(x1, k0, k_end, BK, MASK_K), axis=1, keep_dims=True)
     if ROWS > 2:
-        acc2 += p2 * sc
-        acc3 += p3 * sc
+        p2 = tl.sum(w * _x_step(x2, k0, k_end, BK, MASK_K), axis=1, keep_dims=True)
+        p3 = tl.sum(w * _x_step(x3, k0, k_end, BK, MASK_K), axis=1, keep_dims=True)
+    if not NVFP4:
+        s = sc.to(tl.float32)
+        p0 = p0 * s
+        if ROWS > 1:
+            p1 = p1 * s
+        if ROWS > 2:
+            p2 = p2 * s
+            p3 = p3 * s
+    acc0 += p0
+    if ROWS > 1:
+        acc1 += p1
+    if ROWS > 2:
+        acc2 += p2
+        acc3 += p3
     return acc0, acc1, acc2, acc3
 
 
@@ -276,26 +263,22 @@ def _w4_fma_rows(a_ptr, arow, m_mask, stride_ar, w_ptr, stride_wn, s_ptr, z_ptr,
     FMA per weight element and row: (acc_gate, acc_up) [BM, BN] fp32. A row of ``arow`` [BM] (int64) is valid
     where ``m_mask``. Whole BLOCK_K steps over k_start:k_end (k_start a multiple of BLOCK_K) with each step's
     words and scales loaded during the step before (two steps of weight bytes in flight a program), then one masked
-    tail step; each row's accumulators [BN, BLOCK_K / 8] are summed over their last axis once at the end."""
+    tail step; int4 needs BLOCK_K <= group (one scale a step)."""
     tl.static_assert(BLOCK_M <= FMA_MAX_ROWS, "FMA rows: at most FMA_MAX_ROWS")
     rows = tl.arange(0, BLOCK_M)
-    okv = m_mask.to(tl.int32)
-    x0 = a_ptr + _fma_row(arow, rows, 0) * stride_ar
-    x1 = a_ptr + _fma_row(arow, rows, 1) * stride_ar
-    x2 = a_ptr + _fma_row(arow, rows, 2) * stride_ar
-    x3 = a_ptr + _fma_row(arow, rows, 3) * stride_ar
-    ok0 = _fma_row(okv, rows, 0) != 0
-    ok1 = _fma_row(okv, rows, 1) != 0
-    ok2 = _fma_row(okv, rows, 2) != 0
-    ok3 = _fma_row(okv, rows, 3) != 0
-    g0 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-    g1 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-    g2 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-    g3 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-    u0 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-    u1 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-    u2 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-    u3 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    safe = tl.where(m_mask, arow, 0)  # invalid rows read row 0 (their sums are never stored)
+    x0 = a_ptr + _fma_row(safe, rows, 0) * stride_ar
+    x1 = a_ptr + _fma_row(safe, rows, 1) * stride_ar
+    x2 = a_ptr + _fma_row(safe, rows, 2) * stride_ar
+    x3 = a_ptr + _fma_row(safe, rows, 3) * stride_ar
+    g0 = tl.zeros([BLOCK_N, 1], dtype=tl.float32)
+    g1 = tl.zeros([BLOCK_N, 1], dtype=tl.float32)
+    g2 = tl.zeros([BLOCK_N, 1], dtype=tl.float32)
+    g3 = tl.zeros([BLOCK_N, 1], dtype=tl.float32)
+    u0 = tl.zeros([BLOCK_N, 1], dtype=tl.float32)
+    u1 = tl.zeros([BLOCK_N, 1], dtype=tl.float32)
+    u2 = tl.zeros([BLOCK_N, 1], dtype=tl.float32)
+    u3 = tl.zeros([BLOCK_N, 1], dtype=tl.float32)
     rg = rn.to(tl.int64)
     ru = (rn + N_UP).to(tl.int64)
     wg_rows = w_ptr + rg[:, None] * stride_wn
@@ -319,22 +302,22 @@ def _w4_fma_rows(a_ptr, arow, m_mask, stride_ar, w_ptr, stride_wn, s_ptr, z_ptr,
                                             NVFP4, HAS_ZERO, BLOCK_N, BLOCK_K, False)
         else:
             wu_n, su_n, zu_n = wg_n, sg_n, zg_n
-        g0, g1, g2, g3 = _w4_fma_step(g0, g1, g2, g3, x0, x1, x2, x3, ok0, ok1, ok2, ok3, wg, sg, zg, k0, k_end,
-                                      NVFP4, HAS_ZERO, BLOCK_M, BLOCK_K, False)
+        g0, g1, g2, g3 = _w4_fma_step(g0, g1, g2, g3, x0, x1, x2, x3, wg, sg, zg, k0, k_end,
+                                      NVFP4, HAS_ZERO, BLOCK_M, BLOCK_N, BLOCK_K, False)
         if GATED:
-            u0, u1, u2, u3 = _w4_fma_step(u0, u1, u2, u3, x0, x1, x2, x3, ok0, ok1, ok2, ok3, wu, su, zu, k0, k_end,
-                                          NVFP4, HAS_ZERO, BLOCK_M, BLOCK_K, False)
+            u0, u1, u2, u3 = _w4_fma_step(u0, u1, u2, u3, x0, x1, x2, x3, wu, su, zu, k0, k_end,
+                                          NVFP4, HAS_ZERO, BLOCK_M, BLOCK_N, BLOCK_K, False)
         wg, sg, zg, wu, su, zu = wg_n, sg_n, zg_n, wu_n, su_n, zu_n
     if k_full < k_end:
         wg, sg, zg = _w4_fma_load(wg_rows, sg_rows, zg_rows, k_full, k_end, n_mask, True, group, NVFP4, HAS_ZERO,
                                   BLOCK_N, BLOCK_K, True)
-        g0, g1, g2, g3 = _w4_fma_step(g0, g1, g2, g3, x0, x1, x2, x3, ok0, ok1, ok2, ok3, wg, sg, zg, k_full, k_end,
-                                      NVFP4, HAS_ZERO, BLOCK_M, BLOCK_K, True)
+        g0, g1, g2, g3 = _w4_fma_step(g0, g1, g2, g3, x0, x1, x2, x3, wg, sg, zg, k_full, k_end,
+                                      NVFP4, HAS_ZERO, BLOCK_M, BLOCK_N, BLOCK_K, True)
         if GATED:
             wu, su, zu = _w4_fma_load(wu_rows, su_rows, zu_rows, k_full, k_end, n_mask, True, group, NVFP4,
                                       HAS_ZERO, BLOCK_N, BLOCK_K, True)
-            u0, u1, u2, u3 = _w4_fma_step(u0, u1, u2, u3, x0, x1, x2, x3, ok0, ok1, ok2, ok3, wu, su, zu, k_full,
-                                          k_end, NVFP4, HAS_ZERO, BLOCK_M, BLOCK_K, True)
+            u0, u1, u2, u3 = _w4_fma_step(u0, u1, u2, u3, x0, x1, x2, x3, wu, su, zu, k_full,
+                                          k_end, NVFP4, HAS_ZERO, BLOCK_M, BLOCK_N, BLOCK_K, True)
     return _fma_out(g0, g1, g2, g3, BLOCK_M, BLOCK_N), _fma_out(u0, u1, u2, u3, BLOCK_M, BLOCK_N)
 
 

@@ -54,9 +54,10 @@ def _nvfp4(n, k, seed=0, device=DEVICE):
     return codes.to(device), scale.to(device), g.to(device)
 
 
-# K = 200: three whole 64-column steps and a masked tail; N = 40 ragged against 16 / 32-wide tiles
+# K = 200 (int4 group 64): 64-column steps and a masked tail; 32-column steps (two a group); N = 40 ragged against
+# 16 / 32-wide tiles
 DENSE_CFGS = [Int4Config(block_m=1, block_n=16, block_k=64, split_k=1, fma=True),
-              Int4Config(block_m=2, block_n=32, block_k=128, split_k=2, fma=True),  # two 64-column dots a step
+              Int4Config(block_m=2, block_n=32, block_k=32, split_k=2, fma=True),
               Int4Config(block_m=4, block_n=16, block_k=64, split_k=0, fma=True)]
 
 
@@ -110,8 +111,9 @@ def _nvfp4_experts(e, h, i, device=DEVICE):
     return out
 
 
-# gate|up: 2 rows at a time with K split over 2 programs; down: one row at a time, 64-column steps over I = 96
-MOE_CFG = MoeConfig(16, Tile(block_n=16, block_k=64, split_k=2, fma_rows=2), Tile(block_n=32, block_k=64, fma_rows=1))
+# gate|up: 2 rows at a time with K split over 2 programs; down: one row at a time, 32-column steps over I = 96
+# (int4 group 32)
+MOE_CFG = MoeConfig(16, Tile(block_n=16, block_k=32, split_k=2, fma_rows=2), Tile(block_n=32, block_k=32, fma_rows=1))
 
 
 @pytest.mark.parametrize("rows", (1, 3))  # 3 rows: experts with 2 or 3 pairs loop over their pairs
@@ -146,10 +148,13 @@ def test_fma_rows_out_of_range():
             int4_linear(x, packed, scale, zero, 64)
     w13, w2 = _int4_experts(4, 64, 96, 32, True, torch.float32)
     x, wts, ids = _moe_case(3, 4, 64, 96, 3, torch.float32)
-    tile = Tile(block_n=16, block_k=64, fma_rows=3)
-    with backend("triton"), moe_forced_config(MoeConfig(16, tile, tile)):
-        with pytest.raises(ValueError, match="fma_rows"):
-            int4_fused_moe(x, *w13, *w2, 32, wts, ids)
+    for tile in (Tile(block_n=16, block_k=32, fma_rows=3), Tile(block_n=16, block_k=64, fma_rows=1)):  # group 32
+        with backend("triton"), moe_forced_config(MoeConfig(16, tile, tile)):
+            with pytest.raises(ValueError, match="fma_rows"):
+                int4_fused_moe(x, *w13, *w2, 32, wts, ids)
+    with backend("triton"), forced_config(Int4Config(block_m=1, block_n=16, block_k=128, fma=True)):
+        with pytest.raises(ValueError, match="block_k <= group"):
+            int4_linear(x[:, :64], packed[:, :8], scale[:, :1], zero if zero is None else zero[:, :1], 64)
 
 
 GPU_FMA_ROWS = (1, 2, 3, 4, 8)
