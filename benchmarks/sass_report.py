@@ -7,6 +7,10 @@ its main K loop (the backward branch whose body loads the most global words) cou
     python benchmarks/sass_report.py --dump DIR      (also write each variant's SASS into DIR)
     python benchmarks/sass_report.py --smoke         (two small dense variants: the tool's own check)
 
+The device machine compiles with its own Triton (3.6 on the H200 image); to count what it runs, put that version
+first on the path: ``pip install --no-deps --target /tmp/t36 triton==3.6.0`` then ``PYTHONPATH=/tmp/t36 python
+benchmarks/sass_report.py``.
+
 A variant's launch arguments come from the real launcher (``int4.w4_linear_launch``, ``int4_moe.w4_fused_moe_
 triton``) run on CPU tensors with the kernel replaced by a recorder, so the constexprs, tiles and argument types
 are the ones the GPU would get (pointers taken 16-byte aligned, ints specialized as Triton's JIT does: 1 as a
@@ -220,6 +224,9 @@ def main(argv=None) -> None:
     from sparrow.kernels.int4 import Int4Config, pick_config
     from sparrow.kernels.moe_configs import Tile, default_w4_config
 
+    import triton
+
+    print(f"Triton {triton.__version__}, sm_90")
     if args.smoke:
         dense_variants("int4", 1, 256, 512, [Int4Config(1, 64, 128, split_k=1, fma=True), pick_config(1)], args.dump)
         return
