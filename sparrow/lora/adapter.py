@@ -62,6 +62,7 @@ def _read_config(folder: Path, name: str) -> dict:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: peft_type {cfg.get('peft_type')!r} is not supported "
                                "(only LORA)")
     unsupported = [("use_dora", "DoRA"), ("use_qalora", "QALoRA"), ("use_bdlora", "BD-LoRA"),
+                   ("alora_invocation_tokens", "aLoRA"),
                    ("fan_in_fan_out", "fan_in_fan_out"), ("modules_to_save", "modules_to_save"),
                    ("lora_bias", "lora_bias"), ("trainable_token_indices", "trainable_token_indices")]
     for key, what in unsupported:

@@ -1,5 +1,5 @@
 """What LoRA refuses, with a LoRAAdapterError (an InvalidRequestError) or InvalidRequestError naming the problem:
-DoRA, a rank over max_lora_rank, a target sparrow cannot adapt or that the model lacks, a missing folder, a
+DoRA, aLoRA, a rank over max_lora_rank, a target sparrow cannot adapt or that the model lacks, a missing folder, a
 lora_request without enable_lora, a bad lora_int_id, a lora_request list of the wrong length, a malformed
 adapter_config.json, factors that are not finite floating-point tensors. Adapters made with
 PEFT on a tiny random Llama."""
@@ -38,6 +38,14 @@ def _refused(llm, path, match, cls=LoRAAdapterError):
 def test_dora(llm, base, tmp_path):
     _refused(llm, make_adapter("llama", base, tmp_path / "dora", 0, r=4, target_modules=["q_proj"], use_dora=True),
              "DoRA")
+
+
+def test_activated_lora(llm, base, tmp_path):
+    """aLoRA (PEFT ``alora_invocation_tokens``) applies the adapter only from its invocation tokens on; run as a
+    plain LoRA its output would differ from PEFT's, so it is refused."""
+    path = make_adapter("llama", base, tmp_path / "alora", 0, r=4, target_modules=["q_proj"],
+                        alora_invocation_tokens=[10, 11], task_type="CAUSAL_LM")
+    _refused(llm, path, r"aLoRA \(alora_invocation_tokens=\[10, 11\]\) is not supported")
 
 
 def test_rank_over_max_lora_rank(llm, base, tmp_path):
