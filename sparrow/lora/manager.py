@@ -1,11 +1,12 @@
 """The adapter slots: ``max_loras`` device slots per adaptable module, filled on demand, LRU eviction.
 
-At start every adaptable module gets its slot buffers (``LoRABuffers``, zeros) as its ``lora`` attribute, so CUDA
-graphs captured then read them: dense ``Linear`` layers (attention, dense MLPs, shared experts), ``Router``
-(the ``mlp.gate`` logits) and ``FusedMoE`` (``ExpertLoRA``: gate_up_proj and down_proj per expert). Adapters are
-read and checked when a request names them (``load``, cached on the host by lora_int_id) and copied into a slot
-when a step needs them (``assign``): a free slot, else the least recently used one whose adapter the step does
-not run. The scheduler never runs more distinct adapters in a step than there are slots.
+At start every adaptable module of the decoder (``model.model``; not the LM head) gets its slot buffers
+(``LoRABuffers``, zeros) as its ``lora`` attribute, so CUDA graphs captured then read them: dense ``Linear`` layers
+(attention, dense MLPs, shared experts), ``Router`` (the ``mlp.gate`` logits) and ``FusedMoE`` (``ExpertLoRA``:
+gate_up_proj and down_proj per expert). Adapters are read and checked when a request names them (``load``, cached
+on the host by lora_int_id) and copied into a slot when a step needs them (``assign``): a free slot, else the least
+recently used one whose adapter the step does not run. The scheduler never runs more distinct adapters in a step
+than there are slots.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ class LoRAManager:
         self.model, self.max_loras, self.max_lora_rank = model, max_loras, max_lora_rank
         self.buffers: dict[tuple[str, str], LoRABuffers] = {}
         r, s = max_lora_rank, max_loras
-        for path, m in model.named_modules():
+        # the decoder's modules: the LM head (a Linear with quantize_lm_head) is not adaptable
+        for path, m in model.model.named_modules(prefix="model"):
             if isinstance(m, Linear):
                 buf = LoRABuffers(s, 1, r * len(m.output_sizes), m.in_features, m.out_features, dtype, device,
                                   m.output_sizes)
