@@ -1,7 +1,7 @@
 """What LoRA refuses, with a LoRAAdapterError (an InvalidRequestError) or InvalidRequestError naming the problem:
 DoRA, aLoRA, a rank over max_lora_rank, a target sparrow cannot adapt or that the model lacks, a missing folder, a
 lora_request without enable_lora, a bad lora_int_id, a lora_request list of the wrong length, a malformed
-adapter_config.json, factors that are not finite floating-point tensors. Adapters made with
+adapter_config.json, factors that are not finite floating-point tensors or have rank 0. Adapters made with
 PEFT on a tiny random Llama."""
 from __future__ import annotations
 
@@ -130,3 +130,13 @@ def test_rank_over_max_lora_rank_names_the_expert_parameter(tmp_path):
                         rank_pattern={r".*\.experts\.gate_up_proj": 8})
     _refused(make_llm(moe, max_model_len=64, enable_lora=True, max_loras=1, max_lora_rank=4), path,
              r"rank 8 of 'model\.layers\.\d+\.mlp\.experts\.gate_up_proj' exceeds max_lora_rank=4")
+
+
+def test_zero_rank_factors(llm, base, tmp_path):
+    """A module whose lora_A / lora_B have rank 0 ([0, K] / [N, 0]: PEFT never writes them, its r must be positive)
+    is refused naming the module (its scaling lora_alpha / r would divide by zero)."""
+    path = make_adapter("llama", base, tmp_path / "z", 0, r=4, target_modules=["q_proj", "k_proj"])
+    file = path / "adapter_model.safetensors"
+    save_file({k: v[:0] if "layers.1.self_attn.k_proj.lora_A" in k else v[:, :0] if "layers.1.self_attn.k_proj.lora_B"
+               in k else v for k, v in load_file(str(file)).items()}, str(file))
+    _refused(llm, path, r"target module 'model\.layers\.1\.self_attn\.k_proj' has rank 0")
