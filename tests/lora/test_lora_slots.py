@@ -52,6 +52,23 @@ def test_lru_slots_and_their_contents(setup):
     assert qkv.seg_cols[slot].tolist() == [[0, 4], [0, 0], [4, 4]]  # q: rank rows 0-3, k: none, v: 4-7
 
 
+def test_one_folder_spelled_two_ways_is_one_adapter(setup, monkeypatch):
+    """An id names one folder however its path is spelled (a trailing slash, relative to the working directory, a
+    symbolic link): the same id may come back with another spelling, and a second id shares the host copy. Another
+    folder under a known id is still refused."""
+    from sparrow.errors import LoRAAdapterError
+
+    mgr, a, b = setup
+    first = mgr.load(LoRARequest("a", 11, str(a)))
+    monkeypatch.chdir(a.parent)
+    link = a.parent / "a-link"
+    link.symlink_to(a, target_is_directory=True)
+    for spelling in (str(a) + "/", a.name, f"./{a.name}", str(link)):
+        assert mgr.load(LoRARequest("a", 11, spelling)) is first, spelling
+    assert mgr.load(LoRARequest("a", 12, a.name)).targets is first.targets
+    with pytest.raises(LoRAAdapterError, match="lora_int_id 11 is already the adapter at"):
+        mgr.load(LoRARequest("b", 11, str(b)))
+
 def test_no_slots_for_a_quantized_lm_head(tmp_path):
     """With quantize_lm_head the LM head is a Linear (``lm_head_quantized``), which no adapter can target: it holds no
     adapter slots (at Gemma 4's vocabulary, 4 slots of rank 64 would be 136 MB of bf16 for nothing), while the
