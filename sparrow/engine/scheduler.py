@@ -2,14 +2,15 @@
 (by recomputation: a preempted sequence frees its blocks and goes back to the front of the waiting queue; its
 prompt and output so far are prefilled again when it is readmitted), and the overlap decision.
 
-Each step, running sequences go first (a decode needs one row, or 1 + k' rows to verify k' draft tokens from
-the speculative decoder when they fit the budget and free blocks; an unfinished prefill takes a chunk), then
-waiting sequences are admitted while the budget, ``max_num_seqs``, free blocks and the LoRA adapter slots
-(``max_loras`` distinct adapters among the running sequences) allow. A waiting sequence
-that cannot be admitted holds no blocks (the prefix-cache hits it took are given back), so it never starves
-the running ones. A plan whose rows are all plain greedy decode rows of every running sequence, with nothing
-waiting, may queue the next step before it is read (``queue_next``; ``switches.OVERLAP``): ``schedule_ahead``
-plans that step (allocating its blocks as for any other) from the queued one.
+Each step, running sequences go first (a decode needs one row, or 1 + k' rows to verify k' draft tokens from the
+speculative decoder when they fit the budget and free blocks; an unfinished prefill takes a chunk), then waiting
+sequences are admitted in order while the budget, ``max_num_seqs`` and free blocks allow. LoRA adapter slots
+(``max_loras`` distinct adapters among the running sequences): a sequence whose adapter finds none free waits, the
+adapter sequences behind it too (in order), and base-model sequences behind it, which take no slot, are admitted
+past it. A waiting sequence that cannot be admitted holds no blocks (the prefix-cache hits it took are given back),
+so it never starves the running ones. A plan whose rows are all plain greedy decode rows of every running sequence,
+with nothing waiting, may queue the next step before it is read (``queue_next``; ``switches.OVERLAP``):
+``schedule_ahead`` plans that step (allocating its blocks as for any other) from the queued one.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int | None = None,
                  max_loras: int | None = None):
         """``max_loras``: most distinct LoRA adapters among the running sequences (the device's adapter slots);
-        a waiting sequence of another adapter waits until a running adapter's sequences are done."""
+        a waiting sequence of another adapter waits until a running adapter's sequences are done, and later
+        sequences with an adapter wait behind it."""
         self.config = config
         self.max_loras = max_loras
         self.bm = block_manager
@@ -103,10 +105,13 @@ class Scheduler:
             out.append(self._item(seq, n))
             budget -= n
         adapters = {s.lora_int_id for s in self.running} - {0}
+        held: list[Sequence] = []  # adapter sequences behind one that found every adapter slot taken
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if seq.lora_int_id and seq.lora_int_id not in adapters and len(adapters) >= (self.max_loras or 0):
-                break  # every adapter slot is taken by running sequences
+            if seq.lora_int_id and (held or (seq.lora_int_id not in adapters
+                                             and len(adapters) >= (self.max_loras or 0))):
+                held.append(self.waiting.popleft())  # base-model sequences behind it take no slot: they go on
+                continue
             if not seq.block_table:
                 seq.num_cached_prefix_tokens = self.bm.allocate_prefix(seq)
                 seq.num_computed_tokens = seq.num_cached_prefix_tokens
@@ -129,6 +134,7 @@ class Scheduler:
                 adapters.add(seq.lora_int_id)
             out.append(self._item(seq, n))
             budget -= n
+        self.waiting.extendleft(reversed(held))
         plan = StepPlan(out)
         sampled = [item for item in out if item.samples]
         plan.argmax_only = all(argmax_only(i.seq.params, len(i.seq.output_token_ids)) for i in sampled)

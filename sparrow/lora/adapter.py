@@ -62,6 +62,7 @@ def _read_config(folder: Path, name: str) -> dict:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: peft_type {cfg.get('peft_type')!r} is not supported "
                                "(only LORA)")
     unsupported = [("use_dora", "DoRA"), ("use_qalora", "QALoRA"), ("use_bdlora", "BD-LoRA"),
+                   ("alora_invocation_tokens", "aLoRA"),
                    ("fan_in_fan_out", "fan_in_fan_out"), ("modules_to_save", "modules_to_save"),
                    ("lora_bias", "lora_bias"), ("trainable_token_indices", "trainable_token_indices")]
     for key, what in unsupported:
@@ -122,7 +123,8 @@ def _side_by_side(parts: list[tuple[int, torch.Tensor, torch.Tensor]], n: int) -
 def load_adapter(request: LoRARequest, model: torch.nn.Module, max_lora_rank: int) -> Adapter:
     """Read ``request``'s folder and map it onto ``model`` (a sparrow CausalLM). Raises LoRAAdapterError for a
     missing or malformed folder, an unsupported PEFT feature (DoRA, biases, modules_to_save, ...), a tensor that
-    is not a lora_A / lora_B weight or not a finite floating-point one, a rank over ``max_lora_rank``, or a target sparrow cannot adapt (naming it)."""
+    is not a lora_A / lora_B weight or not a finite floating-point one, factors of rank 0, a rank over
+    ``max_lora_rank``, or a target sparrow cannot adapt (naming it)."""
     from safetensors.torch import load_file
 
     from sparrow.layers.linear import Linear
@@ -166,6 +168,8 @@ def load_adapter(request: LoRARequest, model: torch.nn.Module, max_lora_rank: in
         a, b = ab["lora_A"], ab["lora_B"]
         if a.dim() != 2 or b.dim() != 2:
             fail(module, f"has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}: both must be 2-D")
+        if a.shape[0] == 0 or b.shape[1] == 0:
+            fail(module, f"has rank 0 (lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)})")
         hf = module
         while hf.endswith(_BASE_LAYER):
             hf = hf[: -len(_BASE_LAYER)]

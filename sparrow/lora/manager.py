@@ -1,15 +1,17 @@
 """The adapter slots: ``max_loras`` device slots per adaptable module, filled on demand, LRU eviction.
 
-At start every adaptable module gets its slot buffers (``LoRABuffers``, zeros) as its ``lora`` attribute, so CUDA
-graphs captured then read them: dense ``Linear`` layers (attention, dense MLPs, shared experts), ``Router``
-(the ``mlp.gate`` logits) and ``FusedMoE`` (``ExpertLoRA``: gate_up_proj and down_proj per expert). Adapters are
-read and checked when a request names them (``load``, cached on the host by lora_int_id) and copied into a slot
-when a step needs them (``assign``): a free slot, else the least recently used one whose adapter the step does
-not run. The scheduler never runs more distinct adapters in a step than there are slots.
+At start every adaptable module of the decoder (``model.model``; not the LM head) gets its slot buffers
+(``LoRABuffers``, zeros) as its ``lora`` attribute, so CUDA graphs captured then read them: dense ``Linear`` layers
+(attention, dense MLPs, shared experts), ``Router`` (the ``mlp.gate`` logits) and ``FusedMoE`` (``ExpertLoRA``:
+gate_up_proj and down_proj per expert). Adapters are read and checked when a request names them (``load``, cached
+on the host by lora_int_id) and copied into a slot when a step needs them (``assign``): a free slot, else the least
+recently used one whose adapter the step does not run. The scheduler never runs more distinct adapters in a step
+than there are slots.
 """
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 
 import torch
@@ -34,7 +36,8 @@ class LoRAManager:
         self.model, self.max_loras, self.max_lora_rank = model, max_loras, max_lora_rank
         self.buffers: dict[tuple[str, str], LoRABuffers] = {}
         r, s = max_lora_rank, max_loras
-        for path, m in model.named_modules():
+        # the decoder's modules: the LM head (a Linear with quantize_lm_head) is not adaptable
+        for path, m in model.model.named_modules(prefix="model"):
             if isinstance(m, Linear):
                 buf = LoRABuffers(s, 1, r * len(m.output_sizes), m.in_features, m.out_features, dtype, device,
                                   m.output_sizes)
@@ -49,6 +52,8 @@ class LoRAManager:
                 self.buffers[path, "gate_up_proj"], self.buffers[path, "down_proj"] = gate_up, down
                 m.lora = ExpertLoRA(gate_up, down)
         self.adapters: dict[int, Adapter] = {}
+        self.folders: dict[int, str] = {}
+        """lora_int_id -> the real path of its folder when it was loaded."""
         self.slots: OrderedDict[int, int] = OrderedDict()
         """lora_int_id -> slot, least recently used first."""
         log.info("LoRA: %d slots of rank %d, %.1f MiB of buffers", max_loras, max_lora_rank,
@@ -56,28 +61,30 @@ class LoRAManager:
 
     def load(self, request: LoRARequest) -> Adapter:
         """The adapter of ``request``, read and checked once per lora_int_id (LoRAAdapterError when it cannot be
-        used; a folder already loaded under another id shares its host copy). An id seen before with another path
-        is an error too. Host copies (fp32) stay for every adapter seen."""
+        used; a folder already loaded under another id shares its host copy). Folders are compared as real paths
+        (``os.path.realpath`` when first seen: a trailing slash, a relative path or a link name the same folder).
+        An id seen before with another folder is an error too. Host copies (fp32) stay for every adapter seen."""
         from sparrow.errors import LoRAAdapterError
 
+        folder = os.path.realpath(request.lora_path)
         known = self.adapters.get(request.lora_int_id)
         if known is not None:
-            if known.request.lora_path != request.lora_path:
+            if self.folders[request.lora_int_id] != folder:
                 raise LoRAAdapterError(f"lora_int_id {request.lora_int_id} is already the adapter at "
                                        f"{known.request.lora_path!r}, not {request.lora_path!r}")
             return known
-        same = next((a for a in self.adapters.values() if a.request.lora_path == request.lora_path), None)
+        same = next((lid for lid, f in self.folders.items() if f == folder), None)
         if same is not None:  # the folder is loaded under another id: share its factors
-            adapter = Adapter(request, same.targets, same.rank)
-            self.adapters[request.lora_int_id] = adapter
-            return adapter
-        adapter = load_adapter(request, self.model, self.max_lora_rank)
-        for key, (a, b) in adapter.targets.items():
-            buf = self.buffers.get(key)
-            if buf is None or a.shape[-2] > buf.width:
-                raise LoRAAdapterError(f"LoRA adapter {request.lora_name!r}: {key[0]}.{key[1]} cannot take its "
-                                       f"factors {tuple(a.shape)}")
+            adapter = Adapter(request, self.adapters[same].targets, self.adapters[same].rank)
+        else:
+            adapter = load_adapter(request, self.model, self.max_lora_rank)
+            for key, (a, b) in adapter.targets.items():
+                buf = self.buffers.get(key)
+                if buf is None or a.shape[-2] > buf.width:
+                    raise LoRAAdapterError(f"LoRA adapter {request.lora_name!r}: {key[0]}.{key[1]} cannot take its "
+                                           f"factors {tuple(a.shape)}")
         self.adapters[request.lora_int_id] = adapter
+        self.folders[request.lora_int_id] = folder
         return adapter
 
     def assign(self, lora_ids: set[int]) -> dict[int, int]:

@@ -250,7 +250,7 @@ def make_speculative_decoder(config, num_blocks: int, draft_model=None) -> Specu
             raise InvalidRequestError(f"draft model vocabulary ({dcfg.vocab_size} tokens) is larger than the "
                                       f"target's ({config.model.vocab_size}): drafts must be target tokens")
         try:
-            draft_config = config.replace(model=dcfg, speculative=None,
+            draft_config = config.replace(model=dcfg, speculative=None, lora=None,
                                           cache=dataclasses.replace(config.cache, num_blocks=num_blocks))
         except InvalidRequestError as e:
             raise InvalidRequestError(f"draft model: {e}") from None

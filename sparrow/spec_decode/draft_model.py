@@ -34,8 +34,8 @@ class _Mirror:
 
 class DraftModelProposer:
     def __init__(self, config: EngineConfig, model: torch.nn.Module):
-        """``config``: the draft's engine config (the target's settings with the draft's ModelConfig and a KV pool
-        of as many blocks as the target's)."""
+        """``config``: the draft's engine config (the target's settings with the draft's ModelConfig, a KV pool of
+        as many blocks as the target's and no LoRA: the draft runs the base model for every request)."""
         self.runner = ModelRunner(config, model, query_lens=(1, 2))
         self.bm = BlockManager(self.runner.num_blocks, config.cache.block_size, enable_prefix_caching=False)
         self._mirrors: dict[Sequence, _Mirror] = {}

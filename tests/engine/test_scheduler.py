@@ -7,21 +7,25 @@ from sparrow.config import SchedulerConfig
 from sparrow.engine.block_manager import BlockManager
 from sparrow.engine.scheduler import Scheduler
 from sparrow.engine.sequence import Sequence, SequenceStatus
+from sparrow.lora.request import LoRARequest
 from sparrow.sampling_params import SamplingParams
 
 
-def make(num_blocks=64, block_size=4, budget=16, max_seqs=8, prefix=False):
+def make(num_blocks=64, block_size=4, budget=16, max_seqs=8, prefix=False, max_loras=None):
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
-    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget), bm), bm
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget), bm,
+                     max_loras=max_loras), bm
 
 
 _n = iter(range(10**6))
 
 
-def seq(n_prompt: int, max_tokens: int = 100) -> Sequence:
+def seq(n_prompt: int, max_tokens: int = 100, lora_id: int = 0) -> Sequence:
+    """``lora_id``: the adapter's lora_int_id (0: the base model; the folder is never read here)."""
     i = next(_n)
+    lora = LoRARequest(f"a{lora_id}", lora_id, f"/adapters/{lora_id}") if lora_id else None
     return Sequence(str(i), 0, [(i * 7 + j) % 200 for j in range(n_prompt)], SamplingParams(max_tokens=max_tokens),
-                    {2})
+                    {2}, lora_request=lora)
 
 
 def advance(sched: Scheduler, out) -> None:
@@ -94,6 +98,31 @@ def test_max_num_seqs():
     sched.finish(seqs[0])
     out = rows(sched.schedule())
     assert [s for s, _ in out] == [seqs[1], seqs[2]]
+
+
+
+def test_adapter_slots_hold_back_adapters_in_order_not_the_base_model():
+    """max_loras=1: a sequence whose adapter finds no free slot waits, and so do the adapter sequences behind it
+    (first come, first served: later requests of the running adapter do not keep it running past the waiting
+    one), while base-model sequences, which take no slot, are admitted past it."""
+    sched, _ = make(budget=100, max_loras=1)
+    a1, b1, base, a2 = seq(3, lora_id=1), seq(3, lora_id=2), seq(3), seq(3, lora_id=1)
+    for s in (a1, b1, base, a2):
+        sched.add(s)
+
+    def step():
+        out = sched.schedule()
+        advance(sched, out)
+        return [s for s, _ in rows(out)]
+
+    assert step() == [a1, base]
+    assert list(sched.waiting) == [b1, a2]
+    assert step() == [a1, base]
+    sched.finish(a1)
+    assert step() == [base, b1]  # adapter 2 takes the slot before a2
+    assert list(sched.waiting) == [a2]
+    sched.finish(b1)
+    assert step() == [base, a2]
 
 
 def test_preemption_takes_the_latest_running_and_requeues_it_first():

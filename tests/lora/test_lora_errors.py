@@ -1,7 +1,7 @@
 """What LoRA refuses, with a LoRAAdapterError (an InvalidRequestError) or InvalidRequestError naming the problem:
-DoRA, a rank over max_lora_rank, a target sparrow cannot adapt or that the model lacks, a missing folder, a
+DoRA, aLoRA, a rank over max_lora_rank, a target sparrow cannot adapt or that the model lacks, a missing folder, a
 lora_request without enable_lora, a bad lora_int_id, a lora_request list of the wrong length, a malformed
-adapter_config.json, factors that are not finite floating-point tensors. Adapters made with
+adapter_config.json, factors that are not finite floating-point tensors or have rank 0. Adapters made with
 PEFT on a tiny random Llama."""
 from __future__ import annotations
 
@@ -38,6 +38,14 @@ def _refused(llm, path, match, cls=LoRAAdapterError):
 def test_dora(llm, base, tmp_path):
     _refused(llm, make_adapter("llama", base, tmp_path / "dora", 0, r=4, target_modules=["q_proj"], use_dora=True),
              "DoRA")
+
+
+def test_activated_lora(llm, base, tmp_path):
+    """aLoRA (PEFT ``alora_invocation_tokens``) applies the adapter only from its invocation tokens on; run as a
+    plain LoRA its output would differ from PEFT's, so it is refused."""
+    path = make_adapter("llama", base, tmp_path / "alora", 0, r=4, target_modules=["q_proj"],
+                        alora_invocation_tokens=[10, 11], task_type="CAUSAL_LM")
+    _refused(llm, path, r"aLoRA \(alora_invocation_tokens=\[10, 11\]\) is not supported")
 
 
 def test_rank_over_max_lora_rank(llm, base, tmp_path):
@@ -122,3 +130,13 @@ def test_rank_over_max_lora_rank_names_the_expert_parameter(tmp_path):
                         rank_pattern={r".*\.experts\.gate_up_proj": 8})
     _refused(make_llm(moe, max_model_len=64, enable_lora=True, max_loras=1, max_lora_rank=4), path,
              r"rank 8 of 'model\.layers\.\d+\.mlp\.experts\.gate_up_proj' exceeds max_lora_rank=4")
+
+
+def test_zero_rank_factors(llm, base, tmp_path):
+    """A module whose lora_A / lora_B have rank 0 ([0, K] / [N, 0]: PEFT never writes them, its r must be positive)
+    is refused naming the module (its scaling lora_alpha / r would divide by zero)."""
+    path = make_adapter("llama", base, tmp_path / "z", 0, r=4, target_modules=["q_proj", "k_proj"])
+    file = path / "adapter_model.safetensors"
+    save_file({k: v[:0] if "layers.1.self_attn.k_proj.lora_A" in k else v[:, :0] if "layers.1.self_attn.k_proj.lora_B"
+               in k else v for k, v in load_file(str(file)).items()}, str(file))
+    _refused(llm, path, r"target module 'model\.layers\.1\.self_attn\.k_proj' has rank 0")

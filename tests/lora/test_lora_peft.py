@@ -159,6 +159,24 @@ def test_speculative_verify_rows_run_each_adapter(case):
         compare(*case.ref[a][i], out.outputs[0])
 
 
+
+@pytest.mark.parametrize("case", ["llama"], indirect=True)
+def test_draft_model_runs_without_adapters(case):
+    """A draft model (here the base itself) proposes for a target that runs adapters: greedy output is still PEFT's,
+    and the draft holds no adapter slots (it runs the base model only: slots would be device memory and, in its
+    CUDA graphs, LoRA launches on every draft step for nothing)."""
+    a1, a2 = case.adapters
+    llm = make_llm(case.base, max_model_len=128, enable_lora=True, max_loras=2, max_lora_rank=8,
+                   speculative_config={"method": "draft_model", "model": str(case.base), "num_speculative_tokens": 3})
+    draft = llm.engine.spec.proposer.runner
+    assert draft.lora is None and all(m.lora is None for m in draft.model.modules() if hasattr(m, "lora"))
+    run = (a1, None, a2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params(),
+                        lora_request=[_request(a, i) for i, a in zip((1, 0, 2), run)])
+    assert llm.get_metrics()["sparrow:spec_decode_num_draft_tokens"] > 0
+    for i, (a, out) in enumerate(zip(run, outs)):
+        compare(*case.ref[a][i], out.outputs[0])
+
 def test_router_alone_and_experts_alone(tmp_path):
     """Qwen2-MoE adapters on the router only and on the routed experts only: each changes PEFT's output, and
     sparrow's matches it (so neither delta path can be silently dropped)."""

@@ -50,3 +50,33 @@ def test_lru_slots_and_their_contents(setup):
     assert torch.all(qkv.b[slot, 4:, :q_rows] == 0) and torch.all(qkv.b[slot, :, q_rows:q_rows + k_rows] == 0)
     assert torch.all(qkv.b[slot, :4, q_rows + k_rows:] == 0)
     assert qkv.seg_cols[slot].tolist() == [[0, 4], [0, 0], [4, 4]]  # q: rank rows 0-3, k: none, v: 4-7
+
+
+def test_one_folder_spelled_two_ways_is_one_adapter(setup, monkeypatch):
+    """An id names one folder however its path is spelled (a trailing slash, relative to the working directory, a
+    symbolic link): the same id may come back with another spelling, and a second id shares the host copy. Another
+    folder under a known id is still refused."""
+    from sparrow.errors import LoRAAdapterError
+
+    mgr, a, b = setup
+    first = mgr.load(LoRARequest("a", 11, str(a)))
+    monkeypatch.chdir(a.parent)
+    link = a.parent / "a-link"
+    link.symlink_to(a, target_is_directory=True)
+    for spelling in (str(a) + "/", a.name, f"./{a.name}", str(link)):
+        assert mgr.load(LoRARequest("a", 11, spelling)) is first, spelling
+    assert mgr.load(LoRARequest("a", 12, a.name)).targets is first.targets
+    with pytest.raises(LoRAAdapterError, match="lora_int_id 11 is already the adapter at"):
+        mgr.load(LoRARequest("b", 11, str(b)))
+
+def test_no_slots_for_a_quantized_lm_head(tmp_path):
+    """With quantize_lm_head the LM head is a Linear (``lm_head_quantized``), which no adapter can target: it holds no
+    adapter slots (at Gemma 4's vocabulary, 4 slots of rank 64 would be 136 MB of bf16 for nothing), while the
+    decoder's linears hold theirs."""
+    base = base_model("llama", tmp_path / "base")
+    llm = make_llm(base, max_model_len=64, enable_lora=True, max_loras=2, max_lora_rank=4, quantization="fp8",
+                   quantize_lm_head=True)
+    mgr, model = llm.engine.runner.lora, llm.engine.runner.model
+    assert model.lm_head_quantized.lora is None
+    assert all(path.startswith("model.layers.") for path, _ in mgr.buffers)
+    assert ("model.layers.0.self_attn.qkv_proj", "weight") in mgr.buffers
