@@ -159,7 +159,7 @@ class Int4Config:
     fma: bool = False
     """No dots: the decoded weight tile meets the rows of x in fp32 FMAs (``_int4_jit._w4_fma_rows``), summed per
     step: no MMA padding of the rows to 16 and no layout conversion of the weight tile for the dot, one FMA per
-    element per row (GEMV tiles of one or a few rows; int4 needs block_k <= group)."""
+    element per row (GEMV tiles of one or a few rows; int4 steps of at most one group: block_k is cut to it)."""
 
 
 FMA_ROWS = (1, 2, 4)
@@ -286,11 +286,13 @@ def w4_linear_launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, 
     cfg = pick_config(rows, "nvfp4" if nvfp4 else "int4", torch.cuda.get_device_name(x.device) if x.is_cuda else None)
     if x.dtype == torch.float32 and x.is_cuda and forced_config.value is None and not cfg.fma:
         cfg = FP32_CONFIG(rows)
+    if cfg.fma and not nvfp4 and cfg.block_k > group:  # an FMA step scales one group's sums: a step per group
+        cfg = dataclasses.replace(cfg, block_k=group)
     sub_k = min(cfg.block_k, 128 if nvfp4 else group)
     if cfg.block_k % sub_k or sub_k < 16 or cfg.block_n < 16 or (
-            cfg.block_m not in FMA_ROWS or not nvfp4 and cfg.block_k > group if cfg.fma else cfg.block_m < 16):
+            cfg.block_m not in FMA_ROWS if cfg.fma else cfg.block_m < 16):
         raise ValueError(f"int4_linear: {cfg} does not fit group {group} (block_k a multiple of the group or "
-                         f"dividing it, tiles >= 16; FMA tiles: block_m in {FMA_ROWS}, int4 block_k <= group)")
+                         f"dividing it, tiles >= 16; FMA tiles: block_m in {FMA_ROWS})")
     interp = interpreting()
     m_tiles, n_tiles = triton_cdiv(rows, cfg.block_m), triton_cdiv(n, cfg.block_n)
     split, ws, locks = split_k.plan(x.device, n_tiles, triton_cdiv(k, cfg.block_k), cfg.split_k if m_tiles == 1 else 1,

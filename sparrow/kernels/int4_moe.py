@@ -19,6 +19,8 @@ activation fused into gate|up, then ``moe_reduce``. The kernels: ``_int4_jit``.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from sparrow.kernels.int4 import dequantize_int4_ref
@@ -154,12 +156,14 @@ def w4_fused_moe_triton(x, w13, s13, z13, g13, w2, s2, z2, g2, group, topk_weigh
     if not small:
         sorted_ids, block_expert, total = moe_align_triton(topk_ids, num_experts, cfg.block_m)
     for a, div, w, s, z, g, out, n, k, gated, tile in gemms:
+        if small and tile.fma_rows and not nvfp4 and tile.block_k > group:  # FMA steps: one group each (int4)
+            tile = dataclasses.replace(tile, block_k=group)
         sub_k = min(tile.block_k, 128 if nvfp4 else group)
-        if tile.block_k % sub_k or min(sub_k, tile.block_n, cfg.block_m) < 16 or tile.fma_rows and (
-                tile.fma_rows not in FMA_ROWS or not nvfp4 and tile.block_k > group):
+        if tile.block_k % sub_k or min(sub_k, tile.block_n, cfg.block_m) < 16 or (
+                small and tile.fma_rows and tile.fma_rows not in FMA_ROWS):
             raise ValueError(f"int4 / NVFP4 fused_moe: tile {tile} (block_m {cfg.block_m}) does not fit group "
                              f"{group} (block_k a multiple of the group or dividing it, tiles >= 16, fma_rows 0 or "
-                             f"in {FMA_ROWS} with int4 block_k <= group)")
+                             f"in {FMA_ROWS})")
         args = (a, w, s, z if z is not None else s, g if nvfp4 else s, out)
         strides = (pairs, n, k, div, a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
                    g.stride(0) if nvfp4 else 0, group)

@@ -148,13 +148,26 @@ def test_fma_rows_out_of_range():
             int4_linear(x, packed, scale, zero, 64)
     w13, w2 = _int4_experts(4, 64, 96, 32, True, torch.float32)
     x, wts, ids = _moe_case(3, 4, 64, 96, 3, torch.float32)
-    for tile in (Tile(block_n=16, block_k=32, fma_rows=3), Tile(block_n=16, block_k=64, fma_rows=1)):  # group 32
-        with backend("triton"), moe_forced_config(MoeConfig(16, tile, tile)):
-            with pytest.raises(ValueError, match="fma_rows"):
-                int4_fused_moe(x, *w13, *w2, 32, wts, ids)
-    with backend("triton"), forced_config(Int4Config(block_m=1, block_n=16, block_k=128, fma=True)):
-        with pytest.raises(ValueError, match="block_k <= group"):
-            int4_linear(x[:, :64], packed[:, :8], scale[:, :1], zero if zero is None else zero[:, :1], 64)
+    tile = Tile(block_n=16, block_k=32, fma_rows=3)
+    with backend("triton"), moe_forced_config(MoeConfig(16, tile, tile)):
+        with pytest.raises(ValueError, match="fma_rows"):
+            int4_fused_moe(x, *w13, *w2, 32, wts, ids)
+
+
+def test_fma_steps_cut_to_the_int4_group():
+    """A tuned FMA tile meets checkpoints of any group: int4 steps wider than the group are cut to one group (dense
+    block_k 128 on group 32; experts block_k 128 on group 32), equal to the twins."""
+    packed, scale, zero = _int4(40, 200, 32, False, torch.float32)
+    x = _x(2, 200, torch.float32, 3)
+    with backend("triton"), forced_config(Int4Config(block_m=2, block_n=16, block_k=128, fma=True)):
+        got = int4_linear(x, packed, scale, zero, 32)
+    _check(got, int4_linear_ref(x, packed, scale, zero, 32), torch.float32, DENSE_NMSE)
+    w13, w2 = _int4_experts(4, 64, 96, 32, False, torch.float32)
+    xm, wts, ids = _moe_case(2, 4, 64, 96, 3, torch.float32)
+    tile = Tile(block_n=16, block_k=128, fma_rows=1)
+    with backend("triton"), moe_forced_config(MoeConfig(16, tile, tile)):
+        got = int4_fused_moe(xm, *w13, *w2, 32, wts, ids)
+    _check(got, int4_fused_moe_ref(xm, *w13, *w2, 32, wts, ids), torch.float32, MOE_NMSE)
 
 
 GPU_FMA_ROWS = (1, 2, 3, 4, 8)
