@@ -10,8 +10,8 @@ uint8 [N, G] or None for symmetric weights; w = (u - zero) * scale):
   pack-quantized, config_groups: {..: {weights: {num_bits: 4, type: int, strategy: group, group_size,
   symmetric}}}, ignore}``): ``weight_packed`` int32 [N, K / 8] (already the kernels' layout),
   ``weight_scale`` [N, G], ``weight_zero_point`` int32 [ceil(N / 8), G] (zero points packed along N, only
-  when asymmetric), ``weight_shape`` [2] = (N, K). Activation-ordered checkpoints (``actorder``, a
-  ``weight_g_idx`` tensor) are refused;
+  when asymmetric), ``weight_shape`` [2] = (N, K). Group activation order (``actorder: group``, a
+  ``weight_g_idx`` tensor) is refused; ``actorder: weight`` (alias ``static``) orders the calibration only and loads;
 - GPTQ (AutoGPTQ / GPTQModel, ``{quant_method: gptq, bits: 4, group_size, desc_act: false, sym,
   checkpoint_format: gptq | gptq_v2}``): ``qweight`` int32 [K / 8, N] (8 codes of one column along K per
   word, low nibble first: the transpose of ours), ``qzeros`` int32 [G, N / 8] (8 columns per word; format
@@ -73,12 +73,13 @@ def _group(value, where: str, k_wide_ok: bool = False) -> int:
 
 
 def _from_compressed_tensors(qc: dict) -> dict:
-    groups = qc.get("config_groups") or {}
-    if not isinstance(groups, dict) or not groups:
-        raise ModelLoadError("compressed-tensors checkpoint without config_groups")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups or not all(isinstance(g, dict) for g in groups.values()):
+        raise ModelLoadError(f"compressed-tensors checkpoint quantization_config.config_groups must be a non-empty "
+                             f"object of scheme objects, got {groups!r}")
     schemes = []
     for gname, grp in groups.items():
-        w = (grp or {}).get("weights") or {}
+        w = grp.get("weights") or {}
         fmt = grp.get("format") or qc.get("format")
         where = f"compressed-tensors config_groups.{gname}"
         if fmt != "pack-quantized" or w.get("type", "int") != "int" or w.get("num_bits") != 4:
@@ -88,7 +89,7 @@ def _from_compressed_tensors(qc: dict) -> dict:
             raise ModelLoadError(f"{where}: quantized activations are not supported (int4 W4A16 only)")
         if w.get("strategy") != "group":
             raise ModelLoadError(f"{where}: weights strategy {w.get('strategy')!r} is not supported (only 'group')")
-        if w.get("actorder") not in (None, False, "static"):
+        if w.get("actorder") not in (None, False, "weight", "static"):  # these order the calibration only
             raise ModelLoadError(f"{where}: activation order (actorder={w.get('actorder')!r}) is not supported")
         schemes.append((_group(w.get("group_size"), f"{where}.weights.group_size"), bool(w.get("symmetric", True))))
     if len(set(schemes)) != 1:
@@ -149,8 +150,9 @@ class Int4Config(QuantizationConfig):
         """A compressed-tensors pack-quantized, GPTQ or AWQ ``quantization_config``."""
         method = qc.get("quant_method")
         if method == "compressed-tensors":
-            fmts = {qc.get("format")} | {(g or {}).get("format") for g in (qc.get("config_groups") or {}).values()}
-            return "pack-quantized" in fmts
+            groups = qc.get("config_groups")
+            groups = groups.values() if isinstance(groups, dict) else ()
+            return "pack-quantized" in {qc.get("format")} | {g.get("format") for g in groups if isinstance(g, dict)}
         return method in ("gptq", "awq")
 
     @classmethod

@@ -159,6 +159,21 @@ def test_config_errors_are_named():
     assert config_from_hf({"quant_method": "awq", "bits": 4, "group_size": 128}).layout == "awq"
 
 
+def test_weight_activation_order_loads_and_malformed_groups_are_named():
+    """actorder "weight" (compressed-tensors' name for "static"; llm-compressor's GPTQ writes it) orders the
+    calibration only: the checkpoint is plain pack-quantized. A config_groups that is not an object of objects is
+    a ModelLoadError naming it."""
+    from sparrow.quant import config_from_hf
+
+    for order in ("weight", "static"):
+        qc = ct_config(128, True)
+        qc["config_groups"]["group_0"]["weights"]["actorder"] = order
+        assert config_from_hf(qc) == config_from_hf(ct_config(128, True)), order
+    for groups in ([ct_config(128, True)["config_groups"]["group_0"]], {"group_0": "pack-quantized"}):
+        with pytest.raises(ModelLoadError, match="config_groups"):
+            config_from_hf({**ct_config(128, True), "config_groups": groups})
+
+
 # ---- whole models ----------------------------------------------------------------------------------------
 
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
