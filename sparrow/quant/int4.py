@@ -25,9 +25,15 @@ On-load quantization (``quantization="int4"`` on a float checkpoint or a named s
 symmetric, group 128 (``kernels.int4.quantize_int4_ref``, compressed-tensors' formula), scales in the model
 dtype; each shard of a packed layer quantizes on its own as it arrives (groups run along K, within a row).
 
+Float layers of a checkpoint: those its ``ignore`` (compressed-tensors) / ``modules_to_not_convert`` (GPTQ, AWQ)
+names, and with compressed-tensors ``targets`` other than ``Linear`` those the targets leave out; entries are HF
+module names, dotted parts of them or ``re:`` regexes, a packed layer (qkv_proj) or a stacked expert layer named by
+all its HF parts (q / k / v_proj; every ``experts.N.gate_proj`` / ``up_proj`` / ``down_proj``, as llm-compressor
+lists them) or by none (``sparrow.quant.scope.layers_named``).
+
 ``Int4Config`` is the format (registered as "int4"; it also loads the checkpoints whose quant_method is
 compressed-tensors with format pack-quantized, gptq or awq) and gives ``Int4LinearMethod`` to dense linears
-(the float method to routers, the LM head and ignored layers) and ``sparrow.quant.int4_moe.Int4MoEMethod``
+(the float method to routers, the LM head and float layers) and ``sparrow.quant.int4_moe.Int4MoEMethod``
 to routed experts. apply: dequantize then matmul in torch (``int4_linear_ref``: the CPU path), the W4A16
 Triton kernels on CUDA (``sparrow.kernels.int4``).
 """
@@ -45,22 +51,22 @@ from sparrow.quant.base import LinearMethodBase, QuantizationConfig
 from sparrow.quant.int4_layouts import AWQ_ORDER, convert, finish_scale, finish_zero, layout_tensors, shape_error
 from sparrow.quant.int4_moe import Int4MoEMethod
 from sparrow.quant.registry import register_quantization
+from sparrow.quant.scope import layers_named
 from sparrow.quant.unquantized import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
 
 LAYOUTS = ("compressed-tensors", "gptq", "awq", "on-load")
 _ALWAYS_UNQUANTIZED = re.compile(r"(^|\.)(gate|router|shared_expert_gate|lm_head|embed_tokens)(\.|$)")
-_HF_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 # ---- the format --------------------------------------------------------------------------------------------
 
-def _ignored(qc: dict, keys) -> tuple[str, ...]:
+def _ignored(qc: dict, keys, where: str | None = None) -> tuple[str, ...]:
     out = []
     for key in keys:
         names = qc.get(key) or []
         if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-            raise ModelLoadError(f"int4 checkpoint quantization_config.{key} must be a list of module names, got "
-                                 f"{names!r}")
+            raise ModelLoadError(f"int4 checkpoint quantization_config.{where or key} must be a list of module names, "
+                                 f"got {names!r}")
         out += names
     return tuple(out)
 
@@ -77,7 +83,7 @@ def _from_compressed_tensors(qc: dict) -> dict:
     if not isinstance(groups, dict) or not groups or not all(isinstance(g, dict) for g in groups.values()):
         raise ModelLoadError(f"compressed-tensors checkpoint quantization_config.config_groups must be a non-empty "
                              f"object of scheme objects, got {groups!r}")
-    schemes = []
+    schemes, targets = [], set()
     for gname, grp in groups.items():
         w = grp.get("weights") or {}
         fmt = grp.get("format") or qc.get("format")
@@ -92,11 +98,13 @@ def _from_compressed_tensors(qc: dict) -> dict:
         if w.get("actorder") not in (None, False, "weight", "static"):  # these order the calibration only
             raise ModelLoadError(f"{where}: activation order (actorder={w.get('actorder')!r}) is not supported")
         schemes.append((_group(w.get("group_size"), f"{where}.weights.group_size"), bool(w.get("symmetric", True))))
+        targets |= set(_ignored(grp, ["targets"], "config_groups.*.targets") or ["Linear"])
     if len(set(schemes)) != 1:
         raise ModelLoadError(f"compressed-tensors checkpoint mixes int4 schemes {sorted(set(schemes))}; sparrow "
                              "loads one group size and symmetry per model")
     group, symmetric = schemes[0]
-    return dict(layout="compressed-tensors", group=group, symmetric=symmetric, ignored_layers=_ignored(qc, ["ignore"]))
+    return dict(layout="compressed-tensors", group=group, symmetric=symmetric, ignored_layers=_ignored(qc, ["ignore"]),
+                targets=() if "Linear" in targets else tuple(sorted(targets)))
 
 
 def _from_gptq_awq(qc: dict, method: str) -> dict:
@@ -143,7 +151,11 @@ class Int4Config(QuantizationConfig):
     gptq_v1: bool = True
     """GPTQ ``checkpoint_format: gptq`` (zeros stored minus 1) rather than ``gptq_v2``."""
     ignored_layers: tuple[str, ...] = ()
-    """Module names (``re:`` regexes for compressed-tensors) left in float."""
+    """The checkpoint's module entries left in float (names, ``re:`` regexes: ``sparrow.quant.scope.matches``)."""
+    targets: tuple[str, ...] = ()
+    """compressed-tensors' module entries that are int4 (the others float); empty: every Linear (``"Linear"``)."""
+    float_prefixes: frozenset = frozenset()
+    """sparrow's names of the layers those entries leave float (``for_model``)."""
 
     @classmethod
     def claims_hf(cls, qc: dict) -> bool:
@@ -173,24 +185,19 @@ class Int4Config(QuantizationConfig):
     def from_checkpoint(self) -> bool:
         return self.layout != "on-load"
 
-    def _matches(self, entry: str, names: list[str]) -> bool:
-        if entry.startswith("re:"):
-            return any(re.match(entry[3:], n) for n in names)
-        return any(entry and f".{entry}." in f".{n}." for n in names)
+    def for_model(self, model: nn.Module) -> "Int4Config":
+        """This config with the ignore list and targets resolved to sparrow's layer names
+        (``sparrow.quant.scope.layers_named``: HF names of packed projections and per-expert linears, checkpoint
+        prefixes). Raises ModelLoadError when they name only some parts of one layer (one format per layer)."""
+        floats = layers_named(model, self.ignored_layers, "int4", "quantization_config ignore list")
+        if self.targets:
+            targeted = layers_named(model, self.targets, "int4", "config_groups targets")
+            floats |= {n for n, m in model.named_modules() if getattr(m, "quant_kind", None) and n not in targeted}
+        return dataclasses.replace(self, float_prefixes=frozenset(floats)) if floats else self
 
     def quantizes(self, prefix: str) -> bool:
-        """Whether the layer named ``prefix`` (sparrow's name) is int4. A packed layer is int4 unless the ignore
-        list names all its projections; naming only some raises ModelLoadError (one format per layer)."""
-        if _ALWAYS_UNQUANTIZED.search(prefix):
-            return False
-        module, _, leaf = prefix.rpartition(".")
-        hf = [f"{module}.{p}" for p in _HF_PARTS.get(leaf, (leaf,))]
-        hits = [any(self._matches(e, [n, n.replace(".mlp.", ".block_sparse_moe.")]) for e in self.ignored_layers)
-                for n in hf]
-        if any(hits) and not all(hits):
-            raise ModelLoadError(f"int4 checkpoint leaves only some of {hf} unquantized; sparrow packs them into "
-                                 f"{prefix!r}, which must be all int4 or all float")
-        return not any(hits)
+        """Whether the layer named ``prefix`` (sparrow's name) is int4."""
+        return not _ALWAYS_UNQUANTIZED.search(prefix) and prefix not in self.float_prefixes
 
     def get_linear_method(self, prefix: str | None = None) -> LinearMethodBase:
         if prefix is not None and not self.quantizes(prefix):

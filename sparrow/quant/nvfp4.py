@@ -30,7 +30,6 @@ Triton kernels on CUDA, ``sparrow.kernels.nvfp4_moe``).
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import re
 
 import torch
@@ -42,6 +41,7 @@ from sparrow.kernels.nvfp4 import GROUP, SCALE_DTYPE, dequantize_nvfp4_ref, quan
 from sparrow.quant.base import LinearMethodBase, QuantizationConfig
 from sparrow.quant.nvfp4_moe import NAMES, Nvfp4MoEMethod, check_nvfp4_tensor
 from sparrow.quant.registry import register_quantization
+from sparrow.quant.scope import layers_named
 from sparrow.quant.unquantized import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
 
 LAYOUTS = ("modelopt", "compressed-tensors")
@@ -66,31 +66,6 @@ def _names_list(qc: dict, keys: tuple[str, ...]) -> tuple[str, ...]:
                                  f"got {names!r}")
         out += names
     return tuple(out)
-
-
-def matches(pattern: str, name: str) -> bool:
-    """Whether an ignore entry names module ``name``: ``re:<regex>`` (compressed-tensors; ``re.match``), a
-    wildcard pattern (ModelOpt ``exclude_modules``, fnmatch), or a module name / dotted part of one."""
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], name) is not None
-    if any(c in pattern for c in "*?["):
-        return fnmatch.fnmatchcase(name, pattern)
-    return bool(pattern) and f".{pattern}." in f".{name}."
-
-
-def hf_names(model: nn.Module, prefix: str) -> list[list[str]]:
-    """The checkpoint spellings of sparrow's module ``prefix``: [spellings of ``prefix`` itself, then those of
-    each projection packed into it in shard order (``qkv_proj`` -> q_proj / k_proj / v_proj)], each under the
-    checkpoint's prefixes (``prefix_map``) and old module names (``renames``) too."""
-    head, _, leaf = prefix.rpartition(".")
-    shards = sorted((idx, src) for src, (dst, idx) in getattr(model, "packed_modules", {}).items() if dst == leaf)
-    groups = []
-    for n in [prefix] + [f"{head}.{src}" if head else src for _, src in shards]:
-        for old, new in getattr(model, "renames", ()):
-            n = n.replace(new, old)
-        groups.append([n] + [src + n[len(dst):] for src, dst in getattr(model, "prefix_map", {}).items()
-                             if n.startswith(dst)])
-    return groups
 
 
 @register_quantization
@@ -161,27 +136,12 @@ class Nvfp4Config(QuantizationConfig):
         return cls("modelopt", from_checkpoint=False)
 
     def for_model(self, model: nn.Module) -> "Nvfp4Config":
-        """This config with the ignore entries resolved to sparrow's Linear / FusedMoE names. Raises
-        ModelLoadError when they name only some projections of a packed layer (its shards share one format)."""
+        """This config with the ignore entries resolved to sparrow's Linear / FusedMoE names (``layers_named``).
+        Raises ModelLoadError when they name only some projections of a packed layer or some experts."""
         if not self.ignored_layers:
             return self
-        ignored = set()
-        for name, module in model.named_modules():
-            if getattr(module, "quant_kind", None) is None:
-                continue
-            groups = hf_names(model, name)
-            if module.quant_kind == "moe":  # the experts, or their per-expert projections
-                groups[0] += [f"{n}.0.{p}" for n in groups[0] for p in ("gate_proj", "w1")]
-            hit = [any(matches(p, n) for p in self.ignored_layers for n in g) for g in groups]
-            if not hit[0] and len(hit) > 1 and any(hit[1:]):
-                if not all(hit[1:]):
-                    raise ModelLoadError(f"NVFP4 checkpoint leaves some projections packed into {name!r} float "
-                                         f"(ignore entries {list(self.ignored_layers)}) but not the others; a packed "
-                                         "layer must be all NVFP4 or all float")
-                hit[0] = True
-            if hit[0]:
-                ignored.add(name)
-        return dataclasses.replace(self, ignored_prefixes=frozenset(ignored))
+        ignored = layers_named(model, self.ignored_layers, "NVFP4", "ignore list")
+        return dataclasses.replace(self, ignored_prefixes=ignored)
 
     def quantizes(self, prefix: str) -> bool:
         """Whether the layer named ``prefix`` holds NVFP4 weights."""

@@ -179,16 +179,18 @@ def test_weight_activation_order_loads_and_malformed_groups_are_named():
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_ct_checkpoint(hf, dst: Path, group: int, symmetric: bool):
+def write_ct_checkpoint(hf, dst: Path, group: int, symmetric: bool, float_modules=(), targets=None):
     """hf's weights compressed by compressed-tensors into a pack-quantized checkpoint at ``dst`` (per-expert
-    tensors for fused 3-D experts); loads the decompressed weights back into ``hf`` (the oracle)."""
+    tensors for fused 3-D experts); loads the decompressed weights back into ``hf`` (the oracle).
+    ``float_modules``: HF module names (``model.layers.0.mlp.experts.3.up_proj``) written in float and listed in
+    ``ignore``, as llm-compressor lists them; with ``targets`` (the config group's) they are only left out."""
     from safetensors.torch import save_file
 
     sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     out, oracle = {}, dict(sd)
     for name, t in sd.items():
         parts = name.split(".")
-        if parts[-1] == "weight" and parts[-2] in _LINEARS:
+        if parts[-1] == "weight" and parts[-2] in _LINEARS and name[:-len(".weight")] not in float_modules:
             c, oracle[name] = ct_compress(t, group, symmetric)
             out.update({f"{name[:-len('weight')]}{k}": v for k, v in c.items()})
         elif ".experts." in name and parts[-1] in ("gate_up_proj", "down_proj"):
@@ -197,11 +199,12 @@ def write_ct_checkpoint(hf, dst: Path, group: int, symmetric: bool):
                 halves = t[e].chunk(2) if parts[-1] == "gate_up_proj" else (t[e],)
                 names = ("gate_proj", "up_proj") if parts[-1] == "gate_up_proj" else ("down_proj",)
                 for half, (proj, w) in enumerate(zip(names, halves)):
-                    c, d = ct_compress(w.contiguous(), group, symmetric)
+                    base = f"{'.'.join(parts[:-1])}.{e}.{proj}"
+                    c, d = ({"weight": w.contiguous()}, w) if base in float_modules else \
+                        ct_compress(w.contiguous(), group, symmetric)
                     rows = w.shape[0]
                     deq[e, half * rows:(half + 1) * rows] = d
-                    base = f"{'.'.join(parts[:-1])}.{e}.{proj}."
-                    out.update({base + k: v for k, v in c.items()})
+                    out.update({f"{base}.{k}": v for k, v in c.items()})
             oracle[name] = deq
         else:
             out[name] = t
@@ -209,6 +212,10 @@ def write_ct_checkpoint(hf, dst: Path, group: int, symmetric: bool):
     save_file(out, str(dst / "model.safetensors"))
     cfg = hf.config.to_dict()
     cfg["quantization_config"] = ct_config(group, symmetric)
+    if targets is not None:
+        cfg["quantization_config"]["config_groups"]["group_0"]["targets"] = list(targets)
+    else:
+        cfg["quantization_config"]["ignore"] += list(float_modules)
     (dst / "config.json").write_text(json.dumps(cfg))
     hf.load_state_dict(oracle)
     return dst
@@ -241,6 +248,32 @@ def test_ct_checkpoint_matches_transformers_on_decompressed_weights(family, grou
         experts = layer0.mlp.experts
         assert experts.gate_up_proj.dtype == torch.int32 and experts.gate_up_proj.shape == (8, 64, BASE["hidden_size"] // 8)
         assert layer0.mlp.gate.weight.dtype == torch.float32
+
+
+def test_float_modules_named_as_llm_compressor_names_them(tmp_path):
+    """Layers left float in a pack-quantized checkpoint, named the ways llm-compressor writes them: every expert
+    linear of layer 0's experts in ``ignore`` (Qwen3-MoE, per-expert names), or a config group whose
+    ``targets`` name only the attention projections (Llama, MLPs float). Both run as transformers does on the
+    decompressed + float weights (ids, logprobs within 1e-4); the float layers hold float weights."""
+    hf = build(FAMILIES, "qwen3_moe", tmp_path / "moe", intermediate_size=128, moe_intermediate_size=32)
+    experts = [f"model.layers.0.mlp.experts.{e}.{p}" for e in range(8) for p in ("gate_proj", "up_proj", "down_proj")]
+    model = _run_and_compare(write_ct_checkpoint(hf, tmp_path / "moe_ct", 32, True, experts), hf).engine.runner.model
+    assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32
+    assert model.model.layers[2].mlp.experts.gate_up_proj.dtype == torch.int32
+    hf = build(DENSE, "llama", tmp_path / "dense", intermediate_size=128)
+    mlps = [f"model.layers.{i}.mlp.{p}" for i in range(2) for p in ("gate_proj", "up_proj", "down_proj")]
+    path = write_ct_checkpoint(hf, tmp_path / "dense_ct", 64, False, mlps, targets=["re:.*self_attn.*"])
+    layer = _run_and_compare(path, hf).engine.runner.model.model.layers[1]
+    assert layer.self_attn.o_proj.weight_packed.dtype == torch.int32 and layer.mlp.down_proj.weight.dtype == torch.float32
+
+
+def test_ignore_naming_some_experts_or_projections_is_named(tmp_path):
+    hf = build(FAMILIES, "qwen3_moe", tmp_path / "moe", intermediate_size=128, moe_intermediate_size=32)
+    some = [f"model.layers.0.mlp.experts.{e}.{p}" for e in range(3) for p in ("gate_proj", "up_proj", "down_proj")]
+    with pytest.raises(ModelLoadError, match="only some .* 'model.layers.0.mlp.experts'"):
+        make_llm(write_ct_checkpoint(hf, tmp_path / "ct", 32, True, some), max_model_len=64)
+    with pytest.raises(ModelLoadError, match="only some .* 'model.layers.1.self_attn.qkv_proj'"):
+        make_llm(write_ct_checkpoint(hf, tmp_path / "ct2", 32, True, ["model.layers.1.self_attn.k_proj"]))
 
 
 def test_on_load_int4_equals_compressed_tensors_checkpoint(tmp_path):
