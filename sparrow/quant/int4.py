@@ -16,7 +16,8 @@ uint8 [N, G] or None for symmetric weights; w = (u - zero) * scale):
   checkpoint_format: gptq | gptq_v2}``): ``qweight`` int32 [K / 8, N] (8 codes of one column along K per
   word, low nibble first: the transpose of ours), ``qzeros`` int32 [G, N / 8] (8 columns per word; format
   ``gptq`` stores zero - 1, ``gptq_v2`` the zero), ``scales`` fp16 [G, N], ``g_idx`` int32 [K]. ``desc_act:
-  true`` or a ``g_idx`` other than k // group (activation order) raises ModelLoadError;
+  true`` or a ``g_idx`` other than k // group (activation order) raises ModelLoadError; ``g_idx`` may be
+  absent. ``lm_head: true`` and ``dynamic`` (GPTQModel's quantized LM head and per-module overrides) are refused;
 - AWQ GEMM (AutoAWQ, ``{quant_method: awq, bits: 4, group_size, zero_point: true, version: gemm}``):
   ``qweight`` int32 [K, N / 8] and ``qzeros`` int32 [G, N / 8], 8 columns per word in the interleaved
   order 0, 2, 4, 6, 1, 3, 5, 7 (nibble i holds column ``AWQ_ORDER[i]`` of the word's 8), ``scales`` fp16
@@ -116,6 +117,12 @@ def _from_gptq_awq(qc: dict, method: str) -> dict:
         if qc.get("desc_act"):
             raise ModelLoadError("GPTQ checkpoint desc_act=true (activation order) is not supported: sparrow loads "
                                  "desc_act=false GPTQ checkpoints")
+        if qc.get("lm_head"):
+            raise ModelLoadError("GPTQ checkpoint lm_head=true (a quantized LM head) is not supported: sparrow keeps "
+                                 "the LM head in float")
+        if qc.get("dynamic"):
+            raise ModelLoadError(f"GPTQ checkpoint dynamic={qc['dynamic']!r} (per-module overrides or skips) is not "
+                                 "supported: sparrow loads one bits / group_size for every quantized module")
         fmt = qc.get("checkpoint_format", "gptq")
         if fmt not in ("gptq", "gptq_v2"):
             raise ModelLoadError(f"GPTQ checkpoint_format={fmt!r} is not supported ('gptq' or 'gptq_v2')")
@@ -239,6 +246,7 @@ class Int4LinearMethod(LinearMethodBase):
             shape, dt = shapes[kind]
             param = nn.Parameter(torch.empty(shape, dtype=dt), requires_grad=False)
             param.weight_loader = self._checkpoint_loader(layer, kind)
+            param.optional = kind == "g_idx"  # only checked: desc_act=false makes it k // group
             setattr(layer, suffix, param)
 
     @staticmethod

@@ -149,6 +149,10 @@ def test_config_errors_are_named():
         Int4Config.from_hf({"quant_method": "gptq", "bits": 8, "group_size": 128})
     with pytest.raises(ModelLoadError, match="group_size=16"):
         Int4Config.from_hf({"quant_method": "awq", "bits": 4, "group_size": 16})
+    with pytest.raises(ModelLoadError, match="lm_head=true"):  # GPTQModel's quantized LM head
+        Int4Config.from_hf({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True})
+    with pytest.raises(ModelLoadError, match="dynamic"):  # GPTQModel's per-module overrides
+        Int4Config.from_hf({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"-:.*down_proj": {}}})
     qc = ct_config(128, True)
     qc["config_groups"]["group_0"]["weights"]["actorder"] = "group"
     with pytest.raises(ModelLoadError, match="actorder"):
@@ -291,15 +295,16 @@ def test_on_load_int4_equals_compressed_tensors_checkpoint(tmp_path):
 
 
 def test_gptq_and_awq_checkpoints_load_as_the_ct_one(tmp_path):
-    """The same codes written as GPTQ (v1) and AWQ checkpoints load to sparrow parameters equal to the
-    compressed-tensors checkpoint's (scales rounded to fp16, as those formats store them)."""
+    """The same codes written as GPTQ (v1; with and without the g_idx tensors, which desc_act=false makes
+    k // group) and AWQ checkpoints load to sparrow parameters equal to the compressed-tensors checkpoint's
+    (scales rounded to fp16, as those formats store them)."""
     from safetensors.torch import load_file, save_file
 
     hf = build(DENSE, "llama", tmp_path / "float", intermediate_size=128)
     ct_dir = write_ct_checkpoint(hf, tmp_path / "ct", 32, False)
     ct_tensors = load_file(str(ct_dir / "model.safetensors"))
     ref = dict(make_llm(ct_dir, max_model_len=64).engine.runner.model.named_parameters())
-    for layout in ("gptq", "awq"):
+    for layout in ("gptq", "awq", "gptq-no-g_idx"):
         out = {}
         for name, t in ct_tensors.items():
             if not name.endswith("weight_packed"):
@@ -311,14 +316,14 @@ def test_gptq_and_awq_checkpoints_load_as_the_ct_one(tmp_path):
             u = unpack_int4_ref(t)
             z = convert("compressed-tensors", "zero", ct_tensors[base + "weight_zero_point"], n, k, 32, base)
             s = ct_tensors[base + "weight_scale"].half()
-            names = ("qweight", "qzeros", "scales", "g_idx") if layout == "gptq" else ("qweight", "qzeros", "scales")
-            ts = _gptq_tensors(u, z, s, 32) if layout == "gptq" else _awq_tensors(u, z, s)
+            names = ("qweight", "qzeros", "scales", "g_idx")[:4 if layout == "gptq" else 3]
+            ts = _gptq_tensors(u, z, s, 32) if layout.startswith("gptq") else _awq_tensors(u, z, s)
             out.update({base + nm: v for nm, v in zip(names, ts)})
         dst = tmp_path / layout
         dst.mkdir()
         save_file(out, str(dst / "model.safetensors"))
         cfg = json.loads((ct_dir / "config.json").read_text())
-        cfg["quantization_config"] = {"quant_method": layout, "bits": 4, "group_size": 32, "desc_act": False,
+        cfg["quantization_config"] = {"quant_method": layout[:4], "bits": 4, "group_size": 32, "desc_act": False,
                                       "sym": False, "zero_point": True, "version": "gemm"}
         (dst / "config.json").write_text(json.dumps(cfg))
         got = dict(make_llm(dst, max_model_len=64).engine.runner.model.named_parameters())
