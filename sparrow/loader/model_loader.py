@@ -53,9 +53,10 @@ def read_model_config(path: str | Path) -> tuple[ModelConfig, bool, object]:
 
 def resolve_quant_config(path: Path, is_gguf: bool, quantization: str | None):
     """The weight-format config of a checkpoint: its own ``quantization_config`` (the format its
-    ``quant_method`` names; it wins over ``quantization``), else on-load quantization for
-    ``quantization=<name>``, else ``UNQUANTIZED``. Raises ModelLoadError for an unsupported checkpoint
-    quantization and InvalidRequestError for an unknown ``quantization`` value, each naming the supported ones."""
+    ``quant_method`` names; ``quantization`` must then be None or that format's name), else on-load quantization
+    for ``quantization=<name>``, else ``UNQUANTIZED``. Raises ModelLoadError for an unsupported checkpoint
+    quantization and InvalidRequestError for an unknown ``quantization`` value, each naming the supported ones,
+    or one naming another format than the checkpoint's."""
     from sparrow.quant import check_quantization, config_for_quantization, config_from_hf
 
     check_quantization(quantization)
@@ -64,7 +65,13 @@ def resolve_quant_config(path: Path, is_gguf: bool, quantization: str | None):
 
         qc = read_config(path).get("quantization_config") or modelopt_quant_config(path)
         if qc:
-            return config_from_hf(qc)
+            config = config_from_hf(qc)
+            if quantization is not None and quantization != config.name:
+                raise InvalidRequestError(
+                    f"quantization={quantization!r} does not match the checkpoint, whose quantization_config "
+                    f"(quant_method {qc.get('quant_method')!r}) loads as {config.name!r}: a quantized checkpoint "
+                    f"loads in its own format; pass quantization=None or {config.name!r}")
+            return config
     return config_for_quantization(quantization)
 
 
