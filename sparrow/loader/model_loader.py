@@ -114,18 +114,24 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         from sparrow.loader.safetensors import iter_safetensors
 
         tensors = iter_safetensors(path, device="cpu")
-    rope_freqs = []
+    rope_freqs, unused = [], []
 
     def filtered():
         for name, t in tensors:
             if name == "rope_freqs":
                 rope_freqs.append(t)
                 continue
+            if quant_config.skips_tensor(name):
+                unused.append(name)
+                continue
             yield name, t
 
     from sparrow.quant.registry import describe_checkpoint_tensor
 
     load_weights(model, filtered(), describe_checkpoint_tensor)
+    if unused:
+        log.info("skipped %d KV-cache scales (%s, ...): the checkpoint declares an FP8 KV cache, sparrow's is in the "
+                 "model dtype", len(unused), unused[0])
     if rope_freqs:
         for mod in model.modules():
             if hasattr(mod, "set_freq_factors"):

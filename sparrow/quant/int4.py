@@ -163,6 +163,8 @@ class Int4Config(QuantizationConfig):
     """compressed-tensors' module entries that are int4 (the others float); empty: every Linear (``"Linear"``)."""
     float_prefixes: frozenset = frozenset()
     """sparrow's names of the layers those entries leave float (``for_model``)."""
+    kv_cache_scales: bool = False
+    """The checkpoint declares an FP8 KV cache (``QuantizationConfig.declares_kv_cache``): its scales are skipped."""
 
     @classmethod
     def claims_hf(cls, qc: dict) -> bool:
@@ -181,7 +183,8 @@ class Int4Config(QuantizationConfig):
             raise ModelLoadError(f"quantization_config {qc!r} is not an int4 (compressed-tensors pack-quantized, "
                                  "GPTQ or AWQ) config")
         method = qc["quant_method"]
-        return cls(**(_from_compressed_tensors(qc) if method == "compressed-tensors" else _from_gptq_awq(qc, method)))
+        fields = _from_compressed_tensors(qc) if method == "compressed-tensors" else _from_gptq_awq(qc, method)
+        return cls(**fields, kv_cache_scales=cls.declares_kv_cache(qc))
 
     @classmethod
     def for_quantization(cls) -> "Int4Config":

@@ -88,6 +88,8 @@ class Nvfp4Config(QuantizationConfig):
     """The checkpoint's ignore entries (module names, wildcards, ``re:`` regexes)."""
     ignored_prefixes: frozenset = frozenset()
     """sparrow's module names those entries name (``for_model``)."""
+    kv_cache_scales: bool = False
+    """The checkpoint declares an FP8 KV cache (``QuantizationConfig.declares_kv_cache``): its scales are skipped."""
 
     @classmethod
     def claims_hf(cls, qc: dict) -> bool:
@@ -110,7 +112,8 @@ class Nvfp4Config(QuantizationConfig):
             if inner.get("group_size", GROUP) != GROUP:
                 raise ModelLoadError(f"ModelOpt NVFP4 checkpoint group_size={inner['group_size']!r}: NVFP4 has "
                                      f"{GROUP}")
-            return cls("modelopt", True, _names_list(inner, ("exclude_modules", "ignore")))
+            return cls("modelopt", True, _names_list(inner, ("exclude_modules", "ignore")),
+                       kv_cache_scales=cls.declares_kv_cache(qc))
         groups = qc.get("config_groups") or {}
         if not isinstance(groups, dict) or not groups:
             raise ModelLoadError(f"compressed-tensors checkpoint quantization_config.config_groups must be a "
@@ -128,7 +131,7 @@ class Nvfp4Config(QuantizationConfig):
             if any(t != "Linear" for t in targets):
                 raise ModelLoadError(f"compressed-tensors config group {gname!r} targets {targets!r}; sparrow loads "
                                      "NVFP4 groups that target 'Linear'")
-        return cls("compressed-tensors", True, _names_list(qc, ("ignore",)))
+        return cls("compressed-tensors", True, _names_list(qc, ("ignore",)), kv_cache_scales=cls.declares_kv_cache(qc))
 
     @classmethod
     def for_quantization(cls) -> "Nvfp4Config":

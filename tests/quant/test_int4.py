@@ -178,6 +178,19 @@ def test_weight_activation_order_loads_and_malformed_groups_are_named():
             config_from_hf({**ct_config(128, True), "config_groups": groups})
 
 
+def test_fp8_kv_cache_scales_are_skipped():
+    """A pack-quantized config with an FP8 ``kv_cache_scheme`` skips the checkpoint's ``self_attn.k_scale`` /
+    ``v_scale`` (the KV cache is in the model dtype; whole models: tests/quant/test_nvfp4.py); without one they
+    are read (and refused as unused)."""
+    from sparrow.quant import config_from_hf
+
+    kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    cfg = config_from_hf({**ct_config(128, True), "kv_cache_scheme": kv})
+    assert cfg.skips_tensor("model.layers.0.self_attn.k_scale") and cfg.skips_tensor("model.layers.3.self_attn.v_scale")
+    assert not cfg.skips_tensor("model.layers.0.self_attn.o_proj.weight_scale")
+    assert not config_from_hf(ct_config(128, True)).skips_tensor("model.layers.0.self_attn.k_scale")
+
+
 # ---- whole models ----------------------------------------------------------------------------------------
 
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
