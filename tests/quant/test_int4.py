@@ -281,7 +281,8 @@ def test_float_modules_named_as_llm_compressor_names_them(tmp_path):
     mlps = [f"model.layers.{i}.mlp.{p}" for i in range(2) for p in ("gate_proj", "up_proj", "down_proj")]
     path = write_ct_checkpoint(hf, tmp_path / "dense_ct", 64, False, mlps, targets=["re:.*self_attn.*"])
     layer = _run_and_compare(path, hf).engine.runner.model.model.layers[1]
-    assert layer.self_attn.o_proj.weight_packed.dtype == torch.int32 and layer.mlp.down_proj.weight.dtype == torch.float32
+    assert layer.self_attn.o_proj.weight_packed.dtype == torch.int32
+    assert layer.mlp.down_proj.weight.dtype == torch.float32
 
 
 def test_ignore_naming_some_experts_or_projections_is_named(tmp_path):
