@@ -53,20 +53,22 @@ def read_model_config(path: str | Path) -> tuple[ModelConfig, bool, object]:
 
 def resolve_quant_config(path: Path, is_gguf: bool, quantization: str | None):
     """The weight-format config of a checkpoint: its own ``quantization_config`` (the format its
-    ``quant_method`` names; ``quantization`` must then be None or that format's name), else on-load quantization
+    ``quant_method`` names; ``quantization`` must then be None, that format's name or the quant_method, any case:
+    "gptq" / "AWQ" as vLLM takes them), else on-load quantization
     for ``quantization=<name>``, else ``UNQUANTIZED``. Raises ModelLoadError for an unsupported checkpoint
     quantization and InvalidRequestError for an unknown ``quantization`` value, each naming the supported ones,
     or one naming another format than the checkpoint's."""
-    from sparrow.quant import check_quantization, config_for_quantization, config_from_hf
+    from sparrow.quant import config_for_quantization, config_from_hf
+    from sparrow.quant.registry import normalize_quantization
 
-    check_quantization(quantization)
+    quantization = normalize_quantization(quantization)
     if not is_gguf:
         from sparrow.loader.safetensors import read_config
 
         qc = read_config(path).get("quantization_config") or modelopt_quant_config(path)
         if qc:
             config = config_from_hf(qc)
-            if quantization is not None and quantization != config.name:
+            if quantization not in (None, config.name, str(qc.get("quant_method")).lower()):
                 raise InvalidRequestError(
                     f"quantization={quantization!r} does not match the checkpoint, whose quantization_config "
                     f"(quant_method {qc.get('quant_method')!r}) loads as {config.name!r}: a quantized checkpoint "

@@ -311,7 +311,10 @@ def test_on_load_int4_equals_compressed_tensors_checkpoint(tmp_path):
 def test_gptq_and_awq_checkpoints_load_as_the_ct_one(tmp_path):
     """The same codes written as GPTQ (v1; with and without the g_idx tensors, which desc_act=false makes
     k // group) and AWQ checkpoints load to sparrow parameters equal to the compressed-tensors checkpoint's
-    (scales rounded to fp16, as those formats store them)."""
+    (scales rounded to fp16, as those formats store them), with ``quantization=`` their quant_method in any case
+    (vLLM's ``quantization="AWQ"``); another checkpoint format's name, or one on a float checkpoint, is refused."""
+    from sparrow.errors import InvalidRequestError
+
     from safetensors.torch import load_file, save_file
 
     hf = build(DENSE, "llama", tmp_path / "float", intermediate_size=128)
@@ -340,11 +343,16 @@ def test_gptq_and_awq_checkpoints_load_as_the_ct_one(tmp_path):
         cfg["quantization_config"] = {"quant_method": layout[:4], "bits": 4, "group_size": 32, "desc_act": False,
                                       "sym": False, "zero_point": True, "version": "gemm"}
         (dst / "config.json").write_text(json.dumps(cfg))
-        got = dict(make_llm(dst, max_model_len=64).engine.runner.model.named_parameters())
+        got = dict(make_llm(dst, max_model_len=64, quantization=layout[:4].upper()).engine.runner.model
+                   .named_parameters())
         assert got.keys() == ref.keys(), layout
         for name, p in got.items():
             want = ref[name].half() if name.endswith("weight_scale") else ref[name]
             assert torch.equal(p, want), (layout, name)
+    with pytest.raises(InvalidRequestError, match="quantization='awq' does not match .* 'gptq'"):
+        make_llm(tmp_path / "gptq", quantization="awq")
+    with pytest.raises(InvalidRequestError, match="quantization='gptq' names a checkpoint format"):
+        make_llm(tmp_path / "float", quantization="gptq")
 
 
 def test_bench_named_shape_quantizes_to_int4(tmp_path):

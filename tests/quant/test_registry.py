@@ -240,6 +240,7 @@ def test_registered_everywhere():
 
     assert NAME in supported_quantization() and "fp8" in supported_quantization()
     assert build_parser().parse_args(["generate", "hi", "--quantization", NAME]).quantization == NAME
+    assert build_parser().parse_args(["generate", "hi", "--quantization", "GPTQ"]).quantization == "gptq"
     with pytest.raises(InvalidRequestError, match=rf"quantization='int3' is not supported \(supported: None, .*"
                                                   rf"'{NAME}'"):
         make_llm("/nonexistent", quantization="int3")
