@@ -285,6 +285,30 @@ def test_float_modules_named_as_llm_compressor_names_them(tmp_path):
     assert layer.mlp.down_proj.weight.dtype == torch.float32
 
 
+def test_float_layer_the_config_does_not_name_is_named(tmp_path):
+    """A float weight in a pack-quantized checkpoint for a layer (a Linear, per-expert linears of stacked experts)
+    its quantization_config leaves int4: the error names the tensor, the int4 tensors the layer takes and the
+    config fields that leave a layer float."""
+    hf = build(DENSE, "llama", tmp_path / "dense", intermediate_size=128)
+    path = write_ct_checkpoint(hf, tmp_path / "ct", 64, True, ["model.layers.1.mlp.down_proj"])
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["ignore"].remove("model.layers.1.mlp.down_proj")
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"'model.layers.1.mlp.down_proj.weight' is a float weight, but "
+                                             r"'model.layers.1.mlp.down_proj' takes int4 tensors \['weight_packed', "
+                                             r"'weight_scale', 'weight_shape'\].*ignore"):
+        make_llm(path, max_model_len=64)
+    hf = build(FAMILIES, "qwen3_moe", tmp_path / "moe", intermediate_size=128, moe_intermediate_size=32)
+    experts = [f"model.layers.0.mlp.experts.{e}.{p}" for e in range(8) for p in ("gate_proj", "up_proj", "down_proj")]
+    path = write_ct_checkpoint(hf, tmp_path / "moe_ct", 32, True, experts)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["ignore"] = ["lm_head"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"experts.0.\w+_proj.weight' is a float weight, but "
+                                             r"'model.layers.0.mlp.experts' takes int4 tensors"):
+        make_llm(path, max_model_len=64)
+
+
 def test_ignore_naming_some_experts_or_projections_is_named(tmp_path):
     hf = build(FAMILIES, "qwen3_moe", tmp_path / "moe", intermediate_size=128, moe_intermediate_size=32)
     some = [f"model.layers.0.mlp.experts.{e}.{p}" for e in range(3) for p in ("gate_proj", "up_proj", "down_proj")]
