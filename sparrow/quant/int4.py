@@ -109,9 +109,10 @@ def _from_compressed_tensors(qc: dict) -> dict:
 
 
 def _from_gptq_awq(qc: dict, method: str) -> dict:
-    if qc.get("bits") != 4:
-        raise ModelLoadError(f"{method} checkpoint bits={qc.get('bits')!r} is not supported (only 4)")
-    group = _group(qc.get("group_size"), f"{method} group_size")
+    bits = qc.get("bits", qc.get("w_bit"))  # w_bit / q_group_size: AutoAWQ's quant_config.json
+    if bits != 4:
+        raise ModelLoadError(f"{method} checkpoint bits={bits!r} is not supported (only 4)")
+    group = _group(qc.get("group_size", qc.get("q_group_size")), f"{method} group_size")
     ignored = _ignored(qc, ["modules_to_not_convert"])
     if method == "gptq":
         if qc.get("desc_act"):

@@ -336,7 +336,9 @@ def test_gptq_and_awq_checkpoints_load_as_the_ct_one(tmp_path):
     """The same codes written as GPTQ (v1; with and without the g_idx tensors, which desc_act=false makes
     k // group) and AWQ checkpoints load to sparrow parameters equal to the compressed-tensors checkpoint's
     (scales rounded to fp16, as those formats store them), with ``quantization=`` their quant_method in any case
-    (vLLM's ``quantization="AWQ"``); another checkpoint format's name, or one on a float checkpoint, is refused."""
+    (vLLM's ``quantization="AWQ"``); another checkpoint format's name, or one on a float checkpoint, is refused.
+    Checkpoints that keep the config in AutoGPTQ's quantize_config.json / AutoAWQ's quant_config.json (its w_bit /
+    q_group_size keys) rather than in config.json load the same."""
     from sparrow.errors import InvalidRequestError
 
     from safetensors.torch import load_file, save_file
@@ -345,7 +347,10 @@ def test_gptq_and_awq_checkpoints_load_as_the_ct_one(tmp_path):
     ct_dir = write_ct_checkpoint(hf, tmp_path / "ct", 32, False)
     ct_tensors = load_file(str(ct_dir / "model.safetensors"))
     ref = dict(make_llm(ct_dir, max_model_len=64).engine.runner.model.named_parameters())
-    for layout in ("gptq", "awq", "gptq-no-g_idx"):
+    legacy = {"gptq-quantize_config.json": {"bits": 4, "group_size": 32, "desc_act": False, "sym": False},
+              "awq-quant_config.json": {"zero_point": True, "q_group_size": 32, "w_bit": 4, "version": "GEMM"}}
+    for layout in ("gptq", "awq", "gptq-no-g_idx", *legacy):
+        method = layout.split("-")[0]
         out = {}
         for name, t in ct_tensors.items():
             if not name.endswith("weight_packed"):
@@ -357,17 +362,21 @@ def test_gptq_and_awq_checkpoints_load_as_the_ct_one(tmp_path):
             u = unpack_int4_ref(t)
             z = convert("compressed-tensors", "zero", ct_tensors[base + "weight_zero_point"], n, k, 32, base)
             s = ct_tensors[base + "weight_scale"].half()
-            names = ("qweight", "qzeros", "scales", "g_idx")[:4 if layout == "gptq" else 3]
-            ts = _gptq_tensors(u, z, s, 32) if layout.startswith("gptq") else _awq_tensors(u, z, s)
+            names = ("qweight", "qzeros", "scales", "g_idx")[:3 if layout in ("awq", "gptq-no-g_idx") else 4]
+            ts = _gptq_tensors(u, z, s, 32) if method == "gptq" else _awq_tensors(u, z, s)
             out.update({base + nm: v for nm, v in zip(names, ts)})
         dst = tmp_path / layout
         dst.mkdir()
         save_file(out, str(dst / "model.safetensors"))
         cfg = json.loads((ct_dir / "config.json").read_text())
-        cfg["quantization_config"] = {"quant_method": layout[:4], "bits": 4, "group_size": 32, "desc_act": False,
-                                      "sym": False, "zero_point": True, "version": "gemm"}
+        if layout in legacy:
+            (dst / layout.split("-")[1]).write_text(json.dumps(legacy[layout]))
+            del cfg["quantization_config"]
+        else:
+            cfg["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 32, "desc_act": False,
+                                          "sym": False, "zero_point": True, "version": "gemm"}
         (dst / "config.json").write_text(json.dumps(cfg))
-        got = dict(make_llm(dst, max_model_len=64, quantization=layout[:4].upper()).engine.runner.model
+        got = dict(make_llm(dst, max_model_len=64, quantization=method.upper()).engine.runner.model
                    .named_parameters())
         assert got.keys() == ref.keys(), layout
         for name, p in got.items():
