@@ -48,6 +48,7 @@ from torch import nn
 
 from sparrow.errors import ModelLoadError
 from sparrow.kernels.int4 import DEFAULT_GROUP, GROUP_SIZES, PACK, num_groups, quantize_int4_ref
+from sparrow.quant._compressed_tensors import check_extras
 from sparrow.quant.base import LinearMethodBase, QuantizationConfig
 from sparrow.quant.int4_layouts import AWQ_ORDER, convert, finish_scale, finish_zero, layout_tensors, shape_error
 from sparrow.quant.int4_moe import Int4MoEMethod
@@ -80,6 +81,7 @@ def _group(value, where: str, k_wide_ok: bool = False) -> int:
 
 
 def _from_compressed_tensors(qc: dict) -> dict:
+    check_extras(qc, "int4")
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups or not all(isinstance(g, dict) for g in groups.values()):
         raise ModelLoadError(f"compressed-tensors checkpoint quantization_config.config_groups must be a non-empty "

@@ -38,6 +38,7 @@ from torch import nn
 
 from sparrow.errors import ModelLoadError
 from sparrow.kernels.nvfp4 import GROUP, SCALE_DTYPE, dequantize_nvfp4_ref, quantize_nvfp4_ref
+from sparrow.quant._compressed_tensors import check_extras
 from sparrow.quant.base import LinearMethodBase, QuantizationConfig
 from sparrow.quant.nvfp4_moe import NAMES, Nvfp4MoEMethod, check_nvfp4_tensor
 from sparrow.quant.registry import register_quantization
@@ -114,6 +115,7 @@ class Nvfp4Config(QuantizationConfig):
                                      f"{GROUP}")
             return cls("modelopt", True, _names_list(inner, ("exclude_modules", "ignore")),
                        kv_cache_scales=cls.declares_kv_cache(qc))
+        check_extras(qc, "NVFP4")
         groups = qc.get("config_groups") or {}
         if not isinstance(groups, dict) or not groups:
             raise ModelLoadError(f"compressed-tensors checkpoint quantization_config.config_groups must be a "

@@ -178,6 +178,37 @@ def test_weight_activation_order_loads_and_malformed_groups_are_named():
             config_from_hf({**ct_config(128, True), "config_groups": groups})
 
 
+def _transform_config(*locations) -> dict:
+    """compressed-tensors' transform_config of one Hadamard scheme applied at ``locations`` (its model_dump)."""
+    from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
+
+    apply = [TransformArgs(targets=["Linear"], location=loc) for loc in locations]
+    return TransformConfig(config_groups={"u": TransformScheme(type="hadamard", apply=apply)}).model_dump(mode="json")
+
+
+def test_online_transforms_and_sparse_compression_are_refused():
+    """compressed-tensors checkpoints whose transform_config rotates activations at run time (QuIP / SpinQuant
+    online Hadamards) or whose sparsity_config compresses the weights (2:4 bitmask) would run wrong if loaded as
+    plain pack-quantized: refused by name. Rotations fused into the weights (weight_input / weight_output) and
+    the empty entries compressed-tensors writes load."""
+    from sparrow.quant import config_from_hf
+    from sparrow.quant.nvfp4 import Nvfp4Config
+
+    plain = config_from_hf(ct_config(128, True))
+    for extra in ({"transform_config": {}, "sparsity_config": {}},
+                  {"transform_config": _transform_config("weight_input", "weight_output")},
+                  {"sparsity_config": {"format": "dense", "sparsity_structure": "2:4"}}):
+        assert config_from_hf({**ct_config(128, True), **extra}) == plain, extra
+    nvfp4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "group_size": 16}}}}
+    for qc in (ct_config(128, True), nvfp4):
+        with pytest.raises(ModelLoadError, match="transform_config .*'input'.* online"):
+            config_from_hf({**qc, "transform_config": _transform_config("weight_input", "input")})
+        with pytest.raises(ModelLoadError, match="sparsity_config .*'sparse-24-bitmask'"):
+            config_from_hf({**qc, "sparsity_config": {"format": "sparse-24-bitmask", "sparsity_structure": "2:4"}})
+    assert isinstance(config_from_hf(nvfp4), Nvfp4Config)
+
+
 def test_fp8_kv_cache_scales_are_skipped():
     """A pack-quantized config with an FP8 ``kv_cache_scheme`` skips the checkpoint's ``self_attn.k_scale`` /
     ``v_scale`` (the KV cache is in the model dtype; whole models: tests/quant/test_nvfp4.py); without one they
