@@ -80,10 +80,12 @@ def _add_model_args(p: argparse.ArgumentParser, kv_cache: bool = True) -> None:
                         "half the cores, whatever OMP_NUM_THREADS says; bench: default torch's, i.e. "
                         "OMP_NUM_THREADS or the cores)")
     from sparrow.quant import get_quantization, supported_quantization
+    from sparrow.quant.registry import checkpoint_quantization
 
-    names = supported_quantization()
-    p.add_argument("--quantization", default=None, choices=names,
-                   help="; ".join(get_quantization(n).help or n for n in names))
+    names, methods = supported_quantization(), checkpoint_quantization()
+    p.add_argument("--quantization", default=None, choices=names + methods, type=str.lower,
+                   help="; ".join([*(get_quantization(n).help or n for n in names), f"{', '.join(methods)}: the "
+                                   "checkpoint's own format, named as its quantization_config does (optional)"]))
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="with quantized linears (e.g. --quantization fp8 or an FP8 checkpoint): the LM head in the "
                         "format too (FP8: half its bytes; rounds the logits)")

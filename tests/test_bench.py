@@ -166,3 +166,22 @@ def test_fp8_shape_bench_quantizes_at_load(tmp_path):
     steph = {r["batch"]: r["bytes_per_step"] for r in head["results"]}
     for b in (1, 3):
         assert steph[b] == step["sparrow", b] - (lm_bf16 - wbh["lm_head"])
+
+
+def test_checkpoint_transformers_cannot_load_keeps_sparrows_rows(tmp_path, monkeypatch, capsys):
+    """``--model`` a checkpoint transformers cannot load (a GPTQ one without optimum, a compressed-tensors one it
+    refuses): sparrow's rows are measured and written, the transformers baseline is skipped with a line naming
+    transformers' error (meta ``hf_error``), not a traceback."""
+    import sparrow.bench.runners as runners
+    from tests.helpers import build_tiny_llama
+
+    def refuse(path, s):
+        raise ImportError("Loading a GPTQ quantized model requires optimum (`pip install optimum`)\nmore")
+
+    monkeypatch.setattr(runners, "load_hf_pretrained", refuse)
+    report = _bench(tmp_path, "--model", str(build_tiny_llama(tmp_path / "tiny")))
+    assert [r["engine"] for r in report["results"]] == ["sparrow", "sparrow"]
+    assert all("error" not in r for r in report["results"])
+    assert report["meta"]["hf_error"] == ("ImportError: Loading a GPTQ quantized model requires optimum "
+                                          "(`pip install optimum`)")
+    assert "transformers cannot load" in capsys.readouterr().out

@@ -128,7 +128,9 @@ def shape_runners(name: str, s: Settings, engine_kw: dict, with_hf: bool, meta: 
 
 def path_runners(path: Path, s: Settings, engine_kw: dict, with_hf: bool, meta: dict):
     """Yield (runner, footprint, vocab) for sparrow's LLM on a checkpoint, then (after freeing it) for
-    transformers' model loaded from the same file; each footprint counts that engine's own weight bytes."""
+    transformers' model loaded from the same file; each footprint counts that engine's own weight bytes. When
+    transformers cannot load the checkpoint (a GPTQ one without optimum, ...), its runner is skipped with a line
+    naming the error, also kept as ``meta["hf_error"]``."""
     from sparrow.engine.llm import LLM
 
     print(f"loading {path} with sparrow ({s.dtype}, {s.device}) ...", flush=True)
@@ -144,7 +146,12 @@ def path_runners(path: Path, s: Settings, engine_kw: dict, with_hf: bool, meta: 
     _free(s.device)
     if with_hf:
         print(f"loading {path} with transformers ...", flush=True)
-        hf = load_hf_pretrained(path, s)  # its own bytes: transformers dequantizes GGUF / FP8 weights
+        try:
+            hf = load_hf_pretrained(path, s)  # its own bytes: transformers dequantizes GGUF / FP8 weights
+        except Exception as e:  # whatever transformers raises for a checkpoint it cannot run
+            meta["hf_error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+            print(f"transformers cannot load {path} ({meta['hf_error']}): no transformers rows", flush=True)
+            return
         yield HFRunner(hf, s.device), footprint(hf, mcfg.raw, mcfg.tie_word_embeddings, mcfg.hidden_size), \
             mcfg.vocab_size
 

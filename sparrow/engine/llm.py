@@ -78,7 +78,9 @@ class LLM:
     ``CacheConfig``, ``SchedulerConfig``, ``EngineConfig``; every value is checked before the weights load).
     quantization: None or a registered weight format (``sparrow.quant.supported_quantization()``; 'fp8':
     quantize a float checkpoint's linear layers and experts to block-scaled FP8 at load); a quantized
-    checkpoint, declared by config.json's quantization_config, loads in its format either way.
+    checkpoint, declared by config.json's quantization_config, loads in its format (quantization None, that
+    format's name or the checkpoint's quant_method such as 'gptq' / 'AWQ', any case, as vLLM takes them; another
+    name raises InvalidRequestError).
     quantize_lm_head: with FP8 linears, compute the logits on a block-scaled FP8 copy of the LM head too (off by
     default, as in vLLM: it halves the LM head's bytes and rounds the logits; see ``CausalLM.quantize_lm_head``).
     speculative_config: vLLM's dict, e.g. {'method': 'ngram', 'num_speculative_tokens': 4, 'prompt_lookup_max': 4,

@@ -1,7 +1,8 @@
 """Build a model from a path: a ``.gguf`` file or an HF folder (config.json + safetensors).
 
 Quantization (design.md 4): the weight format comes from the registry (``sparrow.quant.registry``): an HF
-folder whose config.json has ``quantization_config`` loads in the format its ``quant_method`` names;
+folder whose config.json has ``quantization_config`` (or that keeps it in ModelOpt's hf_quant_config.json,
+AutoGPTQ's quantize_config.json or AutoAWQ's quant_config.json) loads in the format its ``quant_method`` names;
 ``quantization=<name>`` quantizes a float checkpoint while it loads. Either way the model is built inside
 ``quant_config_scope`` so each ``Linear`` and ``FusedMoE`` takes the format's method, then
 ``bind_quant_config`` names those layers and gives the ones the config treats by name (routers, ignored
@@ -53,18 +54,27 @@ def read_model_config(path: str | Path) -> tuple[ModelConfig, bool, object]:
 
 def resolve_quant_config(path: Path, is_gguf: bool, quantization: str | None):
     """The weight-format config of a checkpoint: its own ``quantization_config`` (the format its
-    ``quant_method`` names; it wins over ``quantization``), else on-load quantization for
-    ``quantization=<name>``, else ``UNQUANTIZED``. Raises ModelLoadError for an unsupported checkpoint
-    quantization and InvalidRequestError for an unknown ``quantization`` value, each naming the supported ones."""
-    from sparrow.quant import check_quantization, config_for_quantization, config_from_hf
+    ``quant_method`` names; ``quantization`` must then be None, that format's name or the quant_method, any case:
+    "gptq" / "AWQ" as vLLM takes them), else on-load quantization
+    for ``quantization=<name>``, else ``UNQUANTIZED``. Raises ModelLoadError for an unsupported checkpoint
+    quantization and InvalidRequestError for an unknown ``quantization`` value, each naming the supported ones,
+    or one naming another format than the checkpoint's."""
+    from sparrow.quant import config_for_quantization, config_from_hf
+    from sparrow.quant.registry import normalize_quantization
 
-    check_quantization(quantization)
+    quantization = normalize_quantization(quantization)
     if not is_gguf:
         from sparrow.loader.safetensors import read_config
 
-        qc = read_config(path).get("quantization_config") or modelopt_quant_config(path)
+        qc = read_config(path).get("quantization_config") or modelopt_quant_config(path) or legacy_quant_config(path)
         if qc:
-            return config_from_hf(qc)
+            config = config_from_hf(qc)
+            if quantization not in (None, config.name, str(qc.get("quant_method")).lower()):
+                raise InvalidRequestError(
+                    f"quantization={quantization!r} does not match the checkpoint, whose quantization_config "
+                    f"(quant_method {qc.get('quant_method')!r}) loads as {config.name!r}: a quantized checkpoint "
+                    f"loads in its own format; pass quantization=None or {config.name!r}")
+            return config
     return config_for_quantization(quantization)
 
 
@@ -73,18 +83,42 @@ def modelopt_quant_config(path: Path) -> dict | None:
     {"name": "modelopt"}, "quantization": {"quant_algo": ..., "exclude_modules": [...]}}``) rather than in
     config.json: its ``quantization`` object with ``quant_method: "modelopt"``; None without the file.
     Raises ModelLoadError for a file that is not a JSON object with a ``quantization`` object."""
-    import json
-
     file = path / "hf_quant_config.json"
     if not file.is_file():
         return None
+    data = _json_object(file)
+    if not isinstance(data.get("quantization"), dict):
+        raise ModelLoadError(f"{file} has no \"quantization\" object (a ModelOpt export writes one)")
+    return {**data["quantization"], "quant_method": "modelopt"}
+
+
+def legacy_quant_config(path: Path) -> dict | None:
+    """The ``quantization_config`` of a GPTQ / AWQ checkpoint that keeps it in a file of its own rather than in
+    config.json, as vLLM reads them: AutoGPTQ's ``quantize_config.json`` (bits, group_size, desc_act, sym) with
+    ``quant_method`` "gptq", AutoAWQ's ``quant_config.json`` (w_bit, q_group_size, zero_point, version) with "awq"
+    (a file that names its quant_method keeps it; w_bit / q_group_size keys mean AWQ); None without either file
+    (or with a quant_config.json naming no bits, another tool's). Raises ModelLoadError for a file that is not a
+    JSON object."""
+    for name, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
+        file = path / name
+        if file.is_file():
+            data = _json_object(file)
+            if name == "quant_config.json" and not {"w_bit", "bits", "quant_method"} & set(data):
+                continue
+            return {"quant_method": "awq" if {"w_bit", "q_group_size"} & set(data) else method, **data}
+    return None
+
+
+def _json_object(file: Path) -> dict:
+    import json
+
     try:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{file} is not valid JSON: {e}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("quantization"), dict):
-        raise ModelLoadError(f"{file} has no \"quantization\" object (a ModelOpt export writes one)")
-    return {**data["quantization"], "quant_method": "modelopt"}
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{file} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -107,18 +141,24 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         from sparrow.loader.safetensors import iter_safetensors
 
         tensors = iter_safetensors(path, device="cpu")
-    rope_freqs = []
+    rope_freqs, unused = [], []
 
     def filtered():
         for name, t in tensors:
             if name == "rope_freqs":
                 rope_freqs.append(t)
                 continue
+            if quant_config.skips_tensor(name):
+                unused.append(name)
+                continue
             yield name, t
 
     from sparrow.quant.registry import describe_checkpoint_tensor
 
     load_weights(model, filtered(), describe_checkpoint_tensor)
+    if unused:
+        log.info("skipped %d KV-cache scales (%s, ...): the checkpoint declares an FP8 KV cache, sparrow's is in the "
+                 "model dtype", len(unused), unused[0])
     if rope_freqs:
         for mod in model.modules():
             if hasattr(mod, "set_freq_factors"):

@@ -68,6 +68,33 @@ def expected_shards(param: nn.Parameter) -> list:
     return [None] if n == 1 else list(range(n))
 
 
+def _float_in_quantized_layer(model: nn.Module, name: str, pname: str, tensor: torch.Tensor, describe):
+    """The error for float ``weight`` tensor ``name`` (for parameter ``pname``, which the model lacks) of a layer
+    whose weight format takes other tensors, some of which ``describe`` names (a quantized checkpoint that does
+    not declare the layer float); None for any other unused tensor."""
+    if not pname.endswith(".weight") or not tensor.is_floating_point() or _packed(tensor):
+        return None
+    parts = pname.split(".")[:-1]
+    while parts:  # the layer, or the stacked experts of a per-expert tensor (experts.N.down_proj.weight)
+        module = ".".join(parts)
+        try:
+            owner = model.get_submodule(module)
+            break
+        except AttributeError:
+            parts.pop()
+    else:
+        return None
+    table = getattr(getattr(owner, "quant_method", None), "checkpoint_tensors", None)  # experts: per-expert suffixes
+    takes = list(dict.fromkeys(t[0] for t in table) if table else getattr(owner, "_quant_param_names", None) or [])
+    known = [describe(f"{module}.{t}") for t in takes] if describe is not None else []
+    title = next((k[0] for k in known if k is not None), None)
+    if title is None:  # a float layer: not this case
+        return None
+    return ModelLoadError(f"checkpoint tensor {name!r} is a float weight, but {module!r} takes {title} tensors "
+                          f"{takes}: the checkpoint's quantization_config leaves it quantized (a float layer of a "
+                          "quantized checkpoint is named by its ignore list, targets or modules_to_not_convert)")
+
+
 def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
                  describe: Callable[[str], tuple[str, str] | None] | None = None) -> None:
     """Fill every parameter of ``model`` from ``tensors``. ``describe(name)``: (format title, what the tensor is)
@@ -93,7 +120,7 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
                     f"checkpoint tensor {name!r} is {kind}, but {type(model).__name__} has no {title} "
                     f"parameter {pname!r}: config.json lacks an {title} quantization_config, or the module is one "
                     "sparrow keeps in float (embeddings, LM head, norms, routers)")
-            raise ModelLoadError(
+            raise _float_in_quantized_layer(model, name, pname, tensor, describe) or ModelLoadError(
                 f"checkpoint tensor {name!r} is not used by {type(model).__name__} (no parameter {pname!r})"
             )
         param = params[pname]

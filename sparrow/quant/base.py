@@ -24,6 +24,10 @@ from torch import nn
 
 from sparrow.errors import InvalidRequestError
 
+KV_CACHE_SCALES = (".k_scale", ".v_scale")
+"""Suffixes of the per-layer KV-cache scales of a checkpoint exported for an FP8 KV cache (ModelOpt:
+``self_attn.k_proj.k_scale``; compressed-tensors: ``self_attn.k_scale``)."""
+
 LAYER_KINDS = ("linear", "moe")
 """``quant_kind`` of the layers that hold a method: ``sparrow.layers.linear.Linear``, ``layers.moe.FusedMoE``."""
 
@@ -117,6 +121,10 @@ class QuantizationConfig:
     checkpoint_tensor_kinds: ClassVar[dict[str, str]] = {}
     """Checkpoint tensor-name suffix -> what it is ("an FP8 block scale"), for the unused-tensor message."""
 
+    kv_cache_scales: bool = False
+    """The checkpoint's quantization_config declares an FP8 KV cache (ModelOpt ``kv_cache_quant_algo``,
+    compressed-tensors ``kv_cache_scheme``): its ``KV_CACHE_SCALES`` tensors are skipped (``skips_tensor``)."""
+
     hf_quant_methods: ClassVar[tuple[str, ...]] = ()
     """More ``quantization_config.quant_method`` values this format may load (besides ``name``), each only where
     ``claims_hf`` says so (e.g. "compressed-tensors", which several formats share)."""
@@ -138,6 +146,18 @@ class QuantizationConfig:
         InvalidRequestError where the format cannot quantize at load."""
         raise InvalidRequestError(f"quantization={cls.name!r}: {cls.title or cls.name} weights load from "
                                   "checkpoints only (sparrow cannot quantize to it at load)")
+
+    @staticmethod
+    def declares_kv_cache(qc: dict) -> bool:
+        """Whether a checkpoint's ``quantization_config`` (or ModelOpt's ``quantization`` object in it) declares an
+        FP8 KV cache: ``kv_cache_quant_algo`` (ModelOpt) or ``kv_cache_scheme`` (compressed-tensors) set."""
+        inner = qc.get("quantization") if isinstance(qc.get("quantization"), dict) else qc
+        return bool(inner.get("kv_cache_quant_algo") or qc.get("kv_cache_scheme"))
+
+    def skips_tensor(self, name: str) -> bool:
+        """Whether the loader drops checkpoint tensor ``name`` unread: the KV-cache scales of ``kv_cache_scales``
+        (sparrow's KV cache is in the model dtype, so an FP8 export's scales have nothing to scale)."""
+        return self.kv_cache_scales and name.endswith(KV_CACHE_SCALES)
 
     def for_model(self, model: nn.Module) -> "QuantizationConfig":
         """This config with module names resolved against ``model`` (called once it is built)."""

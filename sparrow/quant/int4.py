@@ -10,13 +10,14 @@ uint8 [N, G] or None for symmetric weights; w = (u - zero) * scale):
   pack-quantized, config_groups: {..: {weights: {num_bits: 4, type: int, strategy: group, group_size,
   symmetric}}}, ignore}``): ``weight_packed`` int32 [N, K / 8] (already the kernels' layout),
   ``weight_scale`` [N, G], ``weight_zero_point`` int32 [ceil(N / 8), G] (zero points packed along N, only
-  when asymmetric), ``weight_shape`` [2] = (N, K). Activation-ordered checkpoints (``actorder``, a
-  ``weight_g_idx`` tensor) are refused;
+  when asymmetric), ``weight_shape`` [2] = (N, K). Group activation order (``actorder: group``, a
+  ``weight_g_idx`` tensor) is refused; ``actorder: weight`` (alias ``static``) orders the calibration only and loads;
 - GPTQ (AutoGPTQ / GPTQModel, ``{quant_method: gptq, bits: 4, group_size, desc_act: false, sym,
   checkpoint_format: gptq | gptq_v2}``): ``qweight`` int32 [K / 8, N] (8 codes of one column along K per
   word, low nibble first: the transpose of ours), ``qzeros`` int32 [G, N / 8] (8 columns per word; format
   ``gptq`` stores zero - 1, ``gptq_v2`` the zero), ``scales`` fp16 [G, N], ``g_idx`` int32 [K]. ``desc_act:
-  true`` or a ``g_idx`` other than k // group (activation order) raises ModelLoadError;
+  true`` or a ``g_idx`` other than k // group (activation order) raises ModelLoadError; ``g_idx`` may be
+  absent. ``lm_head: true`` and ``dynamic`` (GPTQModel's quantized LM head and per-module overrides) are refused;
 - AWQ GEMM (AutoAWQ, ``{quant_method: awq, bits: 4, group_size, zero_point: true, version: gemm}``):
   ``qweight`` int32 [K, N / 8] and ``qzeros`` int32 [G, N / 8], 8 columns per word in the interleaved
   order 0, 2, 4, 6, 1, 3, 5, 7 (nibble i holds column ``AWQ_ORDER[i]`` of the word's 8), ``scales`` fp16
@@ -25,9 +26,15 @@ On-load quantization (``quantization="int4"`` on a float checkpoint or a named s
 symmetric, group 128 (``kernels.int4.quantize_int4_ref``, compressed-tensors' formula), scales in the model
 dtype; each shard of a packed layer quantizes on its own as it arrives (groups run along K, within a row).
 
+Float layers of a checkpoint: those its ``ignore`` (compressed-tensors) / ``modules_to_not_convert`` (GPTQ, AWQ)
+names, and with compressed-tensors ``targets`` other than ``Linear`` those the targets leave out; entries are HF
+module names, dotted parts of them or ``re:`` regexes, a packed layer (qkv_proj) or a stacked expert layer named by
+all its HF parts (q / k / v_proj; every ``experts.N.gate_proj`` / ``up_proj`` / ``down_proj``, as llm-compressor
+lists them) or by none (``sparrow.quant.scope.layers_named``).
+
 ``Int4Config`` is the format (registered as "int4"; it also loads the checkpoints whose quant_method is
 compressed-tensors with format pack-quantized, gptq or awq) and gives ``Int4LinearMethod`` to dense linears
-(the float method to routers, the LM head and ignored layers) and ``sparrow.quant.int4_moe.Int4MoEMethod``
+(the float method to routers, the LM head and float layers) and ``sparrow.quant.int4_moe.Int4MoEMethod``
 to routed experts. apply: dequantize then matmul in torch (``int4_linear_ref``: the CPU path), the W4A16
 Triton kernels on CUDA (``sparrow.kernels.int4``).
 """
@@ -41,26 +48,27 @@ from torch import nn
 
 from sparrow.errors import ModelLoadError
 from sparrow.kernels.int4 import DEFAULT_GROUP, GROUP_SIZES, PACK, num_groups, quantize_int4_ref
+from sparrow.quant._compressed_tensors import check_extras
 from sparrow.quant.base import LinearMethodBase, QuantizationConfig
 from sparrow.quant.int4_layouts import AWQ_ORDER, convert, finish_scale, finish_zero, layout_tensors, shape_error
 from sparrow.quant.int4_moe import Int4MoEMethod
 from sparrow.quant.registry import register_quantization
+from sparrow.quant.scope import layers_named
 from sparrow.quant.unquantized import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
 
 LAYOUTS = ("compressed-tensors", "gptq", "awq", "on-load")
 _ALWAYS_UNQUANTIZED = re.compile(r"(^|\.)(gate|router|shared_expert_gate|lm_head|embed_tokens)(\.|$)")
-_HF_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 # ---- the format --------------------------------------------------------------------------------------------
 
-def _ignored(qc: dict, keys) -> tuple[str, ...]:
+def _ignored(qc: dict, keys, where: str | None = None) -> tuple[str, ...]:
     out = []
     for key in keys:
         names = qc.get(key) or []
         if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-            raise ModelLoadError(f"int4 checkpoint quantization_config.{key} must be a list of module names, got "
-                                 f"{names!r}")
+            raise ModelLoadError(f"int4 checkpoint quantization_config.{where or key} must be a list of module names, "
+                                 f"got {names!r}")
         out += names
     return tuple(out)
 
@@ -73,12 +81,14 @@ def _group(value, where: str, k_wide_ok: bool = False) -> int:
 
 
 def _from_compressed_tensors(qc: dict) -> dict:
-    groups = qc.get("config_groups") or {}
-    if not isinstance(groups, dict) or not groups:
-        raise ModelLoadError("compressed-tensors checkpoint without config_groups")
-    schemes = []
+    check_extras(qc, "int4")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups or not all(isinstance(g, dict) for g in groups.values()):
+        raise ModelLoadError(f"compressed-tensors checkpoint quantization_config.config_groups must be a non-empty "
+                             f"object of scheme objects, got {groups!r}")
+    schemes, targets = [], set()
     for gname, grp in groups.items():
-        w = (grp or {}).get("weights") or {}
+        w = grp.get("weights") or {}
         fmt = grp.get("format") or qc.get("format")
         where = f"compressed-tensors config_groups.{gname}"
         if fmt != "pack-quantized" or w.get("type", "int") != "int" or w.get("num_bits") != 4:
@@ -88,25 +98,34 @@ def _from_compressed_tensors(qc: dict) -> dict:
             raise ModelLoadError(f"{where}: quantized activations are not supported (int4 W4A16 only)")
         if w.get("strategy") != "group":
             raise ModelLoadError(f"{where}: weights strategy {w.get('strategy')!r} is not supported (only 'group')")
-        if w.get("actorder") not in (None, False, "static"):
+        if w.get("actorder") not in (None, False, "weight", "static"):  # these order the calibration only
             raise ModelLoadError(f"{where}: activation order (actorder={w.get('actorder')!r}) is not supported")
         schemes.append((_group(w.get("group_size"), f"{where}.weights.group_size"), bool(w.get("symmetric", True))))
+        targets |= set(_ignored(grp, ["targets"], "config_groups.*.targets") or ["Linear"])
     if len(set(schemes)) != 1:
         raise ModelLoadError(f"compressed-tensors checkpoint mixes int4 schemes {sorted(set(schemes))}; sparrow "
                              "loads one group size and symmetry per model")
     group, symmetric = schemes[0]
-    return dict(layout="compressed-tensors", group=group, symmetric=symmetric, ignored_layers=_ignored(qc, ["ignore"]))
+    return dict(layout="compressed-tensors", group=group, symmetric=symmetric, ignored_layers=_ignored(qc, ["ignore"]),
+                targets=() if "Linear" in targets else tuple(sorted(targets)))
 
 
 def _from_gptq_awq(qc: dict, method: str) -> dict:
-    if qc.get("bits") != 4:
-        raise ModelLoadError(f"{method} checkpoint bits={qc.get('bits')!r} is not supported (only 4)")
-    group = _group(qc.get("group_size"), f"{method} group_size")
+    bits = qc.get("bits", qc.get("w_bit"))  # w_bit / q_group_size: AutoAWQ's quant_config.json
+    if bits != 4:
+        raise ModelLoadError(f"{method} checkpoint bits={bits!r} is not supported (only 4)")
+    group = _group(qc.get("group_size", qc.get("q_group_size")), f"{method} group_size")
     ignored = _ignored(qc, ["modules_to_not_convert"])
     if method == "gptq":
         if qc.get("desc_act"):
             raise ModelLoadError("GPTQ checkpoint desc_act=true (activation order) is not supported: sparrow loads "
                                  "desc_act=false GPTQ checkpoints")
+        if qc.get("lm_head"):
+            raise ModelLoadError("GPTQ checkpoint lm_head=true (a quantized LM head) is not supported: sparrow keeps "
+                                 "the LM head in float")
+        if qc.get("dynamic"):
+            raise ModelLoadError(f"GPTQ checkpoint dynamic={qc['dynamic']!r} (per-module overrides or skips) is not "
+                                 "supported: sparrow loads one bits / group_size for every quantized module")
         fmt = qc.get("checkpoint_format", "gptq")
         if fmt not in ("gptq", "gptq_v2"):
             raise ModelLoadError(f"GPTQ checkpoint_format={fmt!r} is not supported ('gptq' or 'gptq_v2')")
@@ -142,15 +161,22 @@ class Int4Config(QuantizationConfig):
     gptq_v1: bool = True
     """GPTQ ``checkpoint_format: gptq`` (zeros stored minus 1) rather than ``gptq_v2``."""
     ignored_layers: tuple[str, ...] = ()
-    """Module names (``re:`` regexes for compressed-tensors) left in float."""
+    """The checkpoint's module entries left in float (names, ``re:`` regexes: ``sparrow.quant.scope.matches``)."""
+    targets: tuple[str, ...] = ()
+    """compressed-tensors' module entries that are int4 (the others float); empty: every Linear (``"Linear"``)."""
+    float_prefixes: frozenset = frozenset()
+    """sparrow's names of the layers those entries leave float (``for_model``)."""
+    kv_cache_scales: bool = False
+    """The checkpoint declares an FP8 KV cache (``QuantizationConfig.declares_kv_cache``): its scales are skipped."""
 
     @classmethod
     def claims_hf(cls, qc: dict) -> bool:
         """A compressed-tensors pack-quantized, GPTQ or AWQ ``quantization_config``."""
         method = qc.get("quant_method")
         if method == "compressed-tensors":
-            fmts = {qc.get("format")} | {(g or {}).get("format") for g in (qc.get("config_groups") or {}).values()}
-            return "pack-quantized" in fmts
+            groups = qc.get("config_groups")
+            groups = groups.values() if isinstance(groups, dict) else ()
+            return "pack-quantized" in {qc.get("format")} | {g.get("format") for g in groups if isinstance(g, dict)}
         return method in ("gptq", "awq")
 
     @classmethod
@@ -160,7 +186,8 @@ class Int4Config(QuantizationConfig):
             raise ModelLoadError(f"quantization_config {qc!r} is not an int4 (compressed-tensors pack-quantized, "
                                  "GPTQ or AWQ) config")
         method = qc["quant_method"]
-        return cls(**(_from_compressed_tensors(qc) if method == "compressed-tensors" else _from_gptq_awq(qc, method)))
+        fields = _from_compressed_tensors(qc) if method == "compressed-tensors" else _from_gptq_awq(qc, method)
+        return cls(**fields, kv_cache_scales=cls.declares_kv_cache(qc))
 
     @classmethod
     def for_quantization(cls) -> "Int4Config":
@@ -171,24 +198,19 @@ class Int4Config(QuantizationConfig):
     def from_checkpoint(self) -> bool:
         return self.layout != "on-load"
 
-    def _matches(self, entry: str, names: list[str]) -> bool:
-        if entry.startswith("re:"):
-            return any(re.match(entry[3:], n) for n in names)
-        return any(entry and f".{entry}." in f".{n}." for n in names)
+    def for_model(self, model: nn.Module) -> "Int4Config":
+        """This config with the ignore list and targets resolved to sparrow's layer names
+        (``sparrow.quant.scope.layers_named``: HF names of packed projections and per-expert linears, checkpoint
+        prefixes). Raises ModelLoadError when they name only some parts of one layer (one format per layer)."""
+        floats = layers_named(model, self.ignored_layers, "int4", "quantization_config ignore list")
+        if self.targets:
+            targeted = layers_named(model, self.targets, "int4", "config_groups targets")
+            floats |= {n for n, m in model.named_modules() if getattr(m, "quant_kind", None) and n not in targeted}
+        return dataclasses.replace(self, float_prefixes=frozenset(floats)) if floats else self
 
     def quantizes(self, prefix: str) -> bool:
-        """Whether the layer named ``prefix`` (sparrow's name) is int4. A packed layer is int4 unless the ignore
-        list names all its projections; naming only some raises ModelLoadError (one format per layer)."""
-        if _ALWAYS_UNQUANTIZED.search(prefix):
-            return False
-        module, _, leaf = prefix.rpartition(".")
-        hf = [f"{module}.{p}" for p in _HF_PARTS.get(leaf, (leaf,))]
-        hits = [any(self._matches(e, [n, n.replace(".mlp.", ".block_sparse_moe.")]) for e in self.ignored_layers)
-                for n in hf]
-        if any(hits) and not all(hits):
-            raise ModelLoadError(f"int4 checkpoint leaves only some of {hf} unquantized; sparrow packs them into "
-                                 f"{prefix!r}, which must be all int4 or all float")
-        return not any(hits)
+        """Whether the layer named ``prefix`` (sparrow's name) is int4."""
+        return not _ALWAYS_UNQUANTIZED.search(prefix) and prefix not in self.float_prefixes
 
     def get_linear_method(self, prefix: str | None = None) -> LinearMethodBase:
         if prefix is not None and not self.quantizes(prefix):
@@ -230,6 +252,7 @@ class Int4LinearMethod(LinearMethodBase):
             shape, dt = shapes[kind]
             param = nn.Parameter(torch.empty(shape, dtype=dt), requires_grad=False)
             param.weight_loader = self._checkpoint_loader(layer, kind)
+            param.optional = kind == "g_idx"  # only checked: desc_act=false makes it k // group
             setattr(layer, suffix, param)
 
     @staticmethod

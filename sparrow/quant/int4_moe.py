@@ -61,6 +61,7 @@ class Int4MoEMethod(FusedMoEMethodBase):
                 r, c, dt = cols[kind]
                 param = stacked_expert_param(layer, r, c, blocks, dt)
                 param.weight_loader = self._loader(layer, kind, rows // blocks, k, param.weight_loader)
+                param.optional = kind == "g_idx"  # only checked: desc_act=false makes it k // group
                 setattr(layer, _param_name(stacked, kind), param)
 
     def _loader(self, layer: nn.Module, kind: str, rows: int, k: int, expert_loader):

@@ -30,7 +30,6 @@ Triton kernels on CUDA, ``sparrow.kernels.nvfp4_moe``).
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import re
 
 import torch
@@ -39,9 +38,11 @@ from torch import nn
 
 from sparrow.errors import ModelLoadError
 from sparrow.kernels.nvfp4 import GROUP, SCALE_DTYPE, dequantize_nvfp4_ref, quantize_nvfp4_ref
+from sparrow.quant._compressed_tensors import check_extras
 from sparrow.quant.base import LinearMethodBase, QuantizationConfig
 from sparrow.quant.nvfp4_moe import NAMES, Nvfp4MoEMethod, check_nvfp4_tensor
 from sparrow.quant.registry import register_quantization
+from sparrow.quant.scope import layers_named
 from sparrow.quant.unquantized import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
 
 LAYOUTS = ("modelopt", "compressed-tensors")
@@ -68,31 +69,6 @@ def _names_list(qc: dict, keys: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def matches(pattern: str, name: str) -> bool:
-    """Whether an ignore entry names module ``name``: ``re:<regex>`` (compressed-tensors; ``re.match``), a
-    wildcard pattern (ModelOpt ``exclude_modules``, fnmatch), or a module name / dotted part of one."""
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], name) is not None
-    if any(c in pattern for c in "*?["):
-        return fnmatch.fnmatchcase(name, pattern)
-    return bool(pattern) and f".{pattern}." in f".{name}."
-
-
-def hf_names(model: nn.Module, prefix: str) -> list[list[str]]:
-    """The checkpoint spellings of sparrow's module ``prefix``: [spellings of ``prefix`` itself, then those of
-    each projection packed into it in shard order (``qkv_proj`` -> q_proj / k_proj / v_proj)], each under the
-    checkpoint's prefixes (``prefix_map``) and old module names (``renames``) too."""
-    head, _, leaf = prefix.rpartition(".")
-    shards = sorted((idx, src) for src, (dst, idx) in getattr(model, "packed_modules", {}).items() if dst == leaf)
-    groups = []
-    for n in [prefix] + [f"{head}.{src}" if head else src for _, src in shards]:
-        for old, new in getattr(model, "renames", ()):
-            n = n.replace(new, old)
-        groups.append([n] + [src + n[len(dst):] for src, dst in getattr(model, "prefix_map", {}).items()
-                             if n.startswith(dst)])
-    return groups
-
-
 @register_quantization
 @dataclasses.dataclass(frozen=True)
 class Nvfp4Config(QuantizationConfig):
@@ -113,6 +89,8 @@ class Nvfp4Config(QuantizationConfig):
     """The checkpoint's ignore entries (module names, wildcards, ``re:`` regexes)."""
     ignored_prefixes: frozenset = frozenset()
     """sparrow's module names those entries name (``for_model``)."""
+    kv_cache_scales: bool = False
+    """The checkpoint declares an FP8 KV cache (``QuantizationConfig.declares_kv_cache``): its scales are skipped."""
 
     @classmethod
     def claims_hf(cls, qc: dict) -> bool:
@@ -135,7 +113,9 @@ class Nvfp4Config(QuantizationConfig):
             if inner.get("group_size", GROUP) != GROUP:
                 raise ModelLoadError(f"ModelOpt NVFP4 checkpoint group_size={inner['group_size']!r}: NVFP4 has "
                                      f"{GROUP}")
-            return cls("modelopt", True, _names_list(inner, ("exclude_modules", "ignore")))
+            return cls("modelopt", True, _names_list(inner, ("exclude_modules", "ignore")),
+                       kv_cache_scales=cls.declares_kv_cache(qc))
+        check_extras(qc, "NVFP4")
         groups = qc.get("config_groups") or {}
         if not isinstance(groups, dict) or not groups:
             raise ModelLoadError(f"compressed-tensors checkpoint quantization_config.config_groups must be a "
@@ -153,7 +133,7 @@ class Nvfp4Config(QuantizationConfig):
             if any(t != "Linear" for t in targets):
                 raise ModelLoadError(f"compressed-tensors config group {gname!r} targets {targets!r}; sparrow loads "
                                      "NVFP4 groups that target 'Linear'")
-        return cls("compressed-tensors", True, _names_list(qc, ("ignore",)))
+        return cls("compressed-tensors", True, _names_list(qc, ("ignore",)), kv_cache_scales=cls.declares_kv_cache(qc))
 
     @classmethod
     def for_quantization(cls) -> "Nvfp4Config":
@@ -161,27 +141,12 @@ class Nvfp4Config(QuantizationConfig):
         return cls("modelopt", from_checkpoint=False)
 
     def for_model(self, model: nn.Module) -> "Nvfp4Config":
-        """This config with the ignore entries resolved to sparrow's Linear / FusedMoE names. Raises
-        ModelLoadError when they name only some projections of a packed layer (its shards share one format)."""
+        """This config with the ignore entries resolved to sparrow's Linear / FusedMoE names (``layers_named``).
+        Raises ModelLoadError when they name only some projections of a packed layer or some experts."""
         if not self.ignored_layers:
             return self
-        ignored = set()
-        for name, module in model.named_modules():
-            if getattr(module, "quant_kind", None) is None:
-                continue
-            groups = hf_names(model, name)
-            if module.quant_kind == "moe":  # the experts, or their per-expert projections
-                groups[0] += [f"{n}.0.{p}" for n in groups[0] for p in ("gate_proj", "w1")]
-            hit = [any(matches(p, n) for p in self.ignored_layers for n in g) for g in groups]
-            if not hit[0] and len(hit) > 1 and any(hit[1:]):
-                if not all(hit[1:]):
-                    raise ModelLoadError(f"NVFP4 checkpoint leaves some projections packed into {name!r} float "
-                                         f"(ignore entries {list(self.ignored_layers)}) but not the others; a packed "
-                                         "layer must be all NVFP4 or all float")
-                hit[0] = True
-            if hit[0]:
-                ignored.add(name)
-        return dataclasses.replace(self, ignored_prefixes=frozenset(ignored))
+        ignored = layers_named(model, self.ignored_layers, "NVFP4", "ignore list")
+        return dataclasses.replace(self, ignored_prefixes=ignored)
 
     def quantizes(self, prefix: str) -> bool:
         """Whether the layer named ``prefix`` holds NVFP4 weights."""

@@ -55,31 +55,53 @@ def formats() -> tuple[type[QuantizationConfig], ...]:
 
 
 def supported_quantization() -> tuple[str, ...]:
-    """Values accepted by ``LLM(quantization=...)`` / ``--quantization`` (besides None)."""
+    """The registered formats' names: ``LLM(quantization=...)`` / ``--quantization`` values that quantize a float
+    checkpoint at load (besides None; ``checkpoint_quantization`` lists the ones naming a checkpoint's format)."""
     _load_formats()
     return tuple(_FORMATS)
 
 
+def checkpoint_quantization() -> tuple[str, ...]:
+    """The checkpoint ``quant_method`` names the formats load that are not format names ("gptq", "awq",
+    "compressed-tensors", "modelopt"): ``quantization=`` accepts them on such a checkpoint, as vLLM does."""
+    _load_formats()
+    return tuple(dict.fromkeys(m for f in _FORMATS.values() for m in f.hf_quant_methods if m not in _FORMATS))
+
+
 def _supported_text() -> str:
-    return ", ".join(["None", *map(repr, supported_quantization())])
+    return ", ".join(["None", *map(repr, supported_quantization() + checkpoint_quantization())])
+
+
+def normalize_quantization(name: str | None) -> str | None:
+    """``name`` in lower case (vLLM's spelling rule: "AWQ" is "awq") when it is None, a registered format or a
+    ``checkpoint_quantization`` name. Raises InvalidRequestError naming it and the supported ones."""
+    if name is None:
+        return None
+    _load_formats()
+    if not isinstance(name, str) or name.lower() not in supported_quantization() + checkpoint_quantization():
+        raise InvalidRequestError(f"quantization={name!r} is not supported (supported: {_supported_text()})")
+    return name.lower()
 
 
 def get_quantization(name: str) -> type[QuantizationConfig]:
-    """The format registered as ``name``. Raises InvalidRequestError naming it and the supported ones."""
+    """The format registered as ``name`` (any case). Raises InvalidRequestError naming it and the supported ones."""
     _load_formats()
-    if not isinstance(name, str) or name not in _FORMATS:
-        raise InvalidRequestError(f"quantization={name!r} is not supported (supported: {_supported_text()})")
-    return _FORMATS[name]
+    key = normalize_quantization(name)
+    if key not in _FORMATS:
+        raise InvalidRequestError(
+            f"quantization={name!r} names a checkpoint format, which loads from its checkpoint only (a float "
+            f"checkpoint quantizes at load with {', '.join(map(repr, supported_quantization()))})")
+    return _FORMATS[key]
 
 
 def check_quantization(name: str | None) -> None:
-    """Raise InvalidRequestError unless ``name`` is None or a registered format."""
-    if name is not None:
-        get_quantization(name)
+    """Raise InvalidRequestError unless ``name`` is None, a registered format or a checkpoint format name."""
+    normalize_quantization(name)
 
 
 def config_for_quantization(name: str | None) -> QuantizationConfig:
-    """The config of ``quantization=name`` on a float checkpoint: ``UNQUANTIZED`` for None."""
+    """The config of ``quantization=name`` on a float checkpoint: ``UNQUANTIZED`` for None. Raises
+    InvalidRequestError for a checkpoint format name (``checkpoint_quantization``) or an unknown one."""
     return UNQUANTIZED if name is None else get_quantization(name).for_quantization()
 
 

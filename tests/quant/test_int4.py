@@ -149,6 +149,10 @@ def test_config_errors_are_named():
         Int4Config.from_hf({"quant_method": "gptq", "bits": 8, "group_size": 128})
     with pytest.raises(ModelLoadError, match="group_size=16"):
         Int4Config.from_hf({"quant_method": "awq", "bits": 4, "group_size": 16})
+    with pytest.raises(ModelLoadError, match="lm_head=true"):  # GPTQModel's quantized LM head
+        Int4Config.from_hf({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True})
+    with pytest.raises(ModelLoadError, match="dynamic"):  # GPTQModel's per-module overrides
+        Int4Config.from_hf({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"-:.*down_proj": {}}})
     qc = ct_config(128, True)
     qc["config_groups"]["group_0"]["weights"]["actorder"] = "group"
     with pytest.raises(ModelLoadError, match="actorder"):
@@ -159,21 +163,82 @@ def test_config_errors_are_named():
     assert config_from_hf({"quant_method": "awq", "bits": 4, "group_size": 128}).layout == "awq"
 
 
+def test_weight_activation_order_loads_and_malformed_groups_are_named():
+    """actorder "weight" (compressed-tensors' name for "static"; llm-compressor's GPTQ writes it) orders the
+    calibration only: the checkpoint is plain pack-quantized. A config_groups that is not an object of objects is
+    a ModelLoadError naming it."""
+    from sparrow.quant import config_from_hf
+
+    for order in ("weight", "static"):
+        qc = ct_config(128, True)
+        qc["config_groups"]["group_0"]["weights"]["actorder"] = order
+        assert config_from_hf(qc) == config_from_hf(ct_config(128, True)), order
+    for groups in ([ct_config(128, True)["config_groups"]["group_0"]], {"group_0": "pack-quantized"}):
+        with pytest.raises(ModelLoadError, match="config_groups"):
+            config_from_hf({**ct_config(128, True), "config_groups": groups})
+
+
+def _transform_config(*locations) -> dict:
+    """compressed-tensors' transform_config of one Hadamard scheme applied at ``locations`` (its model_dump)."""
+    from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
+
+    apply = [TransformArgs(targets=["Linear"], location=loc) for loc in locations]
+    return TransformConfig(config_groups={"u": TransformScheme(type="hadamard", apply=apply)}).model_dump(mode="json")
+
+
+def test_online_transforms_and_sparse_compression_are_refused():
+    """compressed-tensors checkpoints whose transform_config rotates activations at run time (QuIP / SpinQuant
+    online Hadamards) or whose sparsity_config compresses the weights (2:4 bitmask) would run wrong if loaded as
+    plain pack-quantized: refused by name. Rotations fused into the weights (weight_input / weight_output) and
+    the empty entries compressed-tensors writes load."""
+    from sparrow.quant import config_from_hf
+    from sparrow.quant.nvfp4 import Nvfp4Config
+
+    plain = config_from_hf(ct_config(128, True))
+    for extra in ({"transform_config": {}, "sparsity_config": {}},
+                  {"transform_config": _transform_config("weight_input", "weight_output")},
+                  {"sparsity_config": {"format": "dense", "sparsity_structure": "2:4"}}):
+        assert config_from_hf({**ct_config(128, True), **extra}) == plain, extra
+    nvfp4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "group_size": 16}}}}
+    for qc in (ct_config(128, True), nvfp4):
+        with pytest.raises(ModelLoadError, match="transform_config .*'input'.* online"):
+            config_from_hf({**qc, "transform_config": _transform_config("weight_input", "input")})
+        with pytest.raises(ModelLoadError, match="sparsity_config .*'sparse-24-bitmask'"):
+            config_from_hf({**qc, "sparsity_config": {"format": "sparse-24-bitmask", "sparsity_structure": "2:4"}})
+    assert isinstance(config_from_hf(nvfp4), Nvfp4Config)
+
+
+def test_fp8_kv_cache_scales_are_skipped():
+    """A pack-quantized config with an FP8 ``kv_cache_scheme`` skips the checkpoint's ``self_attn.k_scale`` /
+    ``v_scale`` (the KV cache is in the model dtype; whole models: tests/quant/test_nvfp4.py); without one they
+    are read (and refused as unused)."""
+    from sparrow.quant import config_from_hf
+
+    kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    cfg = config_from_hf({**ct_config(128, True), "kv_cache_scheme": kv})
+    assert cfg.skips_tensor("model.layers.0.self_attn.k_scale") and cfg.skips_tensor("model.layers.3.self_attn.v_scale")
+    assert not cfg.skips_tensor("model.layers.0.self_attn.o_proj.weight_scale")
+    assert not config_from_hf(ct_config(128, True)).skips_tensor("model.layers.0.self_attn.k_scale")
+
+
 # ---- whole models ----------------------------------------------------------------------------------------
 
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_ct_checkpoint(hf, dst: Path, group: int, symmetric: bool):
+def write_ct_checkpoint(hf, dst: Path, group: int, symmetric: bool, float_modules=(), targets=None):
     """hf's weights compressed by compressed-tensors into a pack-quantized checkpoint at ``dst`` (per-expert
-    tensors for fused 3-D experts); loads the decompressed weights back into ``hf`` (the oracle)."""
+    tensors for fused 3-D experts); loads the decompressed weights back into ``hf`` (the oracle).
+    ``float_modules``: HF module names (``model.layers.0.mlp.experts.3.up_proj``) written in float and listed in
+    ``ignore``, as llm-compressor lists them; with ``targets`` (the config group's) they are only left out."""
     from safetensors.torch import save_file
 
     sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     out, oracle = {}, dict(sd)
     for name, t in sd.items():
         parts = name.split(".")
-        if parts[-1] == "weight" and parts[-2] in _LINEARS:
+        if parts[-1] == "weight" and parts[-2] in _LINEARS and name[:-len(".weight")] not in float_modules:
             c, oracle[name] = ct_compress(t, group, symmetric)
             out.update({f"{name[:-len('weight')]}{k}": v for k, v in c.items()})
         elif ".experts." in name and parts[-1] in ("gate_up_proj", "down_proj"):
@@ -182,11 +247,12 @@ def write_ct_checkpoint(hf, dst: Path, group: int, symmetric: bool):
                 halves = t[e].chunk(2) if parts[-1] == "gate_up_proj" else (t[e],)
                 names = ("gate_proj", "up_proj") if parts[-1] == "gate_up_proj" else ("down_proj",)
                 for half, (proj, w) in enumerate(zip(names, halves)):
-                    c, d = ct_compress(w.contiguous(), group, symmetric)
+                    base = f"{'.'.join(parts[:-1])}.{e}.{proj}"
+                    c, d = ({"weight": w.contiguous()}, w) if base in float_modules else \
+                        ct_compress(w.contiguous(), group, symmetric)
                     rows = w.shape[0]
                     deq[e, half * rows:(half + 1) * rows] = d
-                    base = f"{'.'.join(parts[:-1])}.{e}.{proj}."
-                    out.update({base + k: v for k, v in c.items()})
+                    out.update({f"{base}.{k}": v for k, v in c.items()})
             oracle[name] = deq
         else:
             out[name] = t
@@ -194,6 +260,10 @@ def write_ct_checkpoint(hf, dst: Path, group: int, symmetric: bool):
     save_file(out, str(dst / "model.safetensors"))
     cfg = hf.config.to_dict()
     cfg["quantization_config"] = ct_config(group, symmetric)
+    if targets is not None:
+        cfg["quantization_config"]["config_groups"]["group_0"]["targets"] = list(targets)
+    else:
+        cfg["quantization_config"]["ignore"] += list(float_modules)
     (dst / "config.json").write_text(json.dumps(cfg))
     hf.load_state_dict(oracle)
     return dst
@@ -228,6 +298,57 @@ def test_ct_checkpoint_matches_transformers_on_decompressed_weights(family, grou
         assert layer0.mlp.gate.weight.dtype == torch.float32
 
 
+def test_float_modules_named_as_llm_compressor_names_them(tmp_path):
+    """Layers left float in a pack-quantized checkpoint, named the ways llm-compressor writes them: every expert
+    linear of layer 0's experts in ``ignore`` (Qwen3-MoE, per-expert names), or a config group whose
+    ``targets`` name only the attention projections (Llama, MLPs float). Both run as transformers does on the
+    decompressed + float weights (ids, logprobs within 1e-4); the float layers hold float weights."""
+    hf = build(FAMILIES, "qwen3_moe", tmp_path / "moe", intermediate_size=128, moe_intermediate_size=32)
+    experts = [f"model.layers.0.mlp.experts.{e}.{p}" for e in range(8) for p in ("gate_proj", "up_proj", "down_proj")]
+    model = _run_and_compare(write_ct_checkpoint(hf, tmp_path / "moe_ct", 32, True, experts), hf).engine.runner.model
+    assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32
+    assert model.model.layers[2].mlp.experts.gate_up_proj.dtype == torch.int32
+    hf = build(DENSE, "llama", tmp_path / "dense", intermediate_size=128)
+    mlps = [f"model.layers.{i}.mlp.{p}" for i in range(2) for p in ("gate_proj", "up_proj", "down_proj")]
+    path = write_ct_checkpoint(hf, tmp_path / "dense_ct", 64, False, mlps, targets=["re:.*self_attn.*"])
+    layer = _run_and_compare(path, hf).engine.runner.model.model.layers[1]
+    assert layer.self_attn.o_proj.weight_packed.dtype == torch.int32
+    assert layer.mlp.down_proj.weight.dtype == torch.float32
+
+
+def test_float_layer_the_config_does_not_name_is_named(tmp_path):
+    """A float weight in a pack-quantized checkpoint for a layer (a Linear, per-expert linears of stacked experts)
+    its quantization_config leaves int4: the error names the tensor, the int4 tensors the layer takes and the
+    config fields that leave a layer float."""
+    hf = build(DENSE, "llama", tmp_path / "dense", intermediate_size=128)
+    path = write_ct_checkpoint(hf, tmp_path / "ct", 64, True, ["model.layers.1.mlp.down_proj"])
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["ignore"].remove("model.layers.1.mlp.down_proj")
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"'model.layers.1.mlp.down_proj.weight' is a float weight, but "
+                                             r"'model.layers.1.mlp.down_proj' takes int4 tensors \['weight_packed', "
+                                             r"'weight_scale', 'weight_shape'\].*ignore"):
+        make_llm(path, max_model_len=64)
+    hf = build(FAMILIES, "qwen3_moe", tmp_path / "moe", intermediate_size=128, moe_intermediate_size=32)
+    experts = [f"model.layers.0.mlp.experts.{e}.{p}" for e in range(8) for p in ("gate_proj", "up_proj", "down_proj")]
+    path = write_ct_checkpoint(hf, tmp_path / "moe_ct", 32, True, experts)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["ignore"] = ["lm_head"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"experts.0.\w+_proj.weight' is a float weight, but "
+                                             r"'model.layers.0.mlp.experts' takes int4 tensors"):
+        make_llm(path, max_model_len=64)
+
+
+def test_ignore_naming_some_experts_or_projections_is_named(tmp_path):
+    hf = build(FAMILIES, "qwen3_moe", tmp_path / "moe", intermediate_size=128, moe_intermediate_size=32)
+    some = [f"model.layers.0.mlp.experts.{e}.{p}" for e in range(3) for p in ("gate_proj", "up_proj", "down_proj")]
+    with pytest.raises(ModelLoadError, match="only some .* 'model.layers.0.mlp.experts'"):
+        make_llm(write_ct_checkpoint(hf, tmp_path / "ct", 32, True, some), max_model_len=64)
+    with pytest.raises(ModelLoadError, match="only some .* 'model.layers.1.self_attn.qkv_proj'"):
+        make_llm(write_ct_checkpoint(hf, tmp_path / "ct2", 32, True, ["model.layers.1.self_attn.k_proj"]))
+
+
 def test_on_load_int4_equals_compressed_tensors_checkpoint(tmp_path):
     """``quantization="int4"`` (symmetric, group 128) on a float Qwen3-MoE gives the parameters of the
     checkpoint compressed-tensors makes from the same weights, and runs as transformers on its decompression."""
@@ -243,15 +364,24 @@ def test_on_load_int4_equals_compressed_tensors_checkpoint(tmp_path):
 
 
 def test_gptq_and_awq_checkpoints_load_as_the_ct_one(tmp_path):
-    """The same codes written as GPTQ (v1) and AWQ checkpoints load to sparrow parameters equal to the
-    compressed-tensors checkpoint's (scales rounded to fp16, as those formats store them)."""
+    """The same codes written as GPTQ (v1; with and without the g_idx tensors, which desc_act=false makes
+    k // group) and AWQ checkpoints load to sparrow parameters equal to the compressed-tensors checkpoint's
+    (scales rounded to fp16, as those formats store them), with ``quantization=`` their quant_method in any case
+    (vLLM's ``quantization="AWQ"``); another checkpoint format's name, or one on a float checkpoint, is refused.
+    Checkpoints that keep the config in AutoGPTQ's quantize_config.json / AutoAWQ's quant_config.json (its w_bit /
+    q_group_size keys) rather than in config.json load the same."""
+    from sparrow.errors import InvalidRequestError
+
     from safetensors.torch import load_file, save_file
 
     hf = build(DENSE, "llama", tmp_path / "float", intermediate_size=128)
     ct_dir = write_ct_checkpoint(hf, tmp_path / "ct", 32, False)
     ct_tensors = load_file(str(ct_dir / "model.safetensors"))
     ref = dict(make_llm(ct_dir, max_model_len=64).engine.runner.model.named_parameters())
-    for layout in ("gptq", "awq"):
+    legacy = {"gptq-quantize_config.json": {"bits": 4, "group_size": 32, "desc_act": False, "sym": False},
+              "awq-quant_config.json": {"zero_point": True, "q_group_size": 32, "w_bit": 4, "version": "GEMM"}}
+    for layout in ("gptq", "awq", "gptq-no-g_idx", *legacy):
+        method = layout.split("-")[0]
         out = {}
         for name, t in ct_tensors.items():
             if not name.endswith("weight_packed"):
@@ -263,21 +393,30 @@ def test_gptq_and_awq_checkpoints_load_as_the_ct_one(tmp_path):
             u = unpack_int4_ref(t)
             z = convert("compressed-tensors", "zero", ct_tensors[base + "weight_zero_point"], n, k, 32, base)
             s = ct_tensors[base + "weight_scale"].half()
-            names = ("qweight", "qzeros", "scales", "g_idx") if layout == "gptq" else ("qweight", "qzeros", "scales")
-            ts = _gptq_tensors(u, z, s, 32) if layout == "gptq" else _awq_tensors(u, z, s)
+            names = ("qweight", "qzeros", "scales", "g_idx")[:3 if layout in ("awq", "gptq-no-g_idx") else 4]
+            ts = _gptq_tensors(u, z, s, 32) if method == "gptq" else _awq_tensors(u, z, s)
             out.update({base + nm: v for nm, v in zip(names, ts)})
         dst = tmp_path / layout
         dst.mkdir()
         save_file(out, str(dst / "model.safetensors"))
         cfg = json.loads((ct_dir / "config.json").read_text())
-        cfg["quantization_config"] = {"quant_method": layout, "bits": 4, "group_size": 32, "desc_act": False,
-                                      "sym": False, "zero_point": True, "version": "gemm"}
+        if layout in legacy:
+            (dst / layout.split("-")[1]).write_text(json.dumps(legacy[layout]))
+            del cfg["quantization_config"]
+        else:
+            cfg["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 32, "desc_act": False,
+                                          "sym": False, "zero_point": True, "version": "gemm"}
         (dst / "config.json").write_text(json.dumps(cfg))
-        got = dict(make_llm(dst, max_model_len=64).engine.runner.model.named_parameters())
+        got = dict(make_llm(dst, max_model_len=64, quantization=method.upper()).engine.runner.model
+                   .named_parameters())
         assert got.keys() == ref.keys(), layout
         for name, p in got.items():
             want = ref[name].half() if name.endswith("weight_scale") else ref[name]
             assert torch.equal(p, want), (layout, name)
+    with pytest.raises(InvalidRequestError, match="quantization='awq' does not match .* 'gptq'"):
+        make_llm(tmp_path / "gptq", quantization="awq")
+    with pytest.raises(InvalidRequestError, match="quantization='gptq' names a checkpoint format"):
+        make_llm(tmp_path / "float", quantization="gptq")
 
 
 def test_bench_named_shape_quantizes_to_int4(tmp_path):

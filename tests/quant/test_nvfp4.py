@@ -260,6 +260,30 @@ def test_modelopt_hf_quant_config_file(float_dirs, tmp_path):
     _agree_with_transformers(ckpt, oracle)
 
 
+@pytest.mark.parametrize("layout", ["modelopt", "compressed-tensors"])
+def test_fp8_kv_cache_scales_are_skipped(float_dirs, tmp_path, layout):
+    """A checkpoint exported with an FP8 KV cache (ModelOpt ``kv_cache_quant_algo: FP8``: ``self_attn.k_proj.k_scale``
+    / ``v_proj.v_scale``; compressed-tensors ``kv_cache_scheme``: ``self_attn.k_scale`` / ``v_scale``) loads, its KV
+    cache in the model dtype, and runs as transformers on the decompressed weights; the same scales without the
+    config's KV-cache entry stay an unused-tensor error."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt, oracle = write_nvfp4(float_dirs / "llama", tmp_path, layout)
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    for i in range(2):
+        for kv in "kv":
+            name = f"{kv}_proj.{kv}_scale" if layout == "modelopt" else f"{kv}_scale"
+            tensors[f"model.layers.{i}.self_attn.{name}"] = torch.tensor(0.02)
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="k_scale"):
+        make_llm(ckpt, max_model_len=64)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["quantization_config"].update({"kv_cache_quant_algo": "FP8"} if layout == "modelopt" else {
+        "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}})
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    _agree_with_transformers(ckpt, oracle)
+
+
 def test_on_load_quantization_equals_the_modelopt_checkpoint(float_dirs, tmp_path):
     """``quantization="nvfp4"`` on the float checkpoint gives the parameters of the ModelOpt export."""
     ckpt, _ = write_nvfp4(float_dirs / "qwen3_moe", tmp_path, "modelopt")

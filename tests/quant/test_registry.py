@@ -240,6 +240,7 @@ def test_registered_everywhere():
 
     assert NAME in supported_quantization() and "fp8" in supported_quantization()
     assert build_parser().parse_args(["generate", "hi", "--quantization", NAME]).quantization == NAME
+    assert build_parser().parse_args(["generate", "hi", "--quantization", "GPTQ"]).quantization == "gptq"
     with pytest.raises(InvalidRequestError, match=rf"quantization='int3' is not supported \(supported: None, .*"
                                                   rf"'{NAME}'"):
         make_llm("/nonexistent", quantization="int3")
@@ -282,3 +283,12 @@ def test_unknown_quant_method_and_stray_scale_are_named(int8_dir, float_dir, tmp
     with pytest.raises(ModelLoadError, match=r"is an int8 row scale, but Qwen3MoeForCausalLM has no INT8-TEST "
                                              r"parameter|is torch.int8, but .* is torch.float32"):
         make_llm(no_config)
+
+
+def test_quantization_other_than_the_checkpoints_format_is_refused(int8_dir):
+    """``quantization=`` naming another format than the checkpoint's quantization_config is an error naming both
+    (as vLLM's); naming the checkpoint's own format loads it as without."""
+    with pytest.raises(InvalidRequestError, match=rf"quantization='fp8' .* checkpoint .*'{NAME}'"):
+        make_llm(int8_dir, max_model_len=64, quantization="fp8")
+    model = make_llm(int8_dir, max_model_len=64, quantization=NAME).engine.runner.model
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8
