@@ -33,7 +33,7 @@ class LoRAManager:
         from sparrow.layers.moe import FusedMoE
         from sparrow.layers.router import Router
 
-        self.model, self.max_loras, self.max_lora_rank = model, max_loras, max_lora_rank
+        self.model, self.max_loras, self.max_lora_rank, self.dtype = model, max_loras, max_lora_rank, dtype
         self.buffers: dict[tuple[str, str], LoRABuffers] = {}
         r, s = max_lora_rank, max_loras
         # the decoder's modules: the LM head (a Linear with quantize_lm_head) is not adaptable
@@ -63,7 +63,8 @@ class LoRAManager:
         """The adapter of ``request``, read and checked once per lora_int_id (LoRAAdapterError when it cannot be
         used; a folder already loaded under another id shares its host copy). Folders are compared as real paths
         (``os.path.realpath`` when first seen: a trailing slash, a relative path or a link name the same folder).
-        An id seen before with another folder is an error too. Host copies (fp32) stay for every adapter seen."""
+        An id seen before with another folder is an error too. Host copies (in the buffers' dtype) stay for every
+        adapter seen."""
         from sparrow.errors import LoRAAdapterError
 
         folder = os.path.realpath(request.lora_path)
@@ -77,7 +78,7 @@ class LoRAManager:
         if same is not None:  # the folder is loaded under another id: share its factors
             adapter = Adapter(request, self.adapters[same].targets, self.adapters[same].rank)
         else:
-            adapter = load_adapter(request, self.model, self.max_lora_rank)
+            adapter = load_adapter(request, self.model, self.max_lora_rank, self.dtype)
             for key, (a, b) in adapter.targets.items():
                 buf = self.buffers.get(key)
                 if buf is None or a.shape[-2] > buf.width:

@@ -80,3 +80,33 @@ def test_no_slots_for_a_quantized_lm_head(tmp_path):
     assert model.lm_head_quantized.lora is None
     assert all(path.startswith("model.layers.") for path, _ in mgr.buffers)
     assert ("model.layers.0.self_attn.qkv_proj", "weight") in mgr.buffers
+
+
+def test_host_copies_in_the_buffer_dtype_fill_slots_as_fp32_factors_did(tmp_path):
+    """bf16 Qwen2-MoE (attention, dense and shared-expert MLPs, fused experts, router): the host copies are bf16, and a
+    slot written from them holds bit for bit what a copy of the fp32 factors (scaling folded in) into the bf16
+    buffers gives: A, B, ranks and segment columns of every module."""
+    from sparrow.lora.adapter import load_adapter
+    from sparrow.lora.weights import LoRABuffers
+    from tests.lora._adapters import DENSE_TARGETS, EXPERT_PARAMS, ROUTER_PARAMS
+
+    base = base_model("qwen2_moe", tmp_path / "base")
+    path = make_adapter("qwen2_moe", base, tmp_path / "a", 3, r=4, lora_alpha=8, target_modules=DENSE_TARGETS,
+                        target_parameters=EXPERT_PARAMS + ROUTER_PARAMS)
+    llm = make_llm(base, dtype="bfloat16", max_model_len=64, enable_lora=True, max_loras=2, max_lora_rank=4)
+    mgr = llm.engine.runner.lora
+    req = LoRARequest("a", 1, str(path))
+    adapter = mgr.load(req)
+    assert {t.dtype for ab in adapter.targets.values() for t in ab} == {torch.bfloat16}
+    slot = mgr.assign({1})[1]
+    fp32 = load_adapter(req, mgr.model, mgr.max_lora_rank)  # the factors as they were kept before (fp32)
+    assert {t.dtype for ab in fp32.targets.values() for t in ab} == {torch.float32}
+    for key, buf in mgr.buffers.items():
+        ref = LoRABuffers(1, buf.experts, buf.width, buf.a.shape[2], buf.b.shape[2], torch.bfloat16, buf.a.device,
+                          buf.out_sizes)
+        ref.write(0, fp32.targets.get(key))
+        e = buf.experts
+        assert torch.equal(buf.a[slot * e:(slot + 1) * e], ref.a), key
+        assert torch.equal(buf.b[slot * e:(slot + 1) * e], ref.b), key
+        assert torch.equal(buf.ranks[slot], ref.ranks[0]) and torch.equal(buf.seg_cols[slot], ref.seg_cols[0]), key
+    assert any(key[1] == "gate_up_proj" for key in fp32.targets) and len(fp32.targets) > 10
