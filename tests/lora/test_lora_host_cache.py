@@ -3,7 +3,8 @@ generate calls, give exactly the outputs of an unbounded cache (fp32, the same b
 max_cpu_loras adapters, or max_loras + 1 when max_cpu_loras == max_loras (the documented exception); a dropped
 adapter is read again from its folder; one whose folder is gone by then fails its own request with
 LoRAAdapterError (LLM.generate raises it, the engine and the server's loop go on with the others); max_cpu_loras
-below max_loras is refused. Tiny random Llama, PEFT adapters (their outputs against PEFT: test_lora_peft.py)."""
+below max_loras is refused; ``sparrow serve --max-cpu-loras`` reaches the engine. Tiny random Llama, PEFT adapters
+(their outputs against PEFT: test_lora_peft.py)."""
 from __future__ import annotations
 
 import os
@@ -225,3 +226,26 @@ def test_max_cpu_loras_below_max_loras_is_refused(folders):
     llm = make_llm(folders[0], max_model_len=64, enable_lora=True, max_loras=3)  # default: max_loras
     assert llm.config.lora.max_cpu_loras == 3 and llm.engine.runner.lora.max_cpu_loras == 3
 
+
+def test_serve_flag(capsys):
+    """``sparrow serve --max-cpu-loras N`` (help from LoRAConfig's field docstring) reaches the engine; without it
+    the cache holds max_loras; below --max-loras it is refused naming both."""
+    from sparrow.cli import build_parser
+    from sparrow.cli_support import field_docs
+    from sparrow.config import LoRAConfig
+    from sparrow.server.main import _build_llm
+
+    parser = build_parser()
+    serve = ["serve", "--model-shape", "tiny-dense", "--device", "cpu", "--dtype", "float32", "--max-model-len", "64",
+             "--enable-lora", "--max-loras", "2"]
+    assert parser.parse_args(serve).max_cpu_loras is None
+    assert parser.parse_args(serve + ["--max-cpu-loras", "5"]).max_cpu_loras == 5
+    with pytest.raises(SystemExit):
+        parser.parse_args(serve + ["--max-cpu-loras", "0"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--help"])
+    assert field_docs(LoRAConfig)["max_cpu_loras"] in " ".join(capsys.readouterr().out.split())
+    llm = _build_llm(parser.parse_args(serve + ["--max-cpu-loras", "5"]))
+    assert llm.engine.runner.lora.max_cpu_loras == 5
+    with pytest.raises(InvalidRequestError, match="max_cpu_loras=1 must be at least max_loras=2"):
+        _build_llm(parser.parse_args(serve + ["--max-cpu-loras", "1"]))
