@@ -357,6 +357,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from sparrow import __version__
+    from sparrow.config import LoRAConfig
     from sparrow.model_shapes import SHAPES
 
     parser = _Parser(prog="sparrow", description="sparrow: an LLM inference engine for MoE models")
@@ -400,6 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "'{\"name\": NAME, \"path\": PATH}')")
     s.add_argument("--max-loras", type=_positive_int, default=4, help="adapters on the device at once (default 4)")
     s.add_argument("--max-lora-rank", type=_positive_int, default=64, help="largest adapter rank (default 64)")
+    s.add_argument("--max-cpu-loras", type=_positive_int, default=None,
+                   help=field_docs(LoRAConfig).get("max_cpu_loras", ""))
     s.set_defaults(func=cmd_serve)
     b = sub.add_parser("bench", parents=[verbose],
                        help="prefill / decode tok/s of sparrow and of HF transformers on the same weights")

@@ -333,16 +333,26 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    """Multi-LoRA serving (vLLM's ``enable_lora`` arguments). Raises InvalidRequestError for a value below 1."""
+    """Multi-LoRA serving (vLLM's ``enable_lora`` arguments). Built, ``max_cpu_loras`` is an int. Raises
+    InvalidRequestError (a ValueError) for a value below 1 or a max_cpu_loras below max_loras."""
 
     max_loras: int = 4
     """Adapters held on the device at once (slots); a step runs at most this many distinct adapters."""
     max_lora_rank: int = 64
     """Largest adapter rank accepted (the slot buffers' width per PEFT module)."""
+    max_cpu_loras: int | None = None
+    """Adapters kept in host memory, at least max_loras (default: max_loras); the least recently used one that no
+    slot holds is dropped, and read again from its folder when needed."""
 
     def __post_init__(self):
         _check_int("max_loras", self.max_loras)
         _check_int("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)  # frozen: the resolved value, set once here
+        _check_int("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise InvalidRequestError(f"max_cpu_loras={self.max_cpu_loras} must be at least max_loras="
+                                      f"{self.max_loras}")
 
 
 MAX_SPECULATIVE_TOKENS = 15

@@ -1,6 +1,7 @@
 """The engine facade: add_request / step / has_unfinished_requests / abort (style.md 2).
 
-Each step runs one StepPlan: the scheduler plans it (rows, sampled rows, blocks), the model runner runs it
+Each step runs one StepPlan: the scheduler plans it (rows, sampled rows, blocks), the engine puts its LoRA adapters
+into device slots (a request whose adapter can no longer be read ends with its error), the model runner runs it
 (StepResult: sampled ids on the device, a host copy behind an event), and the engine applies the result: it
 appends the accepted tokens, detokenizes incrementally, finishes sequences on EOS, stop token, stop string,
 max_tokens or the context limit, and reports each request's RequestOutput (cumulative, plus the delta of the
@@ -29,7 +30,7 @@ from sparrow.engine.sampler import make_generator
 from sparrow.engine.scheduler import Scheduler
 from sparrow.engine.sequence import Sequence
 from sparrow.engine.step_plan import ScheduledSeq, StepPlan, StepResult
-from sparrow.errors import InvalidRequestError
+from sparrow.errors import InvalidRequestError, SparrowError
 from sparrow.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from sparrow.sampling_params import SamplingParams
 from sparrow.spec_decode.decoder import make_speculative_decoder
@@ -74,6 +75,10 @@ class Engine:
         self._last_step_end: float | None = None  # perf_counter() at the end of the last decode / verify step
         self.last_step_prefill = False
         """Whether the last step computed prompt tokens (a prefill, alone or beside decode rows)."""
+        self.failed: dict[str, SparrowError] = {}
+        """Requests the engine ended with an error (request id -> the error): a request whose LoRA adapter's host
+        copy was dropped (``max_cpu_loras``) and could not be read again when a step needed it. Whoever reports
+        the request's end takes its entry out (``LLM``, the server's engine loop)."""
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     lora_request=None) -> str:
@@ -82,7 +87,9 @@ class Engine:
         ids, a request id in use, or SamplingParams changed after construction into invalid values. The request
         keeps a copy of ``params`` (validated again here), so changing the caller's object later does not touch
         it. ``lora_request``: a LoRARequest to run the request with (the adapter is read and checked here:
-        LoRAAdapterError when it cannot be used; InvalidRequestError when the engine runs without enable_lora)."""
+        LoRAAdapterError when it cannot be used; InvalidRequestError when the engine runs without enable_lora; if
+        its host copy is dropped before a step runs it and its folder cannot be read again then, the request ends
+        with the error in ``failed``)."""
         params = own_params(params)
         if lora_request is not None:
             from sparrow.lora.request import LoRARequest
@@ -152,6 +159,7 @@ class Engine:
             drafts = (self.spec.propose(self.scheduler.running, len(self.scheduler.waiting))
                       if self.spec is not None else None)
             plan = self.scheduler.schedule(drafts)
+            self._slot_adapters(plan)
             if not plan.seqs:
                 return []
             result = self.runner.run(plan)
@@ -159,6 +167,7 @@ class Engine:
         if plan.queue_next and (self.spec is None or self.spec.paused([item.seq for item in plan.seqs])):
             ahead = self.scheduler.schedule_ahead(plan)
             if ahead is not None:
+                ahead.lora_slots = plan.lora_slots  # its sequences are plan's: their adapters are in those slots
                 self._ahead = (ahead, self.runner.run(ahead, previous=result))
         outputs = self._apply(plan, result)
         if self.spec is not None:
@@ -166,6 +175,24 @@ class Engine:
         if self._ahead is not None and all(item.seq.is_finished for item in self._ahead[0].seqs):
             self._ahead = None  # every sequence stopped: nothing to read
         return outputs
+
+    def _slot_adapters(self, plan: StepPlan) -> None:
+        """Put the plan's LoRA adapters into device slots (``LoRAManager.assign``, into ``plan.lora_slots``). A
+        request whose adapter cannot be read again (its host copy was dropped and its folder is gone or changed)
+        leaves the plan and ends, its LoRAAdapterError in ``failed``; the plan's other requests run."""
+        if self.runner.lora is None:
+            return
+        wanted = {item.seq.lora_int_id: item.seq.lora_request for item in plan.seqs if item.seq.lora_int_id}
+        plan.lora_slots, errors = self.runner.lora.assign(wanted)
+        if not errors:
+            return
+        failed = {item.seq.request_id: errors[item.seq.lora_int_id] for item in plan.seqs
+                  if item.seq.lora_int_id in errors}
+        plan.seqs = [item for item in plan.seqs if item.seq.request_id not in failed]
+        for rid, error in failed.items():
+            log.warning("request %s failed: %s", rid, error)
+            self.failed[rid] = error
+            self.abort(rid)
 
     def _time_step(self, plan: StepPlan) -> None:
         """Give the speculative decoder the wall time of a decode or verify step that followed another one (the

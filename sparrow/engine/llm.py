@@ -27,7 +27,8 @@ def engine_config(model: ModelConfig, *, device: str = _E.device, dtype: str = _
                   enforce_eager: bool = _E.enforce_eager,
                   gpu_memory_utilization: float = _C.gpu_memory_utilization,
                   speculative_config: dict | None = None, enable_lora: bool = False,
-                  max_loras: int = LoRAConfig.max_loras, max_lora_rank: int = LoRAConfig.max_lora_rank) -> EngineConfig:
+                  max_loras: int = LoRAConfig.max_loras, max_lora_rank: int = LoRAConfig.max_lora_rank,
+                  max_cpu_loras: int | None = LoRAConfig.max_cpu_loras) -> EngineConfig:
     """The EngineConfig for LLM's flat engine arguments (``num_kv_blocks`` is ``cache.num_blocks``;
     ``speculative_config``: vLLM's dict, ``SpeculativeConfig.from_dict``). The configs validate themselves:
     InvalidRequestError names the first bad argument (cache and scheduler settings, the speculative config,
@@ -37,7 +38,8 @@ def engine_config(model: ModelConfig, *, device: str = _E.device, dtype: str = _
     scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     if not isinstance(enable_lora, bool):
         raise InvalidRequestError(f"enable_lora={enable_lora!r} must be True or False")
-    lora = LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank) if enable_lora else None
+    lora = (LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
+            if enable_lora else None)
     return EngineConfig(model=model, device=device, dtype=dtype, max_model_len=max_model_len, cache=cache,
                         scheduler=scheduler, enforce_eager=enforce_eager,
                         speculative=SpeculativeConfig.from_dict(speculative_config), lora=lora)
@@ -87,9 +89,11 @@ class LLM:
     'prompt_lookup_min': 2} or {'method': 'draft_model', 'model': PATH, 'num_speculative_tokens': 4} (fields:
     ``sparrow.config.SpeculativeConfig``); None: no speculation. Outputs follow the target's distribution
     (greedy: the tokens of plain decoding).
-    enable_lora, max_loras, max_lora_rank: serve PEFT LoRA adapters (``generate(..., lora_request=LoRARequest(name,
-    int_id, path))``): at most max_loras adapters on the device at once (loaded on demand, least recently used
-    evicted), ranks up to max_lora_rank (``sparrow.lora``).
+    enable_lora, max_loras, max_lora_rank, max_cpu_loras: serve PEFT LoRA adapters (``generate(...,
+    lora_request=LoRARequest(name, int_id, path))``, ``sparrow.lora``): at most max_loras adapters on the device at
+    once (loaded on demand, least recently used evicted), ranks up to max_lora_rank, at most max_cpu_loras adapters
+    in host memory (default max_loras; the least recently used one in no slot is dropped and read again from its
+    folder when needed: ``sparrow.lora.manager``).
     tokenizer: a transformers tokenizer to use instead of the model's; skip_tokenizer_init=True runs without one.
     seed: seeds torch's global generator before loading.
     Raises sparrow errors (ModelNotFoundError, ModelLoadError, UnsupportedArchitectureError,
@@ -103,7 +107,7 @@ class LLM:
                  seed: int = 0, tokenizer=None, skip_tokenizer_init: bool = False, quantize_lm_head: bool = False,
                  gpu_memory_utilization: float = _C.gpu_memory_utilization, speculative_config: dict | None = None,
                  enable_lora: bool = False, max_loras: int = LoRAConfig.max_loras,
-                 max_lora_rank: int = LoRAConfig.max_lora_rank):
+                 max_lora_rank: int = LoRAConfig.max_lora_rank, max_cpu_loras: int | None = LoRAConfig.max_cpu_loras):
         from sparrow.default_model import default_model_path
         from sparrow.loader.model_loader import load_model, read_model_config
         from sparrow.quant import check_quantization
@@ -122,7 +126,7 @@ class LLM:
             block_size=block_size, num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization, speculative_config=speculative_config,
-            enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank)
+            enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
         torch.manual_seed(seed)
         loaded = load_model(path, TORCH_DTYPES[config.dtype], config.device, quantization=quantization,
                             quantize_lm_head=quantize_lm_head)
@@ -148,7 +152,7 @@ class LLM:
         ``config`` is a ModelConfig, after ``loader.model_loader.finish_loading``), e.g. random weights copied
         from a transformers model. ``engine_args``: LLM's engine arguments (device, dtype, max_model_len,
         block_size, num_kv_blocks, enable_prefix_caching, max_num_seqs, max_num_batched_tokens, enforce_eager,
-        gpu_memory_utilization, speculative_config, enable_lora, max_loras, max_lora_rank);
+        gpu_memory_utilization, speculative_config, enable_lora, max_loras, max_lora_rank, max_cpu_loras);
         device and dtype ('auto' or left out) are the model's own (``_model_placement``). tokenizer: None runs
         without one (prompts as {'prompt_token_ids': [...]}). Raises InvalidRequestError for a model that is not
         a sparrow model, a device or dtype other than the model's, or a bad engine argument; TypeError for an
@@ -246,13 +250,22 @@ class LLM:
         }
 
     def _aborted(self, rid: str) -> bool:
-        """Whether ``rid`` left the engine without finishing (aborted by the engine: a step it was in raised)."""
+        """Whether ``rid`` left the engine without finishing (aborted by the engine: a step it was in raised, or its
+        LoRA adapter could not be read again)."""
         out = self._watched.get(rid)
         return (out is None or not out.finished) and rid not in self.engine.requests
+
+    def _raise_aborted(self, rid: str):
+        """Raise why ``rid`` left the engine unfinished: its error (``Engine.failed``), else RuntimeError."""
+        error = self.engine.failed.pop(rid, None)
+        if error is not None:
+            raise error
+        raise RuntimeError(f"request {rid} was aborted: a step it was part of was interrupted or failed")
 
     def _release(self, rid: str) -> None:
         """Stop waiting on ``rid``; abort it when it has not finished (an exception or an abandoned stream)."""
         out = self._watched.pop(rid, None)
+        self.engine.failed.pop(rid, None)
         if (out is None or not out.finished) and rid in self.engine.requests:
             self.engine.abort(rid)
 
@@ -261,8 +274,9 @@ class LLM:
         """Generate for one prompt or a list (text, or {'prompt_token_ids': [...]}); results in prompt order.
         ``lora_request``: a LoRARequest for every prompt, or a list of one per prompt (None: the base model);
         needs ``enable_lora=True``. If a prompt or adapter is bad, the call raises and its requests added so far
-        are aborted. Requests of an unfinished ``stream`` keep running and keep their outputs; if this call raises
-        (or is interrupted), its own requests are aborted."""
+        are aborted (also LoRAAdapterError for an adapter whose host copy was dropped and whose folder cannot be
+        read again when its request reaches a step). Requests of an unfinished ``stream`` keep running and keep
+        their outputs; if this call raises (or is interrupted), its own requests are aborted."""
         prompts, params = self._normalize(prompts, sampling_params)
         loras = _per_prompt_loras(lora_request, len(prompts))
         ids: list[str] = []
@@ -285,8 +299,7 @@ class LLM:
                     break
                 gone = [r for r in ids if self._aborted(r)]
                 if gone:
-                    raise RuntimeError(f"request {gone[0]} was aborted: a step it was part of was interrupted "
-                                       "or failed")
+                    self._raise_aborted(gone[0])
                 self._step()
             if bar:
                 bar.close()
@@ -315,7 +328,7 @@ class LLM:
                         self.last_output = out
                         return
                 if self._aborted(rid):
-                    raise RuntimeError(f"request {rid} was aborted: a step it was part of was interrupted or failed")
+                    self._raise_aborted(rid)
                 self._step()
         finally:
             self._release(rid)

@@ -40,7 +40,8 @@ class ModelRunner:
         if config.lora is not None:
             from sparrow.lora.manager import LoRAManager
 
-            self.lora = LoRAManager(model, config.lora.max_loras, config.lora.max_lora_rank, self.dtype, self.device)
+            self.lora = LoRAManager(model, config.lora.max_loras, config.lora.max_lora_rank, self.dtype, self.device,
+                                    config.lora.max_cpu_loras)
         self.num_blocks = self._num_blocks(extra_kv_bytes_per_token)
         self.pad_block = self.num_blocks  # one extra block, never handed out: CUDA-graph padding rows write here
         self._allocate_kv_cache()
@@ -89,11 +90,8 @@ class ModelRunner:
         """Run one step without waiting for the GPU unless the step asks for host values (logprobs, random
         sampling). ``previous``: the step this one was queued behind (its sampled ids feed rows with
         ``fed_row``). A step whose sequences all have q rows, all sampled, replays the graph of (bucket, q) when
-        one was captured; other steps run the model eagerly."""
-        slots = None
-        if self.lora is not None:  # the plan's adapters into device slots (loaded on demand, LRU evicted)
-            slots = self.lora.assign({item.seq.lora_int_id for item in plan.seqs} - {0})
-        rows = step_rows(plan, self.block_size, slots)
+        one was captured; other steps run the model eagerly. Adapter rows use the slots of ``plan.lora_slots``."""
+        rows = step_rows(plan, self.block_size, plan.lora_slots)
         feed = fed_tokens(plan, previous)
         q = self._graph_query_len(plan, rows)
         if q is not None:

@@ -62,6 +62,9 @@ class StepPlan:
     argmax_only: bool = False
     """Every sampled row takes the argmax of its logits (greedy, no penalties, no logprobs): the sampler is
     skipped."""
+    lora_slots: dict[int, int] | None = None
+    """lora_int_id -> device slot of each LoRA adapter the plan runs (the engine's ``LoRAManager.assign`` before it
+    runs the plan); None: LoRA is off (every row runs the base model)."""
 
     def __iter__(self):
         return iter(self.seqs)

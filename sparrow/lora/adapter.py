@@ -17,7 +17,9 @@ Targets (sparrow module <- PEFT module):
   shapes, as nested wrappers of one module are saved as ``experts.lora_A`` / ``experts.base_layer.lora_A``), or
   per-expert modules ``experts.N.gate_proj`` / ``up_proj`` / ``down_proj`` (Mixtral ``w1`` / ``w3`` / ``w2``),
   gate and up side by side as for a packed linear.
-Per target the result is (A [.., R, K], B [.., N, R]) fp32 with s folded into B, a leading expert dim for experts.
+Per target the result is (A [.., R, K], B [.., N, R]) with s folded into B, a leading expert dim for experts: built in
+fp32, then rounded once to the dtype asked for (the slot buffers' dtype: a slot filled from these holds the values a
+copy of the fp32 factors into it would).
 """
 from __future__ import annotations
 
@@ -39,9 +41,9 @@ _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)$")
 
 @dataclass
 class Adapter:
-    """A loaded adapter: ``targets`` maps (sparrow module path, buffer name) to (A, B) fp32 CPU tensors with the
-    scaling folded into B (buffer names: ``weight`` for linears and routers, ``gate_up_proj`` / ``down_proj``
-    for experts); ``rank``: the adapter's largest per-module rank."""
+    """A loaded adapter: ``targets`` maps (sparrow module path, buffer name) to (A, B) CPU tensors in the slot
+    buffers' dtype with the scaling folded into B (buffer names: ``weight`` for linears and routers,
+    ``gate_up_proj`` / ``down_proj`` for experts); ``rank``: the adapter's largest per-module rank."""
 
     request: LoRARequest
     targets: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -120,11 +122,12 @@ def _side_by_side(parts: list[tuple[int, torch.Tensor, torch.Tensor]], n: int) -
     return a, b
 
 
-def load_adapter(request: LoRARequest, model: torch.nn.Module, max_lora_rank: int) -> Adapter:
-    """Read ``request``'s folder and map it onto ``model`` (a sparrow CausalLM). Raises LoRAAdapterError for a
-    missing or malformed folder, an unsupported PEFT feature (DoRA, biases, modules_to_save, ...), a tensor that
-    is not a lora_A / lora_B weight or not a finite floating-point one, factors of rank 0, a rank over
-    ``max_lora_rank``, or a target sparrow cannot adapt (naming it)."""
+def load_adapter(request: LoRARequest, model: torch.nn.Module, max_lora_rank: int,
+                 dtype: torch.dtype = torch.float32) -> Adapter:
+    """Read ``request``'s folder and map it onto ``model`` (a sparrow CausalLM), the factors in ``dtype``. Raises
+    LoRAAdapterError for a missing or malformed folder, an unsupported PEFT feature (DoRA, biases, modules_to_save,
+    ...), a tensor that is not a lora_A / lora_B weight or not a finite floating-point one, factors of rank 0, a rank
+    over ``max_lora_rank``, or a target sparrow cannot adapt (naming it)."""
     from safetensors.torch import load_file
 
     from sparrow.layers.linear import Linear
@@ -249,6 +252,7 @@ def load_adapter(request: LoRARequest, model: torch.nn.Module, max_lora_rank: in
                                "weights: no DoRA magnitudes, biases, embeddings or saved modules)")
     if not adapter.targets:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {path} holds no LoRA weights")
+    adapter.targets = {key: (a.to(dtype), b.to(dtype)) for key, (a, b) in adapter.targets.items()}
     return adapter
 
 

@@ -8,7 +8,7 @@ counts /metrics starts from. After each loop iteration the engine thread sends o
 ``("out", items, state)`` message: ``items`` is a list of (request_id, item) in order, where item is
 ``Admitted`` (the engine took the request), an ``Update`` (a copy of one step's deltas: the engine's
 RequestOutput objects are updated in place on the next step), a ``StreamError`` (the engine refused the request,
-or a step it was in failed) or None (the request ended); ``state`` is an ``EngineState`` snapshot for
+ended it with its error (``Engine.failed``: its LoRA adapter could not be read again), or a step it was in failed) or None (the request ended); ``state`` is an ``EngineState`` snapshot for
 /metrics. One message per step, whatever the number of requests, keeps the engine process's share of the
 serving cost to one pickle per step; everything per chunk (SSE framing, JSON, HTTP) runs in the front end's
 process, so it never holds the engine's GIL.
@@ -269,6 +269,11 @@ class EngineLoop:
                 if out.finished:
                     self._live.discard(out.request_id)
                     items.append((out.request_id, None))
+        for rid in list(engine.failed):  # ended by the engine with the request's own error, as _admit reports one
+            error = engine.failed.pop(rid)
+            if rid in self._live:
+                self._live.discard(rid)
+                items.append((rid, StreamError(str(error), True)))
         return ("prefill" if engine.last_step_prefill else "decode"), took
 
     def _admit(self, rid: str, prompt: dict, params: SamplingParams, lora_request, items: list) -> None:

@@ -19,7 +19,8 @@ def _build_llm(args):
     if args.max_num_seqs is not None:
         engine["max_num_seqs"] = args.max_num_seqs
     if args.enable_lora:
-        engine.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+        engine.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                      max_cpu_loras=args.max_cpu_loras)
     quant = dict(quantization=args.quantization, quantize_lm_head=args.quantize_lm_head)
     shape = getattr(args, "model_shape", None)
     if shape is None:

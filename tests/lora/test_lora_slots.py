@@ -17,7 +17,7 @@ def setup(tmp_path_factory):
     base = base_model("llama", root / "base")
     a = make_adapter("llama", base, root / "a", 1, r=4, target_modules=["q_proj", "v_proj", "down_proj"])
     b = make_adapter("llama", base, root / "b", 2, r=2, target_modules=["o_proj"])
-    llm = make_llm(base, max_model_len=64, enable_lora=True, max_loras=2, max_lora_rank=4)
+    llm = make_llm(base, max_model_len=64, enable_lora=True, max_loras=2, max_lora_rank=4, max_cpu_loras=3)
     return llm.engine.runner.lora, a, b
 
 
@@ -27,13 +27,13 @@ def test_lru_slots_and_their_contents(setup):
     for r in reqs.values():
         mgr.load(r)
     assert mgr.adapters[3].targets is mgr.adapters[1].targets  # same folder: read once
-    s12 = mgr.assign({1, 2})
-    assert sorted(s12.values()) == [0, 1]
-    assert mgr.assign({2}) == {2: s12[2]}  # 2 used last: 1 is the least recently used
-    assert mgr.assign({3}) == {3: s12[1]}  # evicts 1, keeps 2
+    s12, errors = mgr.assign({1: reqs[1], 2: reqs[2]})
+    assert sorted(s12.values()) == [0, 1] and not errors
+    assert mgr.assign({2: reqs[2]}) == ({2: s12[2]}, {})  # 2 used last: 1 is the least recently used
+    assert mgr.assign({3: reqs[3]}) == ({3: s12[1]}, {})  # evicts 1, keeps 2
     assert set(mgr.slots) == {2, 3}
     with pytest.raises(ValueError, match="more than max_loras=2"):
-        mgr.assign({1, 2, 3})
+        mgr.assign(reqs)
     # slot contents: adapter 2 (o_proj only, rank 2) in its slot, zeros elsewhere
     slot = s12[2]
     qkv = mgr.buffers["model.layers.0.self_attn.qkv_proj", "weight"]
@@ -80,3 +80,33 @@ def test_no_slots_for_a_quantized_lm_head(tmp_path):
     assert model.lm_head_quantized.lora is None
     assert all(path.startswith("model.layers.") for path, _ in mgr.buffers)
     assert ("model.layers.0.self_attn.qkv_proj", "weight") in mgr.buffers
+
+
+def test_host_copies_in_the_buffer_dtype_fill_slots_as_fp32_factors_did(tmp_path):
+    """bf16 Qwen2-MoE (attention, dense and shared-expert MLPs, fused experts, router): the host copies are bf16, and a
+    slot written from them holds bit for bit what a copy of the fp32 factors (scaling folded in) into the bf16
+    buffers gives: A, B, ranks and segment columns of every module."""
+    from sparrow.lora.adapter import load_adapter
+    from sparrow.lora.weights import LoRABuffers
+    from tests.lora._adapters import DENSE_TARGETS, EXPERT_PARAMS, ROUTER_PARAMS
+
+    base = base_model("qwen2_moe", tmp_path / "base")
+    path = make_adapter("qwen2_moe", base, tmp_path / "a", 3, r=4, lora_alpha=8, target_modules=DENSE_TARGETS,
+                        target_parameters=EXPERT_PARAMS + ROUTER_PARAMS)
+    llm = make_llm(base, dtype="bfloat16", max_model_len=64, enable_lora=True, max_loras=2, max_lora_rank=4)
+    mgr = llm.engine.runner.lora
+    req = LoRARequest("a", 1, str(path))
+    adapter = mgr.load(req)
+    assert {t.dtype for ab in adapter.targets.values() for t in ab} == {torch.bfloat16}
+    slot = mgr.assign({1: req})[0][1]
+    fp32 = load_adapter(req, mgr.model, mgr.max_lora_rank)  # the factors as they were kept before (fp32)
+    assert {t.dtype for ab in fp32.targets.values() for t in ab} == {torch.float32}
+    for key, buf in mgr.buffers.items():
+        ref = LoRABuffers(1, buf.experts, buf.width, buf.a.shape[2], buf.b.shape[2], torch.bfloat16, buf.a.device,
+                          buf.out_sizes)
+        ref.write(0, fp32.targets.get(key))
+        e = buf.experts
+        assert torch.equal(buf.a[slot * e:(slot + 1) * e], ref.a), key
+        assert torch.equal(buf.b[slot * e:(slot + 1) * e], ref.b), key
+        assert torch.equal(buf.ranks[slot], ref.ranks[0]) and torch.equal(buf.seg_cols[slot], ref.seg_cols[0]), key
+    assert any(key[1] == "gate_up_proj" for key in fp32.targets) and len(fp32.targets) > 10
