@@ -183,9 +183,10 @@ def main(argv=None) -> list[dict]:
                               ("lora_tok_s", dict(enable_lora=True, max_loras=args.num_loras,
                                                   max_lora_rank=args.lora_rank), loras)):
             engine = _engine(model, args.device, dtype, b, max_len, lora)
-            if engine.runner.lora is not None:  # the adapters read by an earlier engine on the same model
-                engine.runner.lora.adapters.update(loaded)
-                loaded = engine.runner.lora.adapters
+            if engine.runner.lora is not None:  # the host copies read by an earlier engine on the same model
+                engine.runner.lora.adapters.update(loaded.get("adapters", {}))
+                engine.runner.lora.folders.update(loaded.get("folders", {}))
+                loaded = {"adapters": engine.runner.lora.adapters, "folders": engine.runner.lora.folders}
             decode_tok_s(engine, prompts, min(8, args.decode_tokens), lr)  # warm-up: slots filled, kernels built
             row[key] = decode_tok_s(engine, prompts, args.decode_tokens, lr)
             if args.profile and lora is not None:
