@@ -93,7 +93,8 @@ def _add_model_args(p: argparse.ArgumentParser, kv_cache: bool = True) -> None:
 
 def _add_lora_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", default=None, metavar="PATH",
-                   help="apply this PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors)")
+                   help="apply this PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors "
+                        "or .bin)")
 
 
 def _lora_request(args):

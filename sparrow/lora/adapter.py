@@ -1,7 +1,9 @@
 """Read a PEFT LoRA adapter folder and map its tensors onto sparrow's modules.
 
-A folder holds ``adapter_config.json`` and ``adapter_model.safetensors`` with ``<module>.lora_A.weight``
-[r, in] and ``<module>.lora_B.weight`` [out, r] per adapted module, ``<module>`` under ``base_model.model.``.
+A folder holds ``adapter_config.json`` and ``adapter_model.safetensors`` (or, as PEFT's
+``save_pretrained(..., safe_serialization=False)`` writes it, ``adapter_model.bin``: ``torch.save`` of the state dict;
+the safetensors file is read when both exist) with ``<module>.lora_A.weight`` [r, in] and ``<module>.lora_B.weight``
+[out, r] per adapted module, ``<module>`` under ``base_model.model.``.
 PEFT computes y = W x + s B (A x), s = lora_alpha / r (``use_rslora``: lora_alpha / sqrt(r); ``alpha_pattern``
 overrides alpha per module); here s is folded into B.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,11 +128,10 @@ def _side_by_side(parts: list[tuple[int, torch.Tensor, torch.Tensor]], n: int) -
 def load_adapter(request: LoRARequest, model: torch.nn.Module, max_lora_rank: int,
                  dtype: torch.dtype = torch.float32) -> Adapter:
     """Read ``request``'s folder and map it onto ``model`` (a sparrow CausalLM), the factors in ``dtype``. Raises
-    LoRAAdapterError for a missing or malformed folder, an unsupported PEFT feature (DoRA, biases, modules_to_save,
-    ...), a tensor that is not a lora_A / lora_B weight or not a finite floating-point one, factors of rank 0, a rank
-    over ``max_lora_rank``, or a target sparrow cannot adapt (naming it)."""
-    from safetensors.torch import load_file
-
+    LoRAAdapterError for a missing or malformed folder (an ``adapter_model.bin`` holding objects other than tensors
+    among them), an unsupported PEFT feature (DoRA, biases, modules_to_save, ...), a tensor that is not a lora_A /
+    lora_B weight or not a finite floating-point one, factors of rank 0, a rank over ``max_lora_rank``, or a target
+    sparrow cannot adapt (naming it)."""
     from sparrow.layers.linear import Linear
     from sparrow.layers.moe import FusedMoE
     from sparrow.layers.router import Router
@@ -139,13 +141,7 @@ def load_adapter(request: LoRARequest, model: torch.nn.Module, max_lora_rank: in
     if not folder.is_dir():
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {folder} is not a folder")
     cfg = _read_config(folder, name)
-    path = folder / "adapter_model.safetensors"
-    if not path.is_file():
-        raise LoRAAdapterError(f"LoRA adapter {name!r}: {path} does not exist (adapters are read from safetensors)")
-    try:
-        tensors = load_file(str(path))
-    except Exception as e:  # a truncated or foreign file
-        raise LoRAAdapterError(f"LoRA adapter {name!r}: cannot read {path}: {e}") from None
+    path, tensors = _read_tensors(folder, name)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     stray = []  # tensors other than lora_A / lora_B weights: refused after the targets (a bad target names itself)
     for key, t in tensors.items():
@@ -254,6 +250,47 @@ def load_adapter(request: LoRARequest, model: torch.nn.Module, max_lora_rank: in
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {path} holds no LoRA weights")
     adapter.targets = {key: (a.to(dtype), b.to(dtype)) for key, (a, b) in adapter.targets.items()}
     return adapter
+
+
+def _read_tensors(folder: Path, name: str) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The adapter's state dict and the file it came from: ``adapter_model.safetensors``, else ``adapter_model.bin``
+    read with ``torch.load(weights_only=True)`` (tensors and plain containers only: a pickle of any other object is
+    refused, never run). Raises LoRAAdapterError naming the file when neither exists or the file cannot be read."""
+    from safetensors.torch import load_file
+
+    path = folder / "adapter_model.safetensors"
+    if path.is_file():
+        try:
+            return path, load_file(str(path))
+        except Exception as e:  # a truncated or foreign file
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: cannot read {path}: {_one_line(str(e))}") from None
+    path = folder / "adapter_model.bin"
+    if not path.is_file():
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: {folder} holds neither adapter_model.safetensors nor "
+                               "adapter_model.bin")
+    try:
+        tensors = torch.load(str(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # an object weights_only does not allow, or not a pickle at all
+        text = str(e)
+        detail = text.partition(_UNPICKLER)[2] or text
+        detail = _one_line(detail).split(" Please use ")[0].split(" Check the documentation")[0]
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: {path} is refused: torch.load(weights_only=True) reads "
+                               f"tensors only ({detail.rstrip('.')})") from None
+    except Exception as e:  # a truncated zip, an empty file
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: cannot read {path}: {_one_line(str(e))}") from None
+    if not isinstance(tensors, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                for k, v in tensors.items()):
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: {path} holds a {type(tensors).__name__} that is not a state "
+                               "dict (names -> tensors)")
+    return path, tensors
+
+
+_UNPICKLER = "WeightsUnpickler error:"
+"""Where torch's weights_only error names what it refused (the text before it tells how to load unsafely)."""
+
+
+def _one_line(text: str) -> str:
+    return " ".join(re.sub(r"\x1b\[[0-9;]*m", "", text).split())
 
 
 def _check_rank(name: str, module: str, r: int, max_lora_rank: int) -> None:

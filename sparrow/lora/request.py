@@ -9,7 +9,8 @@ from sparrow.errors import InvalidRequestError
 
 @dataclass(frozen=True)
 class LoRARequest:
-    """A PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) to apply to one request.
+    """A PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors`` or ``adapter_model.bin``) to
+    apply to one request.
 
     lora_name: a name for logs and errors; lora_int_id: the adapter's id, unique per adapter and > 0 (the engine
     caches the loaded adapter and the prefix cache keys blocks by it); lora_path: the folder."""

@@ -27,9 +27,10 @@ def hf_base(family: str, path: Path):
     return getattr(transformers, table[family][1]).from_pretrained(str(path), dtype=torch.float32).eval()
 
 
-def make_adapter(family: str, base: Path, out: Path, seed: int, scale: float = 0.3, **lora_kw) -> Path:
+def make_adapter(family: str, base: Path, out: Path, seed: int, scale: float = 0.3, safe_serialization: bool = True,
+                 **lora_kw) -> Path:
     """A PEFT LoRA adapter for the model at ``base`` with random A and B (seeded; entries of std scale / sqrt(fan
-    in)), saved to ``out``."""
+    in)), saved to ``out`` (``safe_serialization=False``: as ``adapter_model.bin``, PEFT's older format)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
@@ -38,7 +39,7 @@ def make_adapter(family: str, base: Path, out: Path, seed: int, scale: float = 0
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.randn_like(p) * scale / p.shape[-1] ** 0.5)
-    model.save_pretrained(str(out))
+    model.save_pretrained(str(out), safe_serialization=safe_serialization)
     return out
 
 

@@ -1,9 +1,12 @@
 """What LoRA refuses, with a LoRAAdapterError (an InvalidRequestError) or InvalidRequestError naming the problem:
 DoRA, aLoRA, a rank over max_lora_rank, a target sparrow cannot adapt or that the model lacks, a missing folder, a
 lora_request without enable_lora, a bad lora_int_id, a lora_request list of the wrong length, a malformed
-adapter_config.json, factors that are not finite floating-point tensors or have rank 0. Adapters made with
-PEFT on a tiny random Llama."""
+adapter_config.json, factors that are not finite floating-point tensors or have rank 0, an adapter_model.bin
+that holds objects other than tensors or is not a state dict, a folder without weights. Adapters made with PEFT on a
+tiny random Llama."""
 from __future__ import annotations
+
+import datetime
 
 import pytest
 import torch
@@ -140,3 +143,35 @@ def test_zero_rank_factors(llm, base, tmp_path):
     save_file({k: v[:0] if "layers.1.self_attn.k_proj.lora_A" in k else v[:, :0] if "layers.1.self_attn.k_proj.lora_B"
                in k else v for k, v in load_file(str(file)).items()}, str(file))
     _refused(llm, path, r"target module 'model\.layers\.1\.self_attn\.k_proj' has rank 0")
+
+
+def _bin_of(base, tmp_path, payload, name="pkl"):
+    """An adapter folder whose adapter_model.bin is ``torch.save(payload(state dict))``."""
+    path = make_adapter("llama", base, tmp_path / name, 0, r=4, target_modules=["q_proj"], safe_serialization=False)
+    file = path / "adapter_model.bin"
+    torch.save(payload(torch.load(str(file), weights_only=True)), str(file))
+    return path
+
+
+def test_bin_holding_other_objects(llm, base, tmp_path):
+    """adapter_model.bin is read with torch.load(weights_only=True): a pickle of any object other than tensors and
+    plain containers is refused naming the file (never unpickled), and so is a file that is no pickle at all."""
+    path = _bin_of(base, tmp_path, lambda sd: {**sd, "created": datetime.date(2024, 1, 1)})
+    _refused(llm, path, r"adapter_model\.bin is refused: torch\.load\(weights_only=True\) reads tensors only "
+                        r"\(Unsupported global: GLOBAL datetime\.date")
+    (path / "adapter_model.bin").write_bytes(b"not a pickle")
+    _refused(llm, path, r"adapter_model\.bin is refused: torch\.load\(weights_only=True\) reads tensors only")
+
+
+@pytest.mark.parametrize("payload, match", [
+    (lambda sd: list(sd.values()), r"adapter_model\.bin holds a list that is not a state dict"),
+    (lambda sd: {**sd, "step": 3}, r"adapter_model\.bin holds a dict that is not a state dict"),
+])
+def test_bin_that_is_not_a_state_dict(llm, base, tmp_path, payload, match):
+    _refused(llm, _bin_of(base, tmp_path, payload), match)
+
+
+def test_folder_without_weights(llm, base, tmp_path):
+    path = make_adapter("llama", base, tmp_path / "w", 0, r=4, target_modules=["q_proj"])
+    (path / "adapter_model.safetensors").unlink()
+    _refused(llm, path, "holds neither adapter_model.safetensors nor adapter_model.bin")
