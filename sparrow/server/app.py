@@ -109,13 +109,16 @@ class ServedModel:
     """Draft tokens per verify step with speculative decoding on; None: off."""
     loras: dict = field(default_factory=dict)
     """Served LoRA adapters: name (a ``model`` value) -> LoRARequest."""
+    max_loras: int | None = None
+    """Most distinct LoRA adapters in one step (``LoRAConfig.max_loras``); None: LoRA off."""
 
     @classmethod
     def of(cls, llm, served_model_name: str | None = None, loras: dict | None = None) -> "ServedModel":
-        spec = llm.config.speculative
+        spec, lora = llm.config.speculative, llm.config.lora
         return cls(served_model_name or (llm.model_path or "sparrow-model"), llm.model_path,
                    llm.config.max_model_len, llm.config.model.vocab_size,
-                   spec.num_speculative_tokens if spec is not None else None, dict(loras or {}))
+                   spec.num_speculative_tokens if spec is not None else None, dict(loras or {}),
+                   lora.max_loras if lora is not None else None)
 
 
 class _Server:

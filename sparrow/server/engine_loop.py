@@ -77,6 +77,9 @@ class EngineState:
     """(drafts, draft tokens, accepted tokens, accepted per position...), None without speculation."""
     step: tuple[str, float] | None = None
     """The engine step of this iteration: ("prefill" (it computed prompt tokens) or "decode", wall seconds)."""
+    lora: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+    """The LoRA adapter names (``lora_name``) of the running and of the waiting sequences, each name once, in queue
+    order; None: the engine runs without LoRA."""
 
 
 def engine_state(engine, step: tuple[str, float] | None = None) -> EngineState:
@@ -84,8 +87,15 @@ def engine_state(engine, step: tuple[str, float] | None = None) -> EngineState:
     counts = None
     if spec is not None:
         counts = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, *spec.num_accepted_tokens_per_pos)
+    lora = None
+    if engine.runner.lora is not None:
+        lora = (_adapter_names(sched.running), _adapter_names(sched.waiting))
     return EngineState(len(sched.running), len(sched.waiting), bm.usage, sched.num_preemptions,
-                       bm.prefix_cache_queries, bm.prefix_cache_hits, counts, step)
+                       bm.prefix_cache_queries, bm.prefix_cache_hits, counts, step, lora)
+
+
+def _adapter_names(seqs) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(s.lora_request.lora_name for s in seqs if s.lora_request is not None))
 
 
 def watch_kernel_variants(seen: list[str]):

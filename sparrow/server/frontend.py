@@ -32,7 +32,7 @@ def run_frontend(conn, model, tokenizer, host: str, port: int, api_key: str | No
         def install_signal_handlers(self):  # Ctrl-C reaches the engine process, which stops this one
             pass
 
-    client = EngineClient(conn, ServerMetrics(model.name, model.spec_k))
+    client = EngineClient(conn, ServerMetrics(model.name, model.spec_k, model.max_loras))
     holder: list = []
 
     def lost():

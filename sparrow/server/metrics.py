@@ -5,6 +5,13 @@ One ``ServerMetrics`` per server, in its own CollectorRegistry (two servers in o
 the front end's process. Gauges and the engine's own counts (preemptions, prefix cache, speculative decoding)
 come from the ``EngineState`` of each engine message (``observe_state``); the latency histograms and token
 counters are fed by the ``EngineClient`` as the engine's outputs arrive.
+
+With LoRA on, vLLM's ``lora_requests_info`` gauge: its labels carry the state (``running_lora_adapters`` /
+``waiting_lora_adapters``: the adapter names of the running / waiting sequences, comma-separated, each once, in queue
+order; ``max_lora``: the most adapters in one step), its value the wall-clock time (Unix seconds) they were last set:
+with each engine message, as vLLM sets it every iteration. vLLM keeps every label set it has shown, so its readers
+take the series with the newest value; here the previous series is dropped when the labels change, so the one series
+shown is that newest one.
 """
 from __future__ import annotations
 
@@ -16,9 +23,10 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 
 
 class ServerMetrics:
-    """``spec_k``: the speculative decoding draft length (None: speculation off, no spec_decode counters)."""
+    """``spec_k``: the speculative decoding draft length (None: speculation off, no spec_decode counters);
+    ``max_loras``: LoRAConfig.max_loras (None: LoRA off, no lora_requests_info)."""
 
-    def __init__(self, model_name: str, spec_k: int | None = None):
+    def __init__(self, model_name: str, spec_k: int | None = None, max_loras: int | None = None):
         self.registry = r = CollectorRegistry()
         labels = {"model_name": model_name}
         self.state = None
@@ -69,6 +77,14 @@ class ServerMetrics:
                               registry=r)
             self.spec_per_pos = [per_pos.labels(**labels, position=str(i)) for i in range(spec_k)]
             self._spec_seen = (0,) * (3 + spec_k)
+        self.lora_info = None
+        self._lora_labels: tuple[str, str] | None = None  # (running, waiting) of the series shown
+        self._max_lora = str(max_loras)
+        if max_loras is not None:
+            self.lora_info = Gauge("sparrow:lora_requests_info", "LoRA adapters of the running and waiting requests "
+                                   "(labels); the value is when they were last set (Unix seconds).",
+                                   ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=r)
+            self._show_lora(("", ""))  # shown from the start (max_lora), as the engine's states come later
 
     def finished(self, reason: str) -> None:
         self.request_success.labels(**self._labels, finished_reason=reason).inc()
@@ -80,6 +96,7 @@ class ServerMetrics:
         self._seen = (state.num_preemptions, state.prefix_cache_queries, state.prefix_cache_hits)
         if state.spec is not None and self._spec_seen:
             self._spec_seen = state.spec
+        self._set_lora(state)
 
     def observe_state(self, state) -> None:
         """Take an ``EngineState``: the gauges show it; the counters carried over from the engine's cumulative
@@ -98,6 +115,18 @@ class ServerMetrics:
                 if new > old:
                     counter.inc(new - old)
             self._spec_seen = state.spec
+        self._set_lora(state)
+
+    def _set_lora(self, state) -> None:
+        if self.lora_info is not None and state.lora is not None:
+            self._show_lora((",".join(state.lora[0]), ",".join(state.lora[1])))
+
+    def _show_lora(self, labels: tuple[str, str]) -> None:
+        """lora_requests_info's series of (running, waiting) ``labels`` set to now, the previous one dropped."""
+        if self._lora_labels is not None and labels != self._lora_labels:
+            self.lora_info.remove(*self._lora_labels, self._max_lora)
+        self._lora_labels = labels
+        self.lora_info.labels(*labels, self._max_lora).set_to_current_time()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -435,6 +435,7 @@ def test_metrics(tiny_server, client):
                  "e2e_request_latency_seconds_count", "inter_token_latency_seconds_count",
                  "request_queue_time_seconds_count"):
         assert "sparrow:" + name in after
+    assert "sparrow:lora_requests_info" not in after  # only with LoRA on (tests/server/test_lora_server.py)
 
 
 def test_template_refusal_is_400(tiny_text_model_dir):
