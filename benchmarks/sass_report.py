@@ -132,7 +132,7 @@ def main_loop(sass: str) -> list[str]:
     return best
 
 
-def report(label: str, kernel_name: str, fn, args, kw, elements_per_iter: int, dump: pathlib.Path | None) -> None:
+def report(label: str, fn, args, kw, elements_per_iter: int, dump: pathlib.Path | None) -> None:
     cubin, options = compile_sm90(fn, args, kw)
     sass, res = sass_of(cubin)
     regs = re.search(r"REG:(\d+)", res)
@@ -174,7 +174,7 @@ def dense_variants(fmt: str, rows: int, n: int, k: int, configs, dump) -> None:
             _int4_jit.w4_matmul_kernel = real
         grid, args, kw = rec.calls[0]
         elems = kw["BLOCK_N"] * kw["BLOCK_K"]
-        report(f"dense {fmt} R={rows} {n}x{k} {_short(cfg)}", "w4_matmul_kernel", real, args, kw, elems, dump)
+        report(f"dense {fmt} R={rows} {n}x{k} {_short(cfg)}", real, args, kw, elems, dump)
 
 
 def moe_variants(fmt: str, rows: int, tiles, dump) -> None:
@@ -208,7 +208,7 @@ def moe_variants(fmt: str, rows: int, tiles, dump) -> None:
             _int4_jit.w4_moe_gemv_kernel = real
         for (grid, args, kw), gemm in zip(rec.calls, ("gate_up", "down")):
             elems = kw["BLOCK_N"] * kw["BLOCK_K"] * (2 if kw["GATED"] else 1)
-            report(f"moe {fmt} R={rows} {gemm} {_short(tile)}", "w4_moe_gemv_kernel", real, args, kw, elems, dump)
+            report(f"moe {fmt} R={rows} {gemm} {_short(tile)}", real, args, kw, elems, dump)
 
 
 def _short(cfg) -> str:
