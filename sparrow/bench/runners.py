@@ -87,7 +87,8 @@ def shape_runners(name: str, s: Settings, engine_kw: dict, with_hf: bool, meta: 
     """Yield (runner, footprint, vocab) for sparrow, then transformers, on one random-weight model of a
     named shape. transformers' model is built first (random init on the device) and sparrow's is filled
     from it; when the weights would not fit twice beside the KV pools (> 1/4 of GPU memory) the HF copy
-    waits in host memory while sparrow runs, and sparrow is freed before HF runs."""
+    moves to host memory before sparrow's model is built (gemma4-26b-a4b's 50 GB of bf16 weights on an 80 GB
+    GPU) and waits there while sparrow runs; sparrow is freed before HF runs."""
     from sparrow.model_shapes import build_random_hf_model, full_config_dict, shape_config
 
     cfg = shape_config(name)
@@ -103,18 +104,18 @@ def shape_runners(name: str, s: Settings, engine_kw: dict, with_hf: bool, meta: 
     hf = build_random_hf_model(cfg, _DTYPES[s.dtype], s.device, seed=s.seed)
     meta["params"] = sum(p.numel() for p in hf.parameters())
     fp = hf_fp = footprint(hf, full, tied, hidden)  # each engine's row uses the bytes of its own weights
+    park = s.device.startswith("cuda") and \
+        _param_bytes(hf) > 0.25 * torch.cuda.get_device_properties(torch.device(s.device)).total_memory
+    if park:  # sparrow's model is filled from the host copy: the device never holds both
+        print("weights too large to hold twice: transformers' copy waits in host memory", flush=True)
+        hf.to("cpu")
+        _free(s.device)
     try:
         engine = sparrow_from_hf(hf, full, s, engine_kw)
     except UnsupportedArchitectureError as e:
         print(f"sparrow cannot run {name} yet ({e}); measuring transformers only", flush=True)
         meta["sparrow_error"] = str(e)
         engine = None
-    cuda = s.device.startswith("cuda")
-    park = engine is not None and cuda and _param_bytes(hf) > 0.25 * torch.cuda.get_device_properties(torch.device(s.device)).total_memory
-    if park:
-        print("weights too large to hold twice: transformers' copy waits in host memory", flush=True)
-        hf.to("cpu")
-        _free(s.device)
     if engine is not None:
         fp = footprint(engine.runner.model, full, tied, hidden)
         yield SparrowRunner(engine), fp, vocab
