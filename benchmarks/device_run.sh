@@ -6,7 +6,9 @@
 # the test files of the `tests` stage (default: tests without tests/server, whose `openai` import the device image
 # lacks) and TEST_ARGS adds pytest options (e.g. "-k 'bf16 and mixtral'"; "-n 8":
 # pytest-xdist, the whole suite in about 210 s instead of more than 470);
-# PACKAGED_ARGS likewise for the packaged-model stage. Stage options: PREFILL_ARGS (extra `sparrow bench` flags of
+# PACKAGED_ARGS likewise for the packaged-model stage. Both stages stop pytest at their limit with SIGINT, so its
+# summary of failures still prints, and write each failure's traceback as it happens to $OUT/gpu_test_failures.txt
+# (tests/conftest.py, SPARROW_TEST_FAILURES). Stage options: PREFILL_ARGS (extra `sparrow bench` flags of
 # the 8 x 2048 prefill profile), ATTN_ARGS (attention_prefill.py, default --tune), GEMV_ARGS (kernels_micro.py,
 # default tune_gemv_fp8), TUNE_ROWS / TUNE_DTYPES / TUNE_ARGS (moe_layer.py --tune; TUNE_ARGS=--quick: prefill short list), G4_BATCHES / G4_PROMPTS,
 # FP8_BATCHES / FP8_PROMPTS / FP8_ARGS, LL_BATCHES / LL_PROMPTS, PROFILE_SHAPES / PROFILE_BATCH / PROFILE_ARGS / PROFILE_TAG
@@ -78,9 +80,9 @@ bench() {  # name, time limit, sparrow bench arguments...
 for stage in ${@:-tests gemma4 llama eager}; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    tests) eval timeout "${T_TESTS:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short -rf \
+    tests) SPARROW_TEST_FAILURES="$OUT/gpu_test_failures.txt" eval timeout -s INT -k 30 "${T_TESTS:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short -rf \
              "${TEST_ARGS:-}" ${GPU_TESTS:-tests --ignore=tests/server} 2>&1 | tee "$OUT/gpu_tests.log" | tail -60 ;;
-    packaged) eval timeout "${T_PACKAGED:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short -rf \
+    packaged) SPARROW_TEST_FAILURES="$OUT/gpu_test_failures.txt" eval timeout -s INT -k 30 "${T_PACKAGED:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short -rf \
              "${PACKAGED_ARGS:-}" tests/models/test_packaged_models_gpu.py 2>&1 | tee "$OUT/packaged_tests.log" | tail -30 ;;
     profile) for shape in ${PROFILE_SHAPES:-gemma4-26b-a4b llama3-8b}; do
                bench "profile_${shape%%-*}_b${PROFILE_BATCH:-1}${PROFILE_TAG:-}" "${T_PROFILE:-120}" --model-shape "$shape" \

@@ -17,3 +17,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_FAILURES = os.environ.get("SPARROW_TEST_FAILURES")  # a file: each failure's report appended as it happens
+_IS_WORKER = False
+
+
+def pytest_configure(config):
+    global _IS_WORKER
+    _IS_WORKER = hasattr(config, "workerinput")  # pytest-xdist: the controller alone writes the file
+
+
+def pytest_runtest_logreport(report):
+    """With SPARROW_TEST_FAILURES set (benchmarks/device_run.sh), a failed test's traceback is in that file at
+    once, so a run stopped by its time limit still says what failed."""
+    if _FAILURES and report.failed and not _IS_WORKER:
+        with open(_FAILURES, "a") as f:
+            f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
