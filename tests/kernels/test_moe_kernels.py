@@ -348,8 +348,30 @@ def test_config_table_nearest_rows_and_forcing(tmp_path, monkeypatch):
     moe_configs._load.cache_clear()
 
 
+def test_config_table_fma_entries_small_path_only(tmp_path, monkeypatch):
+    """An entry of FMA tiles (swept at one row on the small path) is the nearest for every row count of the small
+    path; the grouped path skips it: the nearest entry without FMA tiles, else the default tiles."""
+    fma = MoeConfig(16, Tile(64, 128, split_k=4, fma_rows=1), Tile(128, 128, fma_rows=1))
+    grouped = MoeConfig(64, Tile(128, 64), Tile(128, 64))
+    monkeypatch.setattr(moe_configs, "CONFIG_DIR", tmp_path)
+    path = moe_configs.config_file(8, H, I, False, "Fake GPU", "int4")
+    path.write_text(json.dumps({"configs": {"1": fma.to_json()}}))
+    moe_configs._load.cache_clear()
+    try:
+        assert pick_config(1, 8, 8, H, I, True, False, "Fake GPU", "int4") == fma
+        assert pick_config(8, 8, 8, H, I, True, False, "Fake GPU", "int4") == fma
+        assert pick_config(64, 8, 8, H, I, False, False, "Fake GPU", "int4") == \
+            moe_configs.default_w4_config(64, 512, 8, False)
+        path.write_text(json.dumps({"configs": {"1": fma.to_json(), "1024": grouped.to_json()}}))
+        moe_configs._load.cache_clear()
+        assert pick_config(2, 8, 8, H, I, False, False, "Fake GPU", "int4") == grouped
+        assert pick_config(2, 8, 8, H, I, True, False, "Fake GPU", "int4") == fma
+    finally:
+        moe_configs._load.cache_clear()
+
+
 def test_shipped_config_files_parse():
-    files = sorted(moe_configs.CONFIG_DIR.glob("*.json"))
+    files = sorted(moe_configs.CONFIG_DIR.glob("E*_H*_I*.json"))  # the MoE tables (w4_linear_*: dense)
     assert files, "no tile-config data files shipped"
     for f in files:
         table = moe_configs._load(f)
