@@ -9,6 +9,8 @@ output rounding plus the twin's bf16 weights (NMSE <= 1e-5 dense; MoE 1e-4: the 
 the activation), as tests/kernels/test_int4_kernels.py and test_nvfp4_*.py state."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -173,6 +175,24 @@ def test_fma_steps_cut_to_the_int4_group():
 GPU_FMA_ROWS = (1, 2, 3, 4, 8)
 
 
+def _shipped_dense_fma(fmt: str) -> list:
+    """The FMA tiles of the shipped dense tile files of ``fmt`` (configs/w4_linear_<fmt>_<device>.json), every
+    device's: the GPU test runs each tuned tile, not only the sweep's fastest."""
+    from sparrow.kernels import int4
+
+    return [cfg for f in sorted(int4.CONFIG_DIR.glob(f"w4_linear_{fmt}_*.json"))
+            for cfg in (Int4Config(**c) for c in json.loads(f.read_text())["configs"].values()) if cfg.fma]
+
+
+def _shipped_moe_fma(fmt: str) -> list:
+    """The FMA entries of the shipped gemma4 MoE tile files of ``fmt`` (configs/E128_H2816_I704_<fmt>_*.json)."""
+    from sparrow.kernels.moe_configs import CONFIG_DIR
+
+    return [cfg for f in sorted(CONFIG_DIR.glob(f"E128_H2816_I704_{fmt}_*.json"))
+            for cfg in (MoeConfig.from_json(c) for c in json.loads(f.read_text())["configs"].values())
+            if cfg.gate_up.fma_rows or cfg.down.fma_rows]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", GPU_FMA_ROWS)
 @pytest.mark.parametrize("fmt", ("int4", "nvfp4"))
@@ -190,9 +210,10 @@ def test_w4_fma_gpu(rows, fmt):
         codes, scale, g = _nvfp4(4096, 2816, device="cuda")
         dense = lambda: nvfp4_linear_triton(x, codes, scale, g)  # noqa: E731
         dense_ref = nvfp4_linear_w4a16_ref(x.float(), codes, scale, g)
-    for bm in (1, 2, 4):
-        with forced_config(Int4Config(block_m=bm, block_n=64, block_k=128, split_k=0, fma=True)):
-            assert nmse(dense(), dense_ref) <= DENSE_NMSE
+    for cfg in [Int4Config(block_m=bm, block_n=64, block_k=128, split_k=0, fma=True) for bm in (1, 2, 4)] + \
+            _shipped_dense_fma(fmt):
+        with forced_config(cfg):
+            assert nmse(dense(), dense_ref) <= DENSE_NMSE, cfg
     xm, wts, ids = _moe_case(rows, 128, 2816, 704, 8, torch.bfloat16)
     if fmt == "int4":
         w13, w2 = _int4_experts(128, 2816, 704, 128, True, torch.bfloat16, "cuda")
@@ -204,10 +225,10 @@ def test_w4_fma_gpu(rows, fmt):
         moe = lambda: nvfp4_fused_moe(xm, *w, wts, ids, "gelu_pytorch_tanh")  # noqa: E731
         with backend("torch"):
             moe_ref = nvfp4_fused_moe_ref(xm.float(), *w, wts, ids, "gelu_pytorch_tanh")
-    for fr in (1, 2, 4):
-        tile = Tile(block_n=64, block_k=128, split_k=0, fma_rows=fr)
-        with moe_forced_config(MoeConfig(16, tile, tile)):
-            assert nmse(moe(), moe_ref) <= MOE_NMSE
+    for cfg in [MoeConfig(16, tile, tile) for tile in (Tile(block_n=64, block_k=128, split_k=0, fma_rows=fr)
+                                                        for fr in (1, 2, 4))] + _shipped_moe_fma(fmt):
+        with moe_forced_config(cfg):
+            assert nmse(moe(), moe_ref) <= MOE_NMSE, cfg
 
 
 def test_tuned_dense_file(monkeypatch, tmp_path):
@@ -215,7 +236,6 @@ def test_tuned_dense_file(monkeypatch, tmp_path):
     each entry covers the rows up to its bound, rows past the last bound take INT4_CONFIGS, and another format or
     device keeps the table."""
     import dataclasses
-    import json
 
     from sparrow.kernels import int4
 
@@ -236,3 +256,20 @@ def test_tuned_dense_file(monkeypatch, tmp_path):
             assert int4.pick_config(1, "int4", "Fake GPU") == four
     finally:
         int4.tuned_configs.cache_clear()
+
+
+def test_shipped_dense_files_parse():
+    """Each shipped dense 4-bit tile file (configs/w4_linear_<format>_<device>.json) reads as Int4Config entries
+    that the launchers accept: FMA tiles of 1 / 2 / 4 rows, dot tiles of at least 16."""
+    from sparrow.kernels import int4
+
+    files = sorted(int4.CONFIG_DIR.glob("w4_linear_*.json"))
+    assert files, "no dense 4-bit tile files shipped"
+    for f in files:
+        kind, device = f.stem.removeprefix("w4_linear_").split("_", 1)
+        int4.tuned_configs.cache_clear()
+        entries = int4.tuned_configs(kind, device.replace("_", " "))
+        assert entries, f
+        for _, cfg in entries:
+            assert cfg.block_m in int4.FMA_ROWS if cfg.fma else cfg.block_m >= 16
+    int4.tuned_configs.cache_clear()
