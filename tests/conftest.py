@@ -19,6 +19,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _release_cuda_cache(request):
+    """After a GPU test its cached blocks go back to the device: pytest-xdist workers share one GPU, and each
+    worker's allocator would otherwise keep the largest test's memory reserved for the rest of the run."""
+    yield
+    if "gpu" in request.keywords and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 _FAILURES = os.environ.get("SPARROW_TEST_FAILURES")  # a file: each failure's report appended as it happens
 _IS_WORKER = False
 
