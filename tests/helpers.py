@@ -293,3 +293,9 @@ def missing_tensor_dir(tiny_model_dir, tmp_path_factory) -> Path:
     """The tiny checkpoint without model.layers.1.mlp.down_proj.weight (expected shape (64, 128))."""
     return edited_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("missing") / "ckpt",
                              lambda t: t.pop("model.layers.1.mlp.down_proj.weight"))
+
+
+def nmse(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Normalized mean squared error of ``got`` against the reference ``want``, in fp32: sum((got - want)^2) /
+    sum(want^2) (0 for an exact match; the denominator floored at 1e-30)."""
+    return float(((got.float() - want.float()) ** 2).sum() / (want.float() ** 2).sum().clamp_min(1e-30))

@@ -24,15 +24,12 @@ from sparrow.kernels.fp8_gemm import (
     forced_config,
     pick_config,
 )
+from tests.helpers import nmse
 
 ROWS = [1, 2, 3, 16, 17, 33, 65]
 SHAPES = [(128, 128), (130, 200), (257, 384)]  # (N, K): one block, ragged N and K, several blocks
 CONFIGS = [Fp8GemmConfig(block_m=16, block_n=32, group_m=2), Fp8GemmConfig(block_m=32, block_n=64, group_m=1),
            Fp8GemmConfig(block_m=16, block_n=32, group_m=1, split_k=2)]  # split-K: 1-3 K groups over 2 programs
-
-
-def nmse(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((y.float() - ref.float()).pow(2).sum() / ref.float().pow(2).sum().clamp_min(1e-30)).item()
 
 
 def _operands(m, n, k, seed=0, device="cpu", dtype=torch.float32):

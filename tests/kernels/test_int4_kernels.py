@@ -19,6 +19,7 @@ from sparrow.kernels import backend
 from sparrow.kernels.int4 import Int4Config, forced_config, int4_linear, int4_linear_ref, quantize_int4_ref
 from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config as moe_forced_config
 from sparrow.kernels.int4_moe import int4_fused_moe, int4_fused_moe_ref
+from tests.helpers import nmse
 
 FP32_ATOL = 1e-4
 BF16_NMSE = 1e-5
@@ -26,10 +27,6 @@ MOE_BF16_NMSE = 1e-4
 CPU_ROWS = (1, 2, 3, 16, 17)
 GPU_ROWS = (1, 2, 3, 16, 17, 64, 65, 1024)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the tiny-shape tests: the interpreter on CPU
-
-
-def nmse(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float(((got.float() - want.float()) ** 2).sum() / (want.float() ** 2).sum().clamp_min(1e-30))
 
 
 def _weights(n, k, group, symmetric, scale_dtype, device="cpu", seed=0):

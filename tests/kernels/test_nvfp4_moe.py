@@ -17,14 +17,11 @@ import torch
 from sparrow.kernels import backend
 from sparrow.kernels.nvfp4 import quantize_nvfp4_ref
 from sparrow.kernels.nvfp4_moe import nvfp4_fused_moe, nvfp4_fused_moe_ref
+from tests.helpers import nmse
 
 FP32_ATOL = 1e-4
 BF16_NMSE = 1e-4
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def nmse(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float(((got.float() - want.float()) ** 2).sum() / (want.float() ** 2).sum().clamp_min(1e-30))
 
 
 @functools.lru_cache(maxsize=2)

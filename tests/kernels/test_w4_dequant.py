@@ -19,15 +19,12 @@ from sparrow.kernels.int4_moe import int4_fused_moe, int4_fused_moe_ref
 from sparrow.kernels.nvfp4 import dequantize_nvfp4_ref, quantize_nvfp4_ref
 from sparrow.kernels.nvfp4_linear import nvfp4_linear, nvfp4_linear_w4a16_ref
 from sparrow.kernels.nvfp4_moe import dequantize_nvfp4_experts, nvfp4_fused_moe, nvfp4_fused_moe_ref
+from tests.helpers import nmse
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP32_ATOL = 1e-4
 BF16_NMSE = 1e-5
 MOE_BF16_NMSE = 1e-4
-
-
-def nmse(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float(((got.float() - want.float()) ** 2).sum() / (want.float() ** 2).sum().clamp_min(1e-30))
 
 
 def _int4(shape, group, symmetric, scale_dtype, seed=0, device=DEVICE):

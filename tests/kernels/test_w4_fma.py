@@ -21,15 +21,12 @@ from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config as moe_fo
 from sparrow.kernels.nvfp4 import quantize_nvfp4_ref
 from sparrow.kernels.nvfp4_linear import nvfp4_linear_triton, nvfp4_linear_w4a16_ref
 from sparrow.kernels.nvfp4_moe import nvfp4_fused_moe, nvfp4_fused_moe_ref
+from tests.helpers import nmse
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP32_ATOL = 1e-4
 DENSE_NMSE = 1e-5
 MOE_NMSE = 1e-4
-
-
-def nmse(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float(((got.float() - want.float()) ** 2).sum() / (want.float() ** 2).sum().clamp_min(1e-30))
 
 
 def _check(got, want, dtype, budget):

@@ -28,6 +28,7 @@ from sparrow.quant.fp8 import (
     quantize_fp8_block,
     quantize_fp8_channel,
 )
+from tests.helpers import nmse
 
 ROWS = [1, 2, 3, 16, 17, 33, 257]
 GEMV_NMSE, GEMM_NMSE = 1e-10, 5e-3  # W8A16 (exact products) / W8A8 (activations quantized too)
@@ -36,10 +37,6 @@ GEMV_NMSE, GEMM_NMSE = 1e-10, 5e-3  # W8A16 (exact products) / W8A8 (activations
 def _budget(rows: int) -> float:
     """W8A8 up to W8A8_MAX_ROWS, W8A16 up to FP8_MAX_ROWS, W8A8 above (Fp8LinearMethod.apply)."""
     return GEMV_NMSE if W8A8_MAX_ROWS < rows <= FP8_MAX_ROWS else GEMM_NMSE
-
-
-def nmse(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((y.float() - ref.float()).pow(2).sum() / ref.float().pow(2).sum().clamp_min(1e-30)).item()
 
 
 # ---- references ---------------------------------------------------------------------------------------
