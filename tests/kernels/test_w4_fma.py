@@ -172,13 +172,23 @@ def test_fma_steps_cut_to_the_int4_group():
 GPU_FMA_ROWS = (1, 2, 3, 4, 8)
 
 
-def _shipped_dense_fma(fmt: str) -> list:
-    """The FMA tiles of the shipped dense tile files of ``fmt`` (configs/w4_linear_<fmt>_<device>.json), every
-    device's: the GPU test runs each tuned tile, not only the sweep's fastest."""
+def _shipped_dense(fmt: str) -> list:
+    """(file, its Int4Config entries) of each shipped dense tile file of ``fmt`` (configs/w4_linear_<fmt>_<device>.json,
+    every device's), read by ``int4.tuned_configs`` as the launchers read them."""
     from sparrow.kernels import int4
 
-    return [cfg for f in sorted(int4.CONFIG_DIR.glob(f"w4_linear_{fmt}_*.json"))
-            for cfg in (Int4Config(**c) for c in json.loads(f.read_text())["configs"].values()) if cfg.fma]
+    out = []
+    for f in sorted(int4.CONFIG_DIR.glob(f"w4_linear_{fmt}_*.json")):
+        int4.tuned_configs.cache_clear()
+        out.append((f, [cfg for _, cfg in int4.tuned_configs(fmt, f.stem.removeprefix(f"w4_linear_{fmt}_")
+                                                                 .replace("_", " "))]))
+    int4.tuned_configs.cache_clear()
+    return out
+
+
+def _shipped_dense_fma(fmt: str) -> list:
+    """The FMA tiles of ``_shipped_dense``: the GPU test runs each tuned tile, not only the sweep's fastest."""
+    return [cfg for _, cfgs in _shipped_dense(fmt) for cfg in cfgs if cfg.fma]
 
 
 def _shipped_moe_fma(fmt: str) -> list:
@@ -260,13 +270,9 @@ def test_shipped_dense_files_parse():
     that the launchers accept: FMA tiles of 1 / 2 / 4 rows, dot tiles of at least 16."""
     from sparrow.kernels import int4
 
-    files = sorted(int4.CONFIG_DIR.glob("w4_linear_*.json"))
-    assert files, "no dense 4-bit tile files shipped"
-    for f in files:
-        kind, device = f.stem.removeprefix("w4_linear_").split("_", 1)
-        int4.tuned_configs.cache_clear()
-        entries = int4.tuned_configs(kind, device.replace("_", " "))
-        assert entries, f
-        for _, cfg in entries:
+    shipped = _shipped_dense("int4") + _shipped_dense("nvfp4")
+    assert shipped, "no dense 4-bit tile files shipped"
+    for f, cfgs in shipped:
+        assert cfgs, f
+        for cfg in cfgs:
             assert cfg.block_m in int4.FMA_ROWS if cfg.fma else cfg.block_m >= 16
-    int4.tuned_configs.cache_clear()
