@@ -22,7 +22,7 @@
 # (default 1,64), one after another in one call; T_W4E2E (default 200 s) each; e2e_<format>.json / .log.
 # Stage `w4fma`: the 4-bit FMA GEMV tiles: kernels_micro.py tune_w4_fma (dense, W4_FMA_ROWS, default "1 4"; writes
 # configs/w4_linear_<format>_<device>.json where a tile beats the current entry), then
-# moe_layer.py --tune --fma-only at W4FMA_ROWS (default 1) for int4 and nvfp4 (writes their config files, copied to
+# moe_layer.py --tune --fma-only at W4_FMA_MOE_ROWS (default 1) for int4 and nvfp4 (writes their config files, copied to
 # $OUT); each sweep compiled first in SWEEP_PROCS (12) processes at once (``sharded``), T_W4FMA (240 s) each.
 # Stage `ab`: the same `sparrow bench` (AB_ARGS, default gemma4-26b-a4b FP8 at batch 1 and 8) on this tree and on an
 # older one, alternating, AB_REPEATS rounds, on one machine (runs of one tree on one machine spread by up to ~5 %:
@@ -102,7 +102,7 @@ for stage in ${@:-tests gemma4 llama eager}; do
             --dtypes fp8 int4 nvfp4 --out '$OUT/moe_layer_int4.json' 2>&1 | tee '$OUT/moe_layer_int4.log'" ;;
     w4fma) sharded "${T_W4FMA:-240}" python3 benchmarks/kernels_micro.py tune_w4_fma 2>&1 | tee "$OUT/w4_fma_dense.log" \
              | grep -E "shipped|best"
-           sharded "${T_W4FMA:-240}" python3 benchmarks/moe_layer.py --tune --fma-only --rows ${W4FMA_ROWS:-1} \
+           sharded "${T_W4FMA:-240}" python3 benchmarks/moe_layer.py --tune --fma-only --rows ${W4_FMA_MOE_ROWS:-1} \
              --dtypes int4 nvfp4 2>&1 | tee "$OUT/w4_fma_moe.log" | grep -v skip
            cp sparrow/kernels/configs/*int4*.json sparrow/kernels/configs/*nvfp4*.json "$OUT/" ;;
     w4e2e) for q in ${W4_FORMATS:-fp8 int4 nvfp4}; do
