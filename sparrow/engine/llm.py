@@ -234,9 +234,18 @@ class LLM:
         num_requests_running / num_requests_waiting (sequences), kv_cache_usage_perc (fraction of blocks held,
         in [0, 1]); counters since construction: num_preemptions, prefix_cache_queries / prefix_cache_hits
         (prompt tokens), and over the requests finished through this LLM: prompt_tokens, generation_tokens,
-        request_success ({finish_reason: completions}). A snapshot: later steps do not change it."""
+        request_success ({finish_reason: completions}); with LoRA on, lora_requests_info ({"running_lora_adapters" /
+        "waiting_lora_adapters": the adapter names of the running / waiting sequences, comma-separated, each once,
+        in queue order; "max_lora": max_loras}, the server gauge's labels). A snapshot: later steps do not change
+        it."""
         e = self.engine
         bm = e.block_manager
+        lora = {}
+        if self.config.lora is not None:
+            running, waiting = e.scheduler.lora_adapter_names()
+            lora["sparrow:lora_requests_info"] = {"running_lora_adapters": ",".join(running),
+                                                  "waiting_lora_adapters": ",".join(waiting),
+                                                  "max_lora": self.config.lora.max_loras}
         return {
             "sparrow:num_requests_running": len(e.scheduler.running),
             "sparrow:num_requests_waiting": len(e.scheduler.waiting),
@@ -247,6 +256,7 @@ class LLM:
             **{f"sparrow:{k}": v for k, v in self._finished_counts.items()},
             "sparrow:request_success": dict(self._request_success),
             **(e.spec.metrics() if e.spec is not None else {}),
+            **lora,
         }
 
     def _aborted(self, rid: str) -> bool:

@@ -52,6 +52,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def lora_adapter_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The LoRA adapter names (``lora_name``) of the running and of the waiting sequences, each name once, in
+        queue order (vLLM's ``lora_requests_info`` labels)."""
+        def names(seqs):
+            return tuple(dict.fromkeys(s.lora_request.lora_name for s in seqs if s.lora_request is not None))
+        return names(self.running), names(self.waiting)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free_seq(seq)

@@ -89,13 +89,9 @@ def engine_state(engine, step: tuple[str, float] | None = None) -> EngineState:
         counts = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, *spec.num_accepted_tokens_per_pos)
     lora = None
     if engine.runner.lora is not None:
-        lora = (_adapter_names(sched.running), _adapter_names(sched.waiting))
+        lora = sched.lora_adapter_names()
     return EngineState(len(sched.running), len(sched.waiting), bm.usage, sched.num_preemptions,
                        bm.prefix_cache_queries, bm.prefix_cache_hits, counts, step, lora)
-
-
-def _adapter_names(seqs) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(s.lora_request.lora_name for s in seqs if s.lora_request is not None))
 
 
 def watch_kernel_variants(seen: list[str]):

@@ -120,6 +120,26 @@ def test_mixed_batch_matches_peft(case, tmp_path):
     assert compared >= 0.5 * NEW * len(PROMPTS) * len(runs), f"only {compared} steps free of near-ties"
 
 
+@pytest.mark.parametrize("case", ["llama"], indirect=True)
+def test_get_metrics_names_running_and_waiting_adapters(case):
+    """``LLM.get_metrics()``' lora_requests_info (the server gauge's labels): with one adapter slot, a1's first
+    request and the base model's run; a2's waits, and a1's second waits behind it; when all are done, none."""
+    a1, a2 = case.adapters
+    llm = make_llm(case.base, max_model_len=128, block_size=4, enable_lora=True, max_loras=1, max_lora_rank=8)
+    info = lambda: llm.get_metrics()["sparrow:lora_requests_info"]  # noqa: E731
+    assert info() == {"running_lora_adapters": "", "waiting_lora_adapters": "", "max_lora": 1}
+    for path, prompt in [(a1, 0), (None, 1), (a2, 2), (a1, 0)]:
+        llm.engine.add_request({"prompt_token_ids": PROMPTS[prompt]}, _params(),
+                               lora_request=_request(path, 1 if path == a1 else 2))
+    assert info() == {"running_lora_adapters": "", "waiting_lora_adapters": "a1,a2", "max_lora": 1}
+    llm.engine.step()
+    assert info() == {"running_lora_adapters": "a1", "waiting_lora_adapters": "a2,a1", "max_lora": 1}
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert info() == {"running_lora_adapters": "", "waiting_lora_adapters": "", "max_lora": 1}
+    assert "sparrow:lora_requests_info" not in make_llm(case.base, max_model_len=128).get_metrics()
+
+
 @pytest.mark.parametrize("case", ["llama", "qwen2_moe"], indirect=True)
 def test_prefix_cache_keys_blocks_by_adapter(case):
     a1, a2 = case.adapters
