@@ -47,10 +47,10 @@ def _int4(n, k, group, symmetric, scale_dtype, seed=0, device=DEVICE):
 
 def _nvfp4(n, k, seed=0, device=DEVICE):
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) / k ** 0.5
-    codes, scale, g2 = quantize_nvfp4_ref(w)
+    codes, scale, g2 = quantize_nvfp4_ref(w.to(device))
     g = g2.expand(n).clone()
     g[: n // 2] *= 0.5  # two shards with different global scales
-    return codes.to(device), scale.to(device), g.to(device)
+    return codes, scale, g
 
 
 # K = 200 (int4 group 64): 64-column steps and a masked tail; 32-column steps (two a group); N = 40 ragged against
@@ -103,10 +103,17 @@ def _int4_experts(e, h, i, group, symmetric, scale_dtype, device=DEVICE):
 
 
 def _nvfp4_experts(e, h, i, device=DEVICE):
+    """Stacked NVFP4 experts (codes, scale, global [E, shards]) for gate|up (2 shards) and down, each expert
+    quantized on its own (a per-expert export's global scales; small temporaries at gemma4's shapes), the up
+    shard's global halved (two shards with different global scales)."""
     out = []
     for n, k, halves, seed in ((2 * i, h, 2, 1), (h, i, 1, 2)):
-        codes, scale, g = _nvfp4(e * n, k, seed, device)
-        out += [codes.reshape(e, n, -1), scale.reshape(e, n, -1), g.reshape(e, halves, -1)[:, :, 0].contiguous()]
+        w = (torch.randn(e, n, k, generator=torch.Generator().manual_seed(seed)) / k ** 0.5).to(device)
+        parts = [quantize_nvfp4_ref(w[x]) for x in range(e)]
+        g = torch.cat([p[2] for p in parts]).unsqueeze(1).repeat(1, halves)
+        if halves == 2:
+            g[:, 1] *= 0.5
+        out += [torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]), g.contiguous()]
     return out
 
 
