@@ -154,6 +154,16 @@ def test_quantize_and_dequantize_equal_modelopt_formula(which):
     assert bool(((deq - w).abs() <= step + 1e-12).all())
 
 
+@pytest.mark.parametrize("convention", ["modelopt", "compressed-tensors"])
+def test_all_zero_weight_quantizes_to_zeros(convention):
+    """A weight of zeros (a zeroed projection or expert): codes 0, finite scales, dequantized zeros, not NaN
+    (ModelOpt's global amax / 2688 is 0 there, and each group's scale 0 / 0)."""
+    packed, scale, g = quantize_nvfp4_ref(torch.zeros(4, 32), convention)
+    assert not packed.any() and bool(torch.isfinite(scale.float()).all()) and bool((g > 0).all())
+    assert torch.equal(dequantize_nvfp4_ref(packed, scale, g, divide_global=convention != "modelopt"),
+                       torch.zeros(4, 32))
+
+
 # ---- checkpoints ----------------------------------------------------------------------------------------
 
 def _quantized(name: str) -> bool:
