@@ -69,11 +69,12 @@ def resolve_quant_config(path: Path, is_gguf: bool, quantization: str | None):
         qc = read_config(path).get("quantization_config") or modelopt_quant_config(path) or legacy_quant_config(path)
         if qc:
             config = config_from_hf(qc)
-            if quantization not in (None, config.name, str(qc.get("quant_method")).lower()):
+            accepted = list(dict.fromkeys((config.name, str(qc.get("quant_method")).lower())))
+            if quantization not in (None, *accepted):
                 raise InvalidRequestError(
                     f"quantization={quantization!r} does not match the checkpoint, whose quantization_config "
                     f"(quant_method {qc.get('quant_method')!r}) loads as {config.name!r}: a quantized checkpoint "
-                    f"loads in its own format; pass quantization=None or {config.name!r}")
+                    f"loads in its own format; pass quantization=None or {' or '.join(map(repr, accepted))}")
             return config
     return config_for_quantization(quantization)
 

@@ -91,6 +91,8 @@ def _from_compressed_tensors(qc: dict) -> dict:
         w = grp.get("weights") or {}
         fmt = grp.get("format") or qc.get("format")
         where = f"compressed-tensors config_groups.{gname}"
+        if not isinstance(w, dict):
+            raise ModelLoadError(f"{where}.weights must be an object of quantization arguments, got {w!r}")
         if fmt != "pack-quantized" or w.get("type", "int") != "int" or w.get("num_bits") != 4:
             raise ModelLoadError(f"{where}: format {fmt!r}, {w.get('type')} {w.get('num_bits')} bits is not int4 "
                                  "pack-quantized")
@@ -117,6 +119,8 @@ def _from_gptq_awq(qc: dict, method: str) -> dict:
     group = _group(qc.get("group_size", qc.get("q_group_size")), f"{method} group_size")
     ignored = _ignored(qc, ["modules_to_not_convert"])
     if method == "gptq":
+        if not isinstance(qc.get("desc_act", False), bool):
+            raise ModelLoadError(f"GPTQ checkpoint desc_act={qc['desc_act']!r} must be true or false")
         if qc.get("desc_act"):
             raise ModelLoadError("GPTQ checkpoint desc_act=true (activation order) is not supported: sparrow loads "
                                  "desc_act=false GPTQ checkpoints")

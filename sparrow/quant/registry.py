@@ -107,12 +107,15 @@ def config_for_quantization(name: str | None) -> QuantizationConfig:
 
 def config_from_hf(qc) -> QuantizationConfig:
     """The config of a checkpoint's ``quantization_config``: the first format that claims it
-    (``QuantizationConfig.claims_hf``: its ``quant_method`` by default). Raises ModelLoadError for a non-object
-    config or one no format claims, naming the supported methods."""
+    (``QuantizationConfig.claims_hf``: its ``quant_method`` by default; ``quant_method`` read in any case). Raises
+    ModelLoadError for a non-object config or one no format claims, naming the supported methods."""
     if not isinstance(qc, dict):
         raise ModelLoadError(f"checkpoint quantization_config must be an object (a dict), got {qc!r}")
     _load_formats()
     method = qc.get("quant_method")
+    if isinstance(method, str) and method != method.lower():  # "GPTQ", "AWQ": any case, as vLLM reads them
+        method = method.lower()
+        qc = {**qc, "quant_method": method}
     fmt = next((f for f in _FORMATS.values() if f.claims_hf(qc)), None)  # by name, or a format's claims_hf
     if not isinstance(method, str) or fmt is None:
         known = sorted({m for f in _FORMATS.values() for m in (f.name, *f.hf_quant_methods)})

@@ -167,6 +167,13 @@ def test_config_errors_are_named():
 
     assert isinstance(config_from_hf(ct_config(64, False)), Int4Config)
     assert config_from_hf({"quant_method": "awq", "bits": 4, "group_size": 128}).layout == "awq"
+    assert config_from_hf({"quant_method": "GPTQ", "bits": 4, "group_size": 128}).layout == "gptq"  # any case
+    with pytest.raises(ModelLoadError, match=r"desc_act='false' must be true or false"):
+        Int4Config.from_hf({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": "false"})
+    qc = ct_config(128, True)
+    qc["config_groups"]["group_0"]["weights"] = "int4"
+    with pytest.raises(ModelLoadError, match=r"config_groups.group_0.weights must be an object.*'int4'"):
+        Int4Config.from_hf(qc)
 
 
 def test_weight_activation_order_loads_and_malformed_groups_are_named():
@@ -419,7 +426,8 @@ def test_gptq_and_awq_checkpoints_load_as_the_ct_one(tmp_path):
         for name, p in got.items():
             want = ref[name].half() if name.endswith("weight_scale") else ref[name]
             assert torch.equal(p, want), (layout, name)
-    with pytest.raises(InvalidRequestError, match="quantization='awq' does not match .* 'gptq'"):
+    with pytest.raises(InvalidRequestError, match="quantization='awq' does not match .* pass quantization=None or "
+                                                  "'int4' or 'gptq'"):
         make_llm(tmp_path / "gptq", quantization="awq")
     with pytest.raises(InvalidRequestError, match="quantization='gptq' names a checkpoint format"):
         make_llm(tmp_path / "float", quantization="gptq")
