@@ -145,9 +145,18 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
         if missing and not getattr(param, "optional", False):  # optional: a format's tensor some checkpoints omit
             spelled = getattr(model, "checkpoint_name", lambda n, _: n)(pname, names)
             if missing == [None]:
-                raise ModelLoadError(f"checkpoint lacks the tensor for {spelled!r}, expected shape {tuple(param.shape)}")
+                shape = getattr(param, "checkpoint_shape", tuple(param.shape))
+                raise ModelLoadError(f"checkpoint lacks the tensor for {spelled!r}, expected shape {_shape_text(shape)}")
             describe = getattr(model, "describe_shard", None)
             what, shape = describe(pname, missing[0], names) if describe else (f"{pname!r} shard {missing[0]!r}", None)
+            shape = getattr(param, "checkpoint_shape", shape)  # a format's tensor stored in another shape
             more = f" (and {len(missing) - 1} more shards of {spelled!r})" if len(missing) > 1 else ""
             raise ModelLoadError(f"checkpoint lacks the tensor {what}, expected shape "
-                                 f"{tuple(shape) if shape else '?'}{more}")
+                                 f"{_shape_text(shape)}{more}")
+
+
+def _shape_text(shape) -> str:
+    """A shape for a message: "(N, K)", "() (a scalar)", or "?" when unknown (None)."""
+    if shape is None:
+        return "?"
+    return str(tuple(shape)) if len(shape) else "() (a scalar)"

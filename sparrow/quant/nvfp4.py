@@ -184,6 +184,8 @@ class Nvfp4LinearMethod(LinearMethodBase):
         layer.params_dtype = dtype
         getattr(layer, self.input_scale).optional = True
         getattr(layer, self.input_scale).data.fill_(1.0)
+        for pname in (self.global_scale, self.input_scale):
+            getattr(layer, pname).checkpoint_shape = ()  # a scalar a projection in the checkpoint (load messages)
         if self.from_checkpoint:
             for pname, kind in zip(NAMES[self.layout], ("codes", "scale", "global", "global")):
                 getattr(layer, pname).weight_loader = self._checkpoint_loader(layer, kind)

@@ -73,6 +73,8 @@ class Nvfp4MoEMethod(FusedMoEMethodBase):
             for pname, kind, (r, c, dt) in zip(_PARAMS[stacked], _KINDS, shapes):
                 param = stacked_expert_param(layer, r, c, blocks, dt)
                 param.weight_loader = self._checkpoint_loader(layer, param.weight_loader, kind, k)
+                if kind == "global":
+                    param.checkpoint_shape = ()  # a scalar a projection in the checkpoint (load messages)
                 setattr(layer, pname, param)
             getattr(layer, _PARAMS[stacked][3]).optional = True
 

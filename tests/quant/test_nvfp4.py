@@ -321,6 +321,17 @@ def test_bad_checkpoints_are_named(float_dirs, tmp_path):
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="packed into 'model.layers.0.self_attn.qkv_proj'"):
         make_llm(ckpt)
+    from safetensors.torch import load_file, save_file
+
+    cfg["quantization_config"]["ignore"] = []
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    for proj in ("o_proj", "q_proj"):  # a layer of its own; a shard of the packed qkv_proj
+        save_file({k: v for k, v in tensors.items() if k != f"model.layers.0.self_attn.{proj}.weight_scale_2"},
+                  str(ckpt / "model.safetensors"))
+        with pytest.raises(ModelLoadError, match=rf"lacks the tensor .*{proj}.weight_scale_2.*expected shape \(\) "
+                                                 r"\(a scalar\)"):
+            make_llm(ckpt)
 
 
 def test_linear_kernel_path_matches_torch_path(float_dirs, tmp_path):
