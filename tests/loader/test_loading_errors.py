@@ -19,7 +19,7 @@ from tests.models._hf_tiny import FAMILIES, build
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("err")
-    for family in ("qwen3_moe", "gemma4"):
+    for family in ("qwen3_moe", "qwen2_moe", "gemma4"):
         build(FAMILIES, family, root / family)
     return root
 
@@ -84,11 +84,14 @@ def test_misshaped_tensor_names_it_and_the_expected_shape(ckpts, tmp_path, famil
     ("qwen3_moe", "model.layers.1.mlp.experts.0.gate_proj.weight"),  # layer 1 is dense (mlp_only_layers)
     ("qwen3_moe", "model.layers.0.mlp.experts.8.gate_proj.weight"),  # there are 8 experts
     ("gemma4", "model.layers.1.self_attn.v_proj.weight"),  # k_eq_v layers have no v_proj
+    ("qwen2_moe", "model.layers.0.mlp.experts.8.gate_proj.weight"),  # Qwen3-MoE's module, its own name
     ("gemma4", "model.vision_tower_extra.weight"),
 ])
 def test_unused_tensor_is_an_error(ckpts, tmp_path, family, name):
+    """The message names the tensor and the checkpoint's architecture."""
     path = _edited(ckpts / family, tmp_path / "c", edit=lambda t: t.__setitem__(name, torch.zeros(24, 64)))
-    _raises(ModelLoadError, lambda: load_model(path), repr(name))
+    architecture = json.loads((path / "config.json").read_text())["architectures"][0]
+    _raises(ModelLoadError, lambda: load_model(path), repr(name), architecture)
 
 
 def test_skipped_tower_tensors_are_not_an_error(ckpts, tmp_path, caplog):
