@@ -68,14 +68,12 @@ def expected_shards(param: nn.Parameter) -> list:
     return [None] if n == 1 else list(range(n))
 
 
-def _float_in_quantized_layer(model: nn.Module, name: str, pname: str, tensor: torch.Tensor, describe):
-    """The error for float ``weight`` tensor ``name`` (for parameter ``pname``, which the model lacks) of a layer
-    whose weight format takes other tensors, some of which ``describe`` names (a quantized checkpoint that does
-    not declare the layer float); None for any other unused tensor."""
-    if not pname.endswith(".weight") or not tensor.is_floating_point() or _packed(tensor):
-        return None
+def _layer_format(model: nn.Module, pname: str, describe):
+    """(module name, the checkpoint tensor suffixes its weight format takes, that format's title or None for a
+    float layer) of the layer that parameter ``pname`` would belong to (or the stacked experts of a per-expert
+    name, experts.N.down_proj.weight); None when no such module exists."""
     parts = pname.split(".")[:-1]
-    while parts:  # the layer, or the stacked experts of a per-expert tensor (experts.N.down_proj.weight)
+    while parts:
         module = ".".join(parts)
         try:
             owner = model.get_submodule(module)
@@ -84,15 +82,55 @@ def _float_in_quantized_layer(model: nn.Module, name: str, pname: str, tensor: t
             parts.pop()
     else:
         return None
+    return (module, *_module_format(module, owner, describe))
+
+
+def _module_format(module: str, owner: nn.Module, describe) -> tuple[list[str], str | None]:
+    """(the checkpoint tensor suffixes the weight format of layer ``owner`` (named ``module``) takes, that
+    format's title, None for a float layer)."""
     table = getattr(getattr(owner, "quant_method", None), "checkpoint_tensors", None)  # experts: per-expert suffixes
     takes = list(dict.fromkeys(t[0] for t in table) if table else getattr(owner, "_quant_param_names", None) or [])
     known = [describe(f"{module}.{t}") for t in takes] if describe is not None else []
-    title = next((k[0] for k in known if k is not None), None)
-    if title is None:  # a float layer: not this case
+    return takes, next((k[0] for k in known if k is not None), None)
+
+
+def _float_in_quantized_layer(model: nn.Module, name: str, pname: str, tensor: torch.Tensor, describe):
+    """The error for float ``weight`` tensor ``name`` (for parameter ``pname``, which the model lacks) of a layer
+    whose weight format takes other tensors, some of which ``describe`` names (a quantized checkpoint that does
+    not declare the layer float); None for any other unused tensor."""
+    if not pname.endswith(".weight") or not tensor.is_floating_point() or _packed(tensor):
         return None
+    layer = _layer_format(model, pname, describe)
+    if layer is None or layer[2] is None:  # a float layer: not this case
+        return None
+    module, takes, title = layer
     return ModelLoadError(f"checkpoint tensor {name!r} is a float weight, but {module!r} takes {title} tensors "
                           f"{takes}: the checkpoint's quantization_config leaves it quantized (a float layer of a "
                           "quantized checkpoint is named by its ignore list, targets or modules_to_not_convert)")
+
+
+def _format_tensor_without_parameter(model: nn.Module, name: str, pname: str, title: str, kind: str, describe):
+    """The error for checkpoint tensor ``name``, ``kind`` of weight format ``title``, whose parameter ``pname``
+    the model lacks: its layer is float in a model with quantized layers (the config leaves it so, or sparrow keeps
+    it so), its layer's format takes other tensors (e.g. zero points under ``symmetric: true``), or else
+    config.json declares no such format."""
+    arch = type(model).__name__
+    layer = _layer_format(model, pname, describe)
+    quantized = any(_module_format(m, o, describe)[1] is not None
+                    for m, o in model.named_modules() if getattr(o, "quant_method", None) is not None)
+    if layer is not None and layer[2] is None and quantized:
+        return ModelLoadError(
+            f"checkpoint tensor {name!r} is {kind}, but {layer[0]!r} is a float layer of {arch}: the checkpoint's "
+            "quantization_config leaves it in float (its ignore list, targets or modules_to_not_convert name it), "
+            "or it is one sparrow keeps in float (embeddings, LM head, norms, routers)")
+    if layer is not None and layer[2] is not None:
+        return ModelLoadError(
+            f"checkpoint tensor {name!r} is {kind}, but {layer[0]!r} takes the {layer[2]} tensors {layer[1]}: the "
+            f"checkpoint's quantization_config does not declare {kind} for it (e.g. zero points with symmetric: true)")
+    return ModelLoadError(
+        f"checkpoint tensor {name!r} is {kind}, but {arch} has no {title} parameter {pname!r}: config.json lacks an "
+        f"{title} quantization_config, or the module is one sparrow keeps in float (embeddings, LM head, norms, "
+        "routers)")
 
 
 def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
@@ -115,11 +153,7 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
         if pname not in params:
             known = describe(name) if describe is not None else None
             if known is not None:
-                title, kind = known
-                raise ModelLoadError(
-                    f"checkpoint tensor {name!r} is {kind}, but {type(model).__name__} has no {title} "
-                    f"parameter {pname!r}: config.json lacks an {title} quantization_config, or the module is one "
-                    "sparrow keeps in float (embeddings, LM head, norms, routers)")
+                raise _format_tensor_without_parameter(model, name, pname, *known, describe)
             raise _float_in_quantized_layer(model, name, pname, tensor, describe) or ModelLoadError(
                 f"checkpoint tensor {name!r} is not used by {type(model).__name__} (no parameter {pname!r})"
             )

@@ -154,7 +154,7 @@ class Int4Config(QuantizationConfig):
     hf_quant_methods = ("compressed-tensors", "gptq", "awq")
     checkpoint_tensor_kinds = {"weight_packed": "an int4 packed weight", "qweight": "an int4 packed weight",
                                "weight_zero_point": "int4 zero points", "qzeros": "int4 zero points",
-                               "g_idx": "a GPTQ group index"}
+                               "g_idx": "a GPTQ group index", "weight_shape": "a compressed-tensors weight shape"}
 
     layout: str = "on-load"
     """Where the weights come from: one of ``LAYOUTS``."""

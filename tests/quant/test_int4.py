@@ -353,6 +353,26 @@ def test_float_layer_the_config_does_not_name_is_named(tmp_path):
         make_llm(path, max_model_len=64)
 
 
+def test_int4_tensors_the_config_does_not_declare_are_named(tmp_path):
+    """int4 tensors of a layer the quantization_config leaves float (its ignore list names it), and zero points
+    under ``symmetric: true``: each error names the tensor, the layer and the cause."""
+    hf = build(DENSE, "llama", tmp_path / "dense", intermediate_size=128)
+    path = write_ct_checkpoint(hf, tmp_path / "ct", 64, False)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["ignore"].append("model.layers.1.mlp.down_proj")
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"'model.layers.1.mlp.down_proj.weight_\w+' is .*, but "
+                                             r"'model.layers.1.mlp.down_proj' is a float layer of "
+                                             r"LlamaForCausalLM: .* leaves it in float \(its ignore list"):
+        make_llm(path, max_model_len=64)
+    cfg["quantization_config"]["ignore"].remove("model.layers.1.mlp.down_proj")
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = True
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"weight_zero_point' is int4 zero points, but 'model.layers.0.\S+' "
+                                             r"takes the int4 tensors .* does not declare int4 zero points for it"):
+        make_llm(path, max_model_len=64)
+
+
 def test_ignore_naming_some_experts_or_projections_is_named(tmp_path):
     hf = build(FAMILIES, "qwen3_moe", tmp_path / "moe", intermediate_size=128, moe_intermediate_size=32)
     some = [f"model.layers.0.mlp.experts.{e}.{p}" for e in range(3) for p in ("gate_proj", "up_proj", "down_proj")]
