@@ -53,8 +53,16 @@ def convert(layout: str, kind: str, t: torch.Tensor, rows: int, k: int, group: i
             raise ModelLoadError(f"tensor {name!r} says weight shape {t.tolist()}, the model needs {[rows, k]}")
         return t.reshape(1, 2).to(torch.int64)
     if kind == "g_idx":
+        if t.numel() != k:
+            raise ModelLoadError(f"tensor {name!r} has {t.numel()} entries; a GPTQ g_idx has one per input column "
+                                 f"({k})")
+        got = t.reshape(-1).to(torch.int64).cpu()
         want = torch.arange(k, dtype=torch.int64) // group
-        if t.numel() != k or not torch.equal(t.reshape(-1).to(torch.int64).cpu(), want):
+        if not torch.equal(got, want):
+            for other in (32, 64, 128):  # the group sizes sparrow takes
+                if other != group and torch.equal(got, torch.arange(k, dtype=torch.int64) // other):
+                    raise ModelLoadError(f"tensor {name!r} is a g_idx of group size {other}, but the checkpoint's "
+                                         f"config says group_size {group}")
             raise ModelLoadError(f"tensor {name!r}: GPTQ activation order (desc_act / a g_idx other than k // "
                                  f"{group}) is not supported; quantize with desc_act=false")
         return t.reshape(1, k).to(torch.int32)

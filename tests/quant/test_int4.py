@@ -146,6 +146,12 @@ def test_gptq_and_awq_layouts_from_their_formulas(group):
     assert torch.equal(zero, z)
     with pytest.raises(ModelLoadError, match="activation order"):
         convert("gptq", "g_idx", g_idx.flip(0), n, k, group, "layers.0.qkv.g_idx")
+    with pytest.raises(ModelLoadError, match=f"has {k - 1} entries; a GPTQ g_idx has one per input column"):
+        convert("gptq", "g_idx", g_idx[1:], n, k, group, "layers.0.qkv.g_idx")
+    other = 32 if group != 32 else 64
+    with pytest.raises(ModelLoadError, match=f"g_idx of group size {other}, but the checkpoint's config says "
+                                             f"group_size {group}"):
+        convert("gptq", "g_idx", torch.arange(k, dtype=torch.int32) // other, n, k, group, "layers.0.qkv.g_idx")
 
 
 def test_config_errors_are_named():
