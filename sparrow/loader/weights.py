@@ -159,6 +159,10 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
             )
         param = params[pname]
         if _packed(tensor) and param.is_floating_point() and param.dtype != tensor.dtype:  # never cast silently
+            layer = _layer_format(model, pname, describe)
+            if layer is not None and layer[2] is not None:  # a scale of a quantized layer stored as integers
+                raise ModelLoadError(f"checkpoint tensor {name!r} is {tensor.dtype}, but {pname!r} of the "
+                                     f"{layer[2]} layer {layer[0]!r} takes a float tensor")
             raise ModelLoadError(
                 f"checkpoint tensor {name!r} is {tensor.dtype}, but {pname!r} is {param.dtype}: a quantized weight "
                 "needs its scales and the checkpoint's quantization_config in config.json (and sparrow keeps "

@@ -360,8 +360,8 @@ def test_float_layer_the_config_does_not_name_is_named(tmp_path):
 
 
 def test_int4_tensors_the_config_does_not_declare_are_named(tmp_path):
-    """int4 tensors of a layer the quantization_config leaves float (its ignore list names it), and zero points
-    under ``symmetric: true``: each error names the tensor, the layer and the cause."""
+    """int4 tensors of a layer the quantization_config leaves float (its ignore list names it), zero points under
+    ``symmetric: true``, an integer scale: each error names the tensor, the layer and the cause."""
     hf = build(DENSE, "llama", tmp_path / "dense", intermediate_size=128)
     path = write_ct_checkpoint(hf, tmp_path / "ct", 64, False)
     cfg = json.loads((path / "config.json").read_text())
@@ -376,6 +376,17 @@ def test_int4_tensors_the_config_does_not_declare_are_named(tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match=r"weight_zero_point' is int4 zero points, but 'model.layers.0.\S+' "
                                              r"takes the int4 tensors .* does not declare int4 zero points for it"):
+        make_llm(path, max_model_len=64)
+    from safetensors.torch import load_file, save_file
+
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    (path / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(path / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.weight_scale"
+    tensors[name] = tensors[name].to(torch.int32)
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=rf"'{name}' is torch.int32, but .* of the int4 layer "
+                                             r"'model.layers.0.mlp.down_proj' takes a float tensor"):
         make_llm(path, max_model_len=64)
 
 
