@@ -9,7 +9,10 @@ Choosing the methods: the loader builds the model inside ``with quant_config_sco
 FusedMoE created there takes ``cfg.get_method(kind, None)``. A layer does not know its own name while it is
 built, so afterwards ``bind_quant_config(model, cfg)`` walks ``named_modules()``, stores each layer's
 ``prefix`` and gives the layers the config treats differently by name (routers, ignored layers) their own
-method, before any checkpoint tensor is read. A context variable rather than a constructor argument keeps the
+method, before any checkpoint tensor is read. A method that cannot take a layer's shape raises naming the layer:
+while the layer is unnamed (built, not yet bound) it sets ``layer.quant_unnamed`` and creates nothing, and
+``bind_quant_config`` creates the weights again once the name is known (or gives the layer the float method
+its config names). A context variable rather than a constructor argument keeps the
 model files and the shared blocks (attention, MLP) free of quantization plumbing.
 
 Shapes: R = rows, K = in features, N = out features, H = hidden, E = experts, I = expert width, V = vocab.
@@ -41,6 +44,7 @@ def set_layer_method(layer: nn.Module, method, device: torch.device | None = Non
         device = device or param.device
     before = set(layer._parameters)
     layer.quant_method = method
+    layer.quant_unnamed = False
     with torch.device(device) if device is not None else contextlib.nullcontext():
         method.create_weights(layer, layer.params_dtype)
     layer._quant_param_names = [n for n in layer._parameters if n not in before]

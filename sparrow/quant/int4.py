@@ -239,7 +239,11 @@ class Int4LinearMethod(LinearMethodBase):
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         n, k = layer.out_features, layer.in_features
         if k % PACK:
-            raise ModelLoadError(f"int4 weights need in features divisible by {PACK}, a layer has {k}")
+            if not layer.prefix:  # built, not yet named (quant.base)
+                layer.quant_unnamed = True
+                return
+            raise ModelLoadError(f"int4 weights need in features divisible by {PACK}: {layer.prefix!r} has {k} (leave "
+                                 "it in float: the checkpoint's ignore list)")
         g = num_groups(k, self.config.group)
         layer.params_dtype = dtype
         layer._int4_scale_dtypes = set()

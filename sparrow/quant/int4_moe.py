@@ -46,7 +46,11 @@ class Int4MoEMethod(FusedMoEMethodBase):
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         h, i = layer.hidden_size, layer.intermediate_size
         if h % PACK or i % PACK:
-            raise ModelLoadError(f"int4 experts need hidden size and expert width divisible by {PACK}, got {h} and {i}")
+            if not layer.prefix:  # built, not yet named (quant.base)
+                layer.quant_unnamed = True
+                return
+            raise ModelLoadError(f"int4 experts need hidden size and expert width divisible by {PACK}: "
+                                 f"{layer.prefix!r} has {h} and {i}")
         layer._int4_scale_dtypes = set()
         if not self.config.from_checkpoint:  # float experts until process_weights_after_loading
             UnquantizedFusedMoEMethod().create_weights(layer, dtype)

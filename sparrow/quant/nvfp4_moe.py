@@ -109,8 +109,9 @@ class Nvfp4MoEMethod(FusedMoEMethodBase):
             w = getattr(layer, stacked)
             e, n, k = w.shape
             if k % GROUP:
-                raise ModelLoadError(f"quantization='nvfp4': experts of hidden size {layer.hidden_size} and width "
-                                     f"{layer.intermediate_size} are not multiples of {GROUP}")
+                raise ModelLoadError(f"quantization='nvfp4': the experts {layer.prefix!r} of hidden size "
+                                     f"{layer.hidden_size} and width {layer.intermediate_size} are not multiples of "
+                                     f"{GROUP}")
             out = (torch.empty(e, n, k // 2, dtype=torch.uint8, device=w.device),
                    torch.empty(e, n, k // GROUP, dtype=SCALE_DTYPE, device=w.device),
                    torch.empty(e, blocks, 1, dtype=torch.float32, device=w.device),

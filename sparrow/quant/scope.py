@@ -49,8 +49,8 @@ def bind_quant_config(model: nn.Module, config: QuantizationConfig | None) -> No
         if config is None:
             continue
         method = config.get_method(kind, name)
-        if type(method) is not type(module.quant_method):
-            module.set_quant_method(method)
+        if type(method) is not type(module.quant_method) or getattr(module, "quant_unnamed", False):
+            module.set_quant_method(method)  # quant_unnamed: the method raises now, naming the layer
 
 
 def matches(pattern: str, name: str) -> bool:

@@ -390,6 +390,21 @@ def test_int4_tensors_the_config_does_not_declare_are_named(tmp_path):
         make_llm(path, max_model_len=64)
 
 
+def test_widths_int4_cannot_pack_name_the_layer_and_ignored_ones_load(tmp_path):
+    """In features not a multiple of 8: on-load int4 names the layer (dense; experts); a checkpoint whose ignore
+    list leaves those layers float loads them in float and matches transformers."""
+    hf = build(DENSE, "llama", tmp_path / "dense", intermediate_size=100)
+    with pytest.raises(ModelLoadError, match=r"divisible by 8: 'model.layers.0.mlp.down_proj' has 100"):
+        make_llm(tmp_path / "dense", max_model_len=64, quantization="int4")
+    downs = [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
+    path = write_ct_checkpoint(hf, tmp_path / "ct", 32, True, downs)
+    layer = _run_and_compare(path, hf).engine.runner.model.model.layers[0]
+    assert layer.mlp.down_proj.weight.is_floating_point() and layer.mlp.gate_up_proj.weight_packed.dtype == torch.int32
+    build(FAMILIES, "qwen3_moe", tmp_path / "moe", intermediate_size=128, moe_intermediate_size=20)
+    with pytest.raises(ModelLoadError, match=r"divisible by 8: 'model.layers.0.mlp.experts' has 64 and 20"):
+        make_llm(tmp_path / "moe", max_model_len=64, quantization="int4")
+
+
 def test_ignore_naming_some_experts_or_projections_is_named(tmp_path):
     hf = build(FAMILIES, "qwen3_moe", tmp_path / "moe", intermediate_size=128, moe_intermediate_size=32)
     some = [f"model.layers.0.mlp.experts.{e}.{p}" for e in range(3) for p in ("gate_proj", "up_proj", "down_proj")]

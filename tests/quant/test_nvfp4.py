@@ -334,6 +334,13 @@ def test_bad_checkpoints_are_named(float_dirs, tmp_path):
             make_llm(ckpt)
 
 
+def test_on_load_experts_of_an_unpackable_width_are_named(tmp_path):
+    build(FAMILIES, "qwen3_moe", tmp_path / "moe", intermediate_size=128, moe_intermediate_size=24)
+    with pytest.raises(ModelLoadError, match=r"the experts 'model.layers.0.mlp.experts' of hidden size 64 and width "
+                                             r"24 are not multiples of 16"):
+        make_llm(tmp_path / "moe", max_model_len=64, quantization="nvfp4")
+
+
 def test_linear_kernel_path_matches_torch_path(float_dirs, tmp_path):
     """A loaded compressed-tensors linear (qkv_proj: three shards, three global scales) computes under
     ``backend("triton")`` (the interpreter here) what the torch path does: NMSE < 1e-10 (fp32)."""
