@@ -236,8 +236,8 @@ class LLM:
         (prompt tokens), and over the requests finished through this LLM: prompt_tokens, generation_tokens,
         request_success ({finish_reason: completions}); with LoRA on, lora_requests_info ({"running_lora_adapters" /
         "waiting_lora_adapters": the adapter names of the running / waiting sequences, comma-separated, each once,
-        in queue order; "max_lora": max_loras}, the server gauge's labels). A snapshot: later steps do not change
-        it."""
+        in queue order; "max_lora": max_loras, an int), the server gauge's labels. A snapshot: later steps do not
+        change it."""
         e = self.engine
         bm = e.block_manager
         lora = {}

@@ -104,16 +104,18 @@ def quantize_int4_ref(w: torch.Tensor, group: int = DEFAULT_GROUP, symmetric: bo
     k = w.shape[-1]
     if k % PACK:
         raise ValueError(f"quantize_int4: K = {k} must be a multiple of {PACK}")
+    scale_dtype = scale_dtype or w.dtype
+    if w.numel() <= QUANTIZE_CHUNK:
+        return _quantize_rows(w, group, symmetric, scale_dtype)
     rows = w.reshape(-1, k)
     step = max(1, QUANTIZE_CHUNK // k)
-    parts = [_quantize_rows(rows[i:i + step], group, symmetric, scale_dtype or w.dtype)
-             for i in range(0, max(rows.shape[0], 1), step)]
+    parts = [_quantize_rows(rows[i:i + step], group, symmetric, scale_dtype) for i in range(0, rows.shape[0], step)]
     lead = tuple(w.shape[:-1])
     return tuple(None if part[0] is None else torch.cat(part).reshape(*lead, -1) for part in zip(*parts))
 
 
 def _quantize_rows(w: torch.Tensor, group: int, symmetric: bool, scale_dtype: torch.dtype):
-    """``quantize_int4_ref`` of w [R, K]."""
+    """``quantize_int4_ref`` of w [..., N, K] in one pass (every step works along the last dim)."""
     k = w.shape[-1]
     g = num_groups(k, group)
     wf = w.float()

@@ -19,7 +19,8 @@ and in ModelOpt except 2.5 and 3.5, which both go to 3; a negative value that ro
 
 Quantizers (``quantize_nvfp4_ref``), each the formula of its library:
 - ModelOpt (``NVFP4QTensor.quantize``): g2 = amax / 2688; scale = e4m3(max(group_amax / (6 * g2), 2^-9)),
-  a zero group scale 1; codes = e2m1(w / (scale * g2)); an all-zero w takes g2 = 1 (the formula's 0 / 0);
+  a zero group scale 1; codes = e2m1(w / (scale * g2)); a w whose g2 is 0 (all zeros) takes g2 = 1 (the
+  formula's 0 / 0);
 - compressed-tensors (its NVFP4 observer + ``calculate_qparams`` + ``NVFP4PackedCompressor.compress``):
   G = 2688 / max(amax, tiny); scale = e4m3(clamp(G * group_amax / 6, +-448)), a zero scale 0.125 (e4m3's eps);
   codes = e2m1(clamp(w / (scale / G), +-6)).
@@ -108,8 +109,8 @@ def quantize_nvfp4_ref(w: torch.Tensor, convention: str = "modelopt"
     Raises ValueError for another convention or a shape / dtype the format cannot hold."""
     wg = _groups(w).float()  # [N, G, 16]
     if convention == "modelopt":
-        amax = wg.abs().amax()
-        g2 = torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), 1.0).reshape(1)  # all zeros: 0 / 0 else
+        g2 = wg.abs().amax() / (E2M1_MAX * E4M3_MAX)
+        g2 = torch.where(g2 > 0, g2, 1.0).reshape(1)  # all zeros (or all below 2688 x fp32's least): 0 / 0 else
         block = wg.abs().amax(dim=-1) / (E2M1_MAX * g2)
         block[block == 0] = 1.0
         scale = block.clamp_(min=2.0 ** -9).to(SCALE_DTYPE)

@@ -71,18 +71,18 @@ def expected_shards(param: nn.Parameter) -> list:
 def _layer_format(model: nn.Module, pname: str, describe):
     """(module name, the checkpoint tensor suffixes its weight format takes, that format's title or None for a
     float layer) of the layer that parameter ``pname`` would belong to (or the stacked experts of a per-expert
-    name, experts.N.down_proj.weight); None when no such module exists."""
+    name, experts.N.down_proj.weight); None when no such layer (a module with a weight method) exists."""
     parts = pname.split(".")[:-1]
     while parts:
         module = ".".join(parts)
         try:
             owner = model.get_submodule(module)
-            break
         except AttributeError:
-            parts.pop()
-    else:
-        return None
-    return (module, *_module_format(module, owner, describe))
+            owner = None
+        if getattr(owner, "quant_kind", None) is not None:
+            return (module, *_module_format(module, owner, describe))
+        parts.pop()
+    return None
 
 
 def _module_format(module: str, owner: nn.Module, describe) -> tuple[list[str], str | None]:
@@ -111,19 +111,19 @@ def _float_in_quantized_layer(model: nn.Module, name: str, pname: str, tensor: t
 
 def _format_tensor_without_parameter(model: nn.Module, name: str, pname: str, title: str, kind: str, describe):
     """The error for checkpoint tensor ``name``, ``kind`` of weight format ``title``, whose parameter ``pname``
-    the model lacks: its layer is float in a model with quantized layers (the config leaves it so, or sparrow keeps
-    it so), its layer's format takes other tensors (e.g. zero points under ``symmetric: true``), or else
-    config.json declares no such format."""
+    the model lacks: its layer is float in a model that loads layers of that format (the config leaves it so, or
+    sparrow keeps it so), its layer is of that format but takes other tensors (e.g. zero points under
+    ``symmetric: true``), or else config.json declares no such format."""
     arch = type(model).__name__
     layer = _layer_format(model, pname, describe)
-    quantized = any(_module_format(m, o, describe)[1] is not None
-                    for m, o in model.named_modules() if getattr(o, "quant_method", None) is not None)
-    if layer is not None and layer[2] is None and quantized:
+    in_format = any(_module_format(m, o, describe)[1] == title  # the model loads a checkpoint of this format
+                    for m, o in model.named_modules() if getattr(o, "quant_kind", None) is not None)
+    if layer is not None and layer[2] is None and in_format:
         return ModelLoadError(
             f"checkpoint tensor {name!r} is {kind}, but {layer[0]!r} is a float layer of {arch}: the checkpoint's "
             "quantization_config leaves it in float (its ignore list, targets or modules_to_not_convert name it), "
             "or it is one sparrow keeps in float (embeddings, LM head, norms, routers)")
-    if layer is not None and layer[2] is not None:
+    if layer is not None and layer[2] == title:
         return ModelLoadError(
             f"checkpoint tensor {name!r} is {kind}, but {layer[0]!r} takes the {layer[2]} tensors {layer[1]}: the "
             f"checkpoint's quantization_config does not declare {kind} for it (e.g. zero points with symmetric: true)")
@@ -160,9 +160,9 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
         param = params[pname]
         if _packed(tensor) and param.is_floating_point() and param.dtype != tensor.dtype:  # never cast silently
             layer = _layer_format(model, pname, describe)
-            if layer is not None and layer[2] is not None:  # a scale of a quantized layer stored as integers
+            if layer is not None and layer[2] is not None and not pname.endswith(".weight"):  # a scale, as integers
                 raise ModelLoadError(f"checkpoint tensor {name!r} is {tensor.dtype}, but {pname!r} of the "
-                                     f"{layer[2]} layer {layer[0]!r} takes a float tensor")
+                                     f"{layer[2]} layer {layer[0]!r} is {param.dtype}")
             raise ModelLoadError(
                 f"checkpoint tensor {name!r} is {tensor.dtype}, but {pname!r} is {param.dtype}: a quantized weight "
                 "needs its scales and the checkpoint's quantization_config in config.json (and sparrow keeps "
@@ -184,7 +184,8 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
             spelled = getattr(model, "checkpoint_name", lambda n, _: n)(pname, names)
             if missing == [None]:
                 shape = getattr(param, "checkpoint_shape", tuple(param.shape))
-                raise ModelLoadError(f"checkpoint lacks the tensor for {spelled!r}, expected shape {_shape_text(shape)}")
+                raise ModelLoadError(f"checkpoint lacks the tensor for {spelled!r}, expected shape "
+                                     f"{_shape_text(shape)}")
             describe = getattr(model, "describe_shard", None)
             what, shape = describe(pname, missing[0], names) if describe else (f"{pname!r} shard {missing[0]!r}", None)
             shape = getattr(param, "checkpoint_shape", shape)  # a format's tensor stored in another shape

@@ -17,6 +17,5 @@ class Qwen3MoeForCausalLM(CausalLM):
     layer_cls = LlamaDecoderLayer
 
 
-
 class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
     """The same module (the config flags carry Qwen2-MoE's differences), under its own name for messages."""

@@ -119,7 +119,7 @@ def _from_gptq_awq(qc: dict, method: str) -> dict:
     group = _group(qc.get("group_size", qc.get("q_group_size")), f"{method} group_size")
     ignored = _ignored(qc, ["modules_to_not_convert"])
     if method == "gptq":
-        if not isinstance(qc.get("desc_act", False), bool):
+        if not isinstance(qc.get("desc_act"), (bool, int, type(None))):  # null / 0 / 1 read as false / true
             raise ModelLoadError(f"GPTQ checkpoint desc_act={qc['desc_act']!r} must be true or false")
         if qc.get("desc_act"):
             raise ModelLoadError("GPTQ checkpoint desc_act=true (activation order) is not supported: sparrow loads "
@@ -242,8 +242,8 @@ class Int4LinearMethod(LinearMethodBase):
             if not layer.prefix:  # built, not yet named (quant.base)
                 layer.quant_unnamed = True
                 return
-            raise ModelLoadError(f"int4 weights need in features divisible by {PACK}: {layer.prefix!r} has {k} (leave "
-                                 "it in float: the checkpoint's ignore list)")
+            hint = " (a checkpoint leaves such a layer float in its ignore list)" if self.config.from_checkpoint else ""
+            raise ModelLoadError(f"int4 weights need in features divisible by {PACK}: {layer.prefix!r} has {k}{hint}")
         g = num_groups(k, self.config.group)
         layer.params_dtype = dtype
         layer._int4_scale_dtypes = set()

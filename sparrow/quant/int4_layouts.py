@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from sparrow.errors import ModelLoadError
-from sparrow.kernels.int4 import PACK, SYMMETRIC_ZERO, num_groups, pack_int4_ref, unpack_int4_ref
+from sparrow.kernels.int4 import GROUP_SIZES, PACK, SYMMETRIC_ZERO, num_groups, pack_int4_ref, unpack_int4_ref
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 """AWQ GEMM packing: nibble i of a word holds column AWQ_ORDER[i] of its 8."""
@@ -59,7 +59,7 @@ def convert(layout: str, kind: str, t: torch.Tensor, rows: int, k: int, group: i
         got = t.reshape(-1).to(torch.int64).cpu()
         want = torch.arange(k, dtype=torch.int64) // group
         if not torch.equal(got, want):
-            for other in (32, 64, 128):  # the group sizes sparrow takes
+            for other in GROUP_SIZES:
                 if other != group and torch.equal(got, torch.arange(k, dtype=torch.int64) // other):
                     raise ModelLoadError(f"tensor {name!r} is a g_idx of group size {other}, but the checkpoint's "
                                          f"config says group_size {group}")

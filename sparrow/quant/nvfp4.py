@@ -40,7 +40,7 @@ from sparrow.errors import ModelLoadError
 from sparrow.kernels.nvfp4 import GROUP, SCALE_DTYPE, dequantize_nvfp4_ref, quantize_nvfp4_ref
 from sparrow.quant._compressed_tensors import check_extras
 from sparrow.quant.base import LinearMethodBase, QuantizationConfig
-from sparrow.quant.nvfp4_moe import NAMES, Nvfp4MoEMethod, check_nvfp4_tensor
+from sparrow.quant.nvfp4_moe import NAMES, Nvfp4MoEMethod, check_nvfp4_tensor, global_scale_shape
 from sparrow.quant.registry import register_quantization
 from sparrow.quant.scope import layers_named
 from sparrow.quant.unquantized import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
@@ -185,7 +185,7 @@ class Nvfp4LinearMethod(LinearMethodBase):
         getattr(layer, self.input_scale).optional = True
         getattr(layer, self.input_scale).data.fill_(1.0)
         for pname in (self.global_scale, self.input_scale):
-            getattr(layer, pname).checkpoint_shape = ()  # a scalar a projection in the checkpoint (load messages)
+            getattr(layer, pname).checkpoint_shape = global_scale_shape(self.layout)  # for load messages
         if self.from_checkpoint:
             for pname, kind in zip(NAMES[self.layout], ("codes", "scale", "global", "global")):
                 getattr(layer, pname).weight_loader = self._checkpoint_loader(layer, kind)
@@ -245,9 +245,10 @@ class Nvfp4LinearMethod(LinearMethodBase):
                              "NVFP4 quantization_config; load it without quantization='nvfp4' after adding one")
 
     def shard_shape(self, layer: nn.Module, param_name: str, rows: int) -> tuple[int, ...]:
-        """A shard's checkpoint tensor: codes [rows, K/2], scales [rows, G], a scalar global / activation scale."""
+        """A shard's checkpoint tensor: codes [rows, K/2], scales [rows, G], a global / activation scale
+        (``global_scale_shape``)."""
         if param_name in (self.global_scale, self.input_scale):
-            return ()
+            return global_scale_shape(self.layout)
         return super().shard_shape(layer, param_name, rows)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:

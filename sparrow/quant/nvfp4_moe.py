@@ -26,6 +26,14 @@ from sparrow.quant.unquantized import UnquantizedFusedMoEMethod, stacked_expert_
 NAMES = {  # checkpoint suffix of (e2m1 codes, e4m3 scales, global scale, activation scale) per layout
     "modelopt": ("weight", "weight_scale", "weight_scale_2", "input_scale"),
     "compressed-tensors": ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")}
+
+
+def global_scale_shape(layout: str) -> tuple[int, ...]:
+    """The checkpoint shape of a projection's global / activation scale: ModelOpt writes a scalar, compressed-tensors
+    a [1] tensor (its ``generate_gparam``)."""
+    return () if layout == "modelopt" else (1,)
+
+
 _PARAMS = {"gate_up_proj": ("gate_up_proj", "w13_weight_scale", "w13_global", "w13_input_scale"),
            "down_proj": ("down_proj", "w2_weight_scale", "w2_global", "w2_input_scale")}
 _KINDS = ("codes", "scale", "global", "global")
@@ -74,7 +82,7 @@ class Nvfp4MoEMethod(FusedMoEMethodBase):
                 param = stacked_expert_param(layer, r, c, blocks, dt)
                 param.weight_loader = self._checkpoint_loader(layer, param.weight_loader, kind, k)
                 if kind == "global":
-                    param.checkpoint_shape = ()  # a scalar a projection in the checkpoint (load messages)
+                    param.checkpoint_shape = global_scale_shape(self.layout)  # for load messages
                 setattr(layer, pname, param)
             getattr(layer, _PARAMS[stacked][3]).optional = True
 

@@ -174,6 +174,7 @@ def test_config_errors_are_named():
     assert isinstance(config_from_hf(ct_config(64, False)), Int4Config)
     assert config_from_hf({"quant_method": "awq", "bits": 4, "group_size": 128}).layout == "awq"
     assert config_from_hf({"quant_method": "GPTQ", "bits": 4, "group_size": 128}).layout == "gptq"  # any case
+    assert config_from_hf({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": None}).layout == "gptq"
     with pytest.raises(ModelLoadError, match=r"desc_act='false' must be true or false"):
         Int4Config.from_hf({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": "false"})
     qc = ct_config(128, True)
@@ -361,7 +362,8 @@ def test_float_layer_the_config_does_not_name_is_named(tmp_path):
 
 def test_int4_tensors_the_config_does_not_declare_are_named(tmp_path):
     """int4 tensors of a layer the quantization_config leaves float (its ignore list names it), zero points under
-    ``symmetric: true``, an integer scale: each error names the tensor, the layer and the cause."""
+    ``symmetric: true``, an integer scale, int4 tensors in a float checkpoint quantized to FP8 at load: each error
+    names the tensor, the layer and the cause."""
     hf = build(DENSE, "llama", tmp_path / "dense", intermediate_size=128)
     path = write_ct_checkpoint(hf, tmp_path / "ct", 64, False)
     cfg = json.loads((path / "config.json").read_text())
@@ -386,8 +388,15 @@ def test_int4_tensors_the_config_does_not_declare_are_named(tmp_path):
     tensors[name] = tensors[name].to(torch.int32)
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=rf"'{name}' is torch.int32, but .* of the int4 layer "
-                                             r"'model.layers.0.mlp.down_proj' takes a float tensor"):
+                                             r"'model.layers.0.mlp.down_proj' is torch.float32"):
         make_llm(path, max_model_len=64)
+    hf.save_pretrained(tmp_path / "float")  # int4 tensors in a float checkpoint quantized to FP8 at load
+    tensors = load_file(str(tmp_path / "float" / "model.safetensors"))
+    tensors["model.layers.0.self_attn.o_proj.weight_packed"] = torch.zeros(64, 8, dtype=torch.int32)
+    save_file(tensors, str(tmp_path / "float" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"o_proj.weight_packed' is an int4 packed weight, but LlamaForCausalLM "
+                                             r"has no int4 parameter .*config.json lacks an int4 quantization_config"):
+        make_llm(tmp_path / "float", max_model_len=64, quantization="fp8")
 
 
 def test_widths_int4_cannot_pack_name_the_layer_and_ignored_ones_load(tmp_path):

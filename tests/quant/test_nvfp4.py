@@ -332,6 +332,12 @@ def test_bad_checkpoints_are_named(float_dirs, tmp_path):
         with pytest.raises(ModelLoadError, match=rf"lacks the tensor .*{proj}.weight_scale_2.*expected shape \(\) "
                                                  r"\(a scalar\)"):
             make_llm(ckpt)
+    ckpt, _ = write_nvfp4(float_dirs / "llama", tmp_path / "ct", "compressed-tensors")  # a [1] tensor there
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    del tensors["model.layers.0.self_attn.o_proj.weight_global_scale"]
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"lacks the tensor .*o_proj.weight_global_scale.*expected shape \(1,\)"):
+        make_llm(ckpt)
 
 
 def test_on_load_experts_of_an_unpackable_width_are_named(tmp_path):
