@@ -30,6 +30,7 @@ from sparrow.kernels._moe_jit import _epilogue
 from sparrow.kernels._pdl_jit import pdl_enter
 from sparrow.kernels._split_k_jit import split_k_and, split_k_arrive, split_k_range, split_k_reduce, split_k_store, \
     split_k_sum
+from sparrow.kernels.int4 import FMA_ROWS
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -148,7 +149,7 @@ def _w4_dot(a, w_rows, s_rows, z_rows, ks, k_end, n_mask, group,
     return part
 
 
-FMA_MAX_ROWS = tl.constexpr(4)  # rows of one FMA program (``_w4_fma_rows``): one accumulator each
+FMA_MAX_ROWS = tl.constexpr(max(FMA_ROWS))  # rows of one FMA program (``_w4_fma_rows``): one accumulator each
 
 
 @triton.jit

@@ -182,7 +182,7 @@ class Int4Config:
 
 FMA_ROWS = (1, 2, 4)
 """Rows one FMA program computes (``Int4Config.fma``'s block_m, ``moe_configs.Tile.fma_rows``): one accumulator
-each (``_int4_jit.FMA_MAX_ROWS``)."""
+each (``_int4_jit.FMA_MAX_ROWS``, their largest, is the kernels' limit)."""
 GEMV_MAX_ROWS = 16
 """Rows up to which one M tile covers the batch (decode, verify): each weight word is read once."""
 # (largest R, config): the first entry whose bound covers R (tile configs as data, style.md 9), after the entries of
