@@ -27,7 +27,14 @@ rate_i * len(d_i) >= t(q) / t(1) - 1 (the free prompts of spec_decode.py at batc
 decoding with the sum: tokens gained by sequences that end early shortened nothing).
 Otherwise its drafts are dropped and proposing pauses for 4, 8 .. 32 steps (doubling while it keeps losing),
 which the engine overlaps; after the longest pause one verify step runs regardless, so costs and rates stay
-measured. (On the H200, Gemma 3 270M with n-gram drafts at batch 8 verified a few sequences' drafts in most
+measured.
+
+Seeded requests (``SamplingParams.seed``): a verify step draws k + 1 numbers from a sequence's generator where a
+decode step draws one, so the per-step rule, which rests on measured times, would make a seed's tokens depend on
+timing. A seeded sequence's drafts therefore always verify (its own back-off, which rests on its tokens, still
+applies), also while the batch's drafting is paused; outside such a pause, a step that carries them carries the
+other sequences' drafts too. The same seed then gives the same tokens run after run, as vLLM's seeded sampling
+does. (On the H200, Gemma 3 270M with n-gram drafts at batch 8 verified a few sequences' drafts in most
 steps: 3.3 ms a step against 1.0 for overlapped decode steps, 0.55x the tok/s of plain decoding.)
 """
 from __future__ import annotations
@@ -46,6 +53,11 @@ INITIAL_RATE = 0.7
 """Acceptance rate assumed for a sequence before its first verified draft."""
 EMA = 0.25
 """Weight of the newest sample in the step-time and acceptance-rate averages."""
+
+
+def _seeded(seq: Sequence) -> bool:
+    """Whether ``seq`` samples from its own seeded generator (``SamplingParams.seed``)."""
+    return seq.params.seed is not None
 
 
 def batch_bucket(n: int) -> int:
@@ -112,8 +124,7 @@ class SpeculativeDecoder:
             del self._backoff[seq]
             self._rate.pop(seq, None)
             self.proposer.release(seq)
-        if self._steps < self._hold_until:
-            return {}
+        held = self._steps < self._hold_until
         requests = []
         decoding = []
         for seq in running:
@@ -123,7 +134,7 @@ class SpeculativeDecoder:
             state = self._backoff.get(seq)
             if state is None:
                 state = self._backoff[seq] = _BackOff()
-            if len(seq.output_token_ids) < state.resume_at:
+            if len(seq.output_token_ids) < state.resume_at or (held and not _seeded(seq)):
                 continue
             k = draft_limit(seq, self.k, self.max_model_len)
             if k > 0:
@@ -135,6 +146,8 @@ class SpeculativeDecoder:
             if not d:
                 self._backoff[seq].miss(len(seq.output_token_ids))
         out = {seq: d for (seq, _), d in zip(requests, drafts) if d}
+        if held or any(_seeded(seq) for seq in out):  # a seeded sequence's drafts always verify (module doc)
+            return out
         if out and not self.pays(out, decoding, waiting):
             self._hold = min(max(FIRST_HOLD_STEPS, 2 * self._hold), MAX_BACKOFF_STEPS)
             self._hold_until = self._steps + self._hold
@@ -182,10 +195,11 @@ class SpeculativeDecoder:
         """Whether none of ``seqs`` would propose within its next ``ahead`` tokens (back-off of each, or of the
         batch), or would find no draft (a proposer with ``can_draft``, asked on the tokens so far: the n-gram
         one): the engine may then queue decode steps ahead without asking the proposer."""
-        if self._steps + ahead <= self._hold_until:
-            return True
+        held = self._steps + ahead <= self._hold_until
         can_draft = getattr(self.proposer, "can_draft", None)
         for seq in seqs:
+            if held and not _seeded(seq):
+                continue
             state = self._backoff.get(seq)
             if state is not None and len(seq.output_token_ids) + ahead < state.resume_at:
                 continue

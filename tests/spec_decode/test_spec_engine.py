@@ -71,6 +71,28 @@ def test_greedy_ids_and_logprobs_equal_plain_decoding(plain, spec):
                 assert b[t].logprob == pytest.approx(a[t].logprob, abs=1e-4) and b[t].rank == a[t].rank
 
 
+def test_seeded_sampling_does_not_depend_on_step_timing(target_dir):
+    """A seeded request's tokens are the same whether the timing rule (``SpeculativeDecoder.pays``) would verify
+    drafts or not, and while the batch's drafting is paused, with an unseeded request beside it: a verify step
+    draws more numbers from the sequence's generator than a decode step, so skipping one would move every later
+    token."""
+    llm = make_llm(target_dir, num_kv_blocks=64, block_size=4, max_model_len=128,
+                   speculative_config=SPECS["ngram"](None))
+    dec = llm.engine.spec
+    seeded = SamplingParams(temperature=0.3, seed=1234, n=2, max_tokens=30, ignore_eos=True)
+    prompts = [ids_prompt(PROMPTS[4]), ids_prompt(PROMPTS[0])]
+    runs, drafts = [], []
+    for verdict, hold in ((True, 0), (False, 0), (False, 10**6)):
+        dec.pays = lambda *a, v=verdict, **k: v  # noqa: E731
+        dec._hold_until = dec._steps + hold
+        before = dec.num_drafts
+        out = llm.generate(prompts, [seeded, SamplingParams(temperature=0.3, max_tokens=30, ignore_eos=True)])
+        runs.append([c.token_ids for c in out[0].outputs])
+        drafts.append(dec.num_drafts - before)
+    assert runs[0] == runs[1] == runs[2]
+    assert min(drafts) > 0 and runs[0][0] != runs[0][1]  # verify steps ran in each; the two samples differ
+
+
 def test_stop_tokens_and_max_tokens_never_overshot(plain, spec):
     ids = generate_ids(plain, PROMPTS, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     for prompt, full in zip(PROMPTS, ids):
