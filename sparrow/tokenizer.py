@@ -81,7 +81,8 @@ def apply_chat_template(tokenizer, messages: list[dict]) -> str:
     if tokenizer is None:
         raise InvalidRequestError("chat needs a tokenizer (this LLM was built without one)")
     if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError("this model has no chat template: give it a plain prompt (sparrow generate without --chat)")
+        raise InvalidRequestError("this model has no chat template: give it a plain prompt (LLM.generate, the server's "
+                                  "/v1/completions, sparrow generate without --chat)")
     if not isinstance(messages, (list, tuple)) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
         raise InvalidRequestError("messages must be a non-empty list of {'role': str, 'content': ...} dicts")

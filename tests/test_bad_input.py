@@ -258,6 +258,9 @@ def test_chat_template_errors_are_sparrow_errors(tiny_model_dir, tmp_path):
     assert len(llm.chat([{"role": "user", "content": "hi"}], sp).outputs[0].token_ids) == 2  # still serves
     llm.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }"
     raises(ModelLoadError, lambda: llm.chat([{"role": "user", "content": "hi"}], sp), "does not parse")
+    llm.tokenizer.chat_template = None
+    raises(InvalidRequestError, lambda: llm.chat([{"role": "user", "content": "hi"}], sp), "no chat template",
+           "LLM.generate", "/v1/completions")
 
 
 def test_prompt_that_is_not_utf8_text():

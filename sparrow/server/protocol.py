@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from sparrow.sampling_params import MAX_LOGPROBS, MAX_TOP_K, SamplingParams
 
-TokenIds = list[int]
+TokenIds = list[StrictInt]
+"""A prompt of token ids: JSON integers only (pydantic's lax int would read true / false / 1.0 as ids)."""
 
 
 class StreamOptions(BaseModel):

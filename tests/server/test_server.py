@@ -315,6 +315,8 @@ BAD_BODIES = [
     ("completions", {"prompt": "x", "stop": [""]}, "stop"),
     ("completions", {"prompt": "x", "stop": 5}, "stop"),
     ("completions", {"prompt": [999999]}, "prompt"),
+    ("completions", {"prompt": [True, False]}, "prompt"),
+    ("completions", {"prompt": [[1, 2], [3.0]]}, "prompt"),
     ("completions", {"prompt": []}, "prompt"),
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"prompt": "x" * 300}, "prompt"),
