@@ -49,6 +49,10 @@ MAX_BACKOFF_STEPS = 32
 """Longest pause, in steps, of a sequence whose drafts keep being rejected, and of the whole batch's drafting."""
 FIRST_HOLD_STEPS = 4
 """First pause, in steps, of the batch's drafting when a verify step would not pay."""
+MAX_DRAFT_VOCAB_PADDING = 128
+"""Most tokens a draft model's vocabulary may lack against the target's: the same tokenizer with the embedding
+padded to another multiple (Qwen2.5 0.5B-7B: 151,936 rows, 14B-72B: 152,064), as vLLM and llama.cpp allow; a
+sequence holding a token past the draft's vocabulary gets no drafts (``DraftModelProposer``)."""
 INITIAL_RATE = 0.7
 """Acceptance rate assumed for a sequence before its first verified draft."""
 EMA = 0.25
@@ -263,6 +267,11 @@ def make_speculative_decoder(config, num_blocks: int, draft_model=None) -> Specu
         if dcfg.vocab_size > config.model.vocab_size:
             raise InvalidRequestError(f"draft model vocabulary ({dcfg.vocab_size} tokens) is larger than the "
                                       f"target's ({config.model.vocab_size}): drafts must be target tokens")
+        if config.model.vocab_size - dcfg.vocab_size > MAX_DRAFT_VOCAB_PADDING:
+            raise InvalidRequestError(
+                f"draft model vocabulary ({dcfg.vocab_size} tokens) is smaller than the target's "
+                f"({config.model.vocab_size}) by more than padding ({MAX_DRAFT_VOCAB_PADDING}): the draft must "
+                "share the target's tokenizer")
         try:
             draft_config = config.replace(model=dcfg, speculative=None, lora=None,
                                           cache=dataclasses.replace(config.cache, num_blocks=num_blocks))

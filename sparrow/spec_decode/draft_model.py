@@ -25,11 +25,13 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 class _Mirror:
     """The draft's copy of one target sequence; ``synced``: target outputs it held at the last proposal."""
 
-    __slots__ = ("seq", "synced")
+    __slots__ = ("seq", "synced", "past_vocab")
 
-    def __init__(self, target: Sequence):
+    def __init__(self, target: Sequence, vocab_size: int):
         self.seq = Sequence(target.request_id, target.index, target.prompt_token_ids, _GREEDY, set())
         self.synced = 0
+        self.past_vocab = max(target.prompt_token_ids, default=0) >= vocab_size
+        """A token past the draft's vocabulary (a padded target vocabulary's): the sequence gets no drafts."""
 
 
 class DraftModelProposer:
@@ -37,6 +39,7 @@ class DraftModelProposer:
         """``config``: the draft's engine config (the target's settings with the draft's ModelConfig, a KV pool of
         as many blocks as the target's and no LoRA: the draft runs the base model for every request)."""
         self.runner = ModelRunner(config, model, query_lens=(1, 2))
+        self.vocab_size = config.model.vocab_size
         self.bm = BlockManager(self.runner.num_blocks, config.cache.block_size, enable_prefix_caching=False)
         self._mirrors: dict[Sequence, _Mirror] = {}
 
@@ -50,8 +53,9 @@ class DraftModelProposer:
         """The mirror of ``target`` with the target's tokens, its computed rows cut to the common prefix."""
         mirror = self._mirrors.get(target)
         if mirror is None:
-            mirror = self._mirrors[target] = _Mirror(target)
+            mirror = self._mirrors[target] = _Mirror(target, self.vocab_size)
         m, out = mirror.seq, target.output_token_ids
+        mirror.past_vocab |= max(out[mirror.synced:], default=0) >= self.vocab_size
         mine = m.output_token_ids
         i = mirror.synced
         while i < len(mine) and i < len(out) and mine[i] == out[i]:
@@ -67,12 +71,14 @@ class DraftModelProposer:
 
     def propose(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
         """For each (target sequence, most drafts k') up to k' greedy draft tokens (none for a sequence with
-        soft embeddings, or when the draft's KV pool has no room for it)."""
+        soft embeddings or a token past the draft's vocabulary, or when the draft's KV pool has no room for it)."""
         items: list[tuple[int, Sequence, int]] = []  # (request index, mirror, drafts)
         for r, (target, k) in enumerate(requests):
             if target.soft_embeds is not None:
                 continue
             m = self._sync(target)
+            if self._mirrors[target].past_vocab:
+                continue
             need = m.num_tokens + k - 1  # rows computed after the last draft step (the last draft is not fed)
             if not self.bm.can_allocate(m, need):
                 self.release(target)

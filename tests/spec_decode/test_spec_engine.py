@@ -105,6 +105,27 @@ def test_stop_tokens_and_max_tokens_never_overshot(plain, spec):
             assert out.token_ids == want
 
 
+def test_draft_vocabulary_padding_and_another_tokenizer(plain, target_dir, tmp_path):
+    """A draft whose vocabulary lacks up to 128 of the target's tokens (padding, as Qwen2.5's sizes differ) runs:
+    a sequence holding a token past it gets no drafts, and greedy output is plain decoding's. One that lacks more
+    (another tokenizer) is refused when the LLM is built, naming both sizes."""
+    from sparrow.errors import InvalidRequestError
+
+    padded = build_tiny_llama(tmp_path / "padded", seed=3, vocab_size=200, **SHARP)
+    llm = make_llm(target_dir, num_kv_blocks=64, block_size=4, max_model_len=128,
+                   speculative_config={"method": "draft_model", "model": str(padded), "num_speculative_tokens": 3})
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [ids_prompt(p) for p in PROMPTS] + [ids_prompt([250, 7, 8, 9])]  # 250: past the draft's 200
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.get_metrics()["sparrow:spec_decode_num_drafts"] > 0
+    other = build_tiny_llama(tmp_path / "other", vocab_size=64)
+    with pytest.raises(InvalidRequestError, match=r"draft model vocabulary \(64 tokens\) is smaller than the "
+                                                  r"target's \(256\) by more than padding"):
+        make_llm(target_dir, max_model_len=128,
+                 speculative_config={"method": "draft_model", "model": str(other), "num_speculative_tokens": 3})
+
+
 def test_n_and_prompt_logprobs_keep_working(plain, spec):
     params = SamplingParams(n=2, temperature=0, max_tokens=12, prompt_logprobs=2, ignore_eos=True)
     ref, got = plain.generate(ids_prompt(PROMPTS[1]), params)[0], spec.generate(ids_prompt(PROMPTS[1]), params)[0]
