@@ -14,15 +14,16 @@ from sparrow.cli_support import chat_model, default_threads, field_docs, line_ed
 from sparrow.errors import SparrowError
 
 
-def _int_at_least(low: int):
-    """argparse type: an integer >= ``low`` (the error names the value)."""
+def _int_at_least(low: int, high: int | None = None):
+    """argparse type: an integer >= ``low`` (and <= ``high``; the error names the value)."""
     def parse(text: str) -> int:
         try:
             n = int(text)
         except ValueError:
             n = low - 1
-        if n < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        if n < low or (high is not None and n > high):
+            bound = f">= {low}" if high is None else f"from {low} to {high}"
+            raise argparse.ArgumentTypeError(f"expected an integer {bound}, got {text!r}")
         return n
     return parse
 
@@ -387,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=_positive_int, default=8000, help="port (default 8000)")
+    s.add_argument("--port", type=_int_at_least(1, 65535), default=8000, help="port (default 8000)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     s.add_argument("--served-model-name", default=None, help="the model's name in the API (default: its path)")
     s.add_argument("--max-num-seqs", type=_positive_int, default=None, help="most sequences in one batch")

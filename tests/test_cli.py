@@ -296,3 +296,5 @@ def test_gpu_memory_utilization_reaches_the_cache_config():
 def test_serve_model_and_model_shape_refused(tiny_model_dir):
     assert_cli_error(cli("serve", "--model", tiny_model_dir, "--model-shape", "tiny-dense"),
                      "--model or --model-shape")
+    assert_cli_error(cli("serve", "--model-shape", "tiny-dense", "--port", "99999"), "--port",
+                     "from 1 to 65535", "'99999'")
