@@ -255,7 +255,10 @@ def test_chat_template_errors_are_sparrow_errors(tiny_model_dir, tmp_path):
            "chat template refused", "System role not supported")
     for bad in ([], "hi", [{"content": "hi"}]):
         raises(InvalidRequestError, lambda: llm.chat(bad, sp), "messages must be")
-    assert len(llm.chat([{"role": "user", "content": "hi"}], sp).outputs[0].token_ids) == 2  # still serves
+    assert len(llm.chat([{"role": "user", "content": "hi"}], sp)[0].outputs[0].token_ids) == 2  # still serves
+    one = [llm.chat([{"role": "user", "content": t}], sp)[0].outputs[0].token_ids for t in ("hi", "hello")]
+    both = llm.chat([[{"role": "user", "content": "hi"}], [{"role": "user", "content": "hello"}]], sp)  # vLLM's batch
+    assert [o.outputs[0].token_ids for o in both] == one
     llm.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }"
     raises(ModelLoadError, lambda: llm.chat([{"role": "user", "content": "hi"}], sp), "does not parse")
     llm.tokenizer.chat_template = None

@@ -56,8 +56,8 @@ def smollm2_oracle(tokenizer_cache):
             os.environ["SPARROW_CACHE"] = old
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     text = llm.generate(PROMPT, sp)[0].outputs[0].text
-    chat = llm.chat([{"role": "user", "content": PROMPT}], sp).outputs[0].text
-    hello = llm.chat([{"role": "user", "content": "Hello"}], sp).outputs[0].text
+    chat = llm.chat([{"role": "user", "content": PROMPT}], sp)[0].outputs[0].text
+    hello = llm.chat([{"role": "user", "content": "Hello"}], sp)[0].outputs[0].text
     return text, chat, hello
 
 

@@ -343,14 +343,17 @@ class LLM:
         finally:
             self._release(rid)
 
-    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
-             lora_request=None) -> RequestOutput:
-        """Generate the assistant's reply to a conversation (a list of {'role': str, 'content': str}), rendered
-        with the model's chat template; ``lora_request``: a LoRARequest, or None for the base model. Raises
-        InvalidRequestError when the model has no template, the messages are malformed or the template refuses
-        them (its own message quoted), ModelLoadError when the template itself is broken
-        (``sparrow.tokenizer.apply_chat_template``)."""
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             lora_request=None) -> list[RequestOutput]:
+        """Generate the assistant's reply to a conversation (a list of {'role': str, 'content': str}), or to each
+        of a list of conversations, rendered with the model's chat template; one RequestOutput per conversation,
+        in order (vLLM's ``LLM.chat``). ``sampling_params`` and ``lora_request`` as ``generate`` takes them (one
+        for all, or one per conversation; LoRARequest or None for the base model). Raises InvalidRequestError when
+        the model has no template, the messages are malformed or the template refuses them (its own message
+        quoted), ModelLoadError when the template itself is broken (``sparrow.tokenizer.apply_chat_template``)."""
         from sparrow.tokenizer import apply_chat_template
 
-        return self.generate(apply_chat_template(self.tokenizer, messages), sampling_params,
-                             lora_request=lora_request)[0]
+        batch = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
+        conversations = list(messages) if batch else [messages]
+        return self.generate([apply_chat_template(self.tokenizer, c) for c in conversations], sampling_params,
+                             lora_request=lora_request)

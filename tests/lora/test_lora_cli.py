@@ -66,7 +66,7 @@ def test_llm_chat_with_lora(tiny_text_model_dir, tmp_path):  # noqa: F811
     prompt = apply_chat_template(llm.tokenizer, messages)
     want = llm.generate(prompt, params, lora_request=lora)[0].outputs[0].token_ids
     assert want != llm.generate(prompt, params)[0].outputs[0].token_ids
-    assert llm.chat(messages, params, lora_request=lora).outputs[0].token_ids == want
+    assert llm.chat(messages, params, lora_request=lora)[0].outputs[0].token_ids == want
 
 
 def test_chat_with_a_missing_adapter_stops_at_start(tiny_text_model_dir, tmp_path):  # noqa: F811
