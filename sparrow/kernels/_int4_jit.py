@@ -30,7 +30,7 @@ from sparrow.kernels._moe_jit import _epilogue
 from sparrow.kernels._pdl_jit import pdl_enter
 from sparrow.kernels._split_k_jit import split_k_and, split_k_arrive, split_k_range, split_k_reduce, split_k_store, \
     split_k_sum
-from sparrow.kernels.int4 import FMA_ROWS
+from sparrow.kernels.moe_configs import FMA_ROWS
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from sparrow.kernels import ForcedConfig, interpreting, use_triton
-from sparrow.kernels.moe_configs import CONFIG_DIR
+from sparrow.kernels.moe_configs import CONFIG_DIR, FMA_ROWS
 
 PACK = 8
 """Codes per int32 word."""
@@ -180,9 +180,6 @@ class Int4Config:
     element per row (GEMV tiles of one or a few rows; int4 steps of at most one group: block_k is cut to it)."""
 
 
-FMA_ROWS = (1, 2, 4)
-"""Rows one FMA program computes (``Int4Config.fma``'s block_m, ``moe_configs.Tile.fma_rows``): one accumulator
-each (``_int4_jit.FMA_MAX_ROWS``, their largest, is the kernels' limit)."""
 GEMV_MAX_ROWS = 16
 """Rows up to which one M tile covers the batch (decode, verify): each weight word is read once."""
 # (largest R, config): the first entry whose bound covers R (tile configs as data, style.md 9), after the entries of

@@ -119,7 +119,7 @@ def w4_fused_moe_triton(x, w13, s13, z13, g13, w2, s2, z2, g2, group, topk_weigh
     sorted pairs; then ``moe_reduce``. Tiles: ``moe_configs.pick_config`` with kind "int4" / "nvfp4". No host
     sync. Raises ValueError for a tile the kernels cannot run."""
     from sparrow.kernels import interpreting, pdl_kwargs, split_k
-    from sparrow.kernels.int4 import FMA_ROWS
+    from sparrow.kernels.moe_configs import FMA_ROWS
     from sparrow.kernels.moe import SMALL_MAX_PAIRS, _next_pow2
     from sparrow.kernels.moe_align import moe_align_triton
     from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config, pick_config

@@ -21,6 +21,11 @@ from sparrow.kernels import ForcedConfig
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "configs"
 
+FMA_ROWS = (1, 2, 4)
+"""Rows one FMA program computes (``int4.Int4Config.fma``'s block_m, ``Tile.fma_rows``): one accumulator
+each (``_int4_jit.FMA_MAX_ROWS``, their largest, is the kernels' limit). Here, not in ``int4``, so that
+the Triton module reads it without an import cycle."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Tile:
