@@ -50,6 +50,16 @@ def set_layer_method(layer: nn.Module, method, device: torch.device | None = Non
     layer._quant_param_names = [n for n in layer._parameters if n not in before]
 
 
+def mark_unnamed(layer: nn.Module) -> bool:
+    """For a method whose layer's shape it cannot take: True (and ``layer.quant_unnamed`` set) while the layer is
+    built but not yet named, so that the method creates nothing and ``bind_quant_config`` calls it again by name
+    (module doc); False once named, when the method raises naming ``layer.prefix``."""
+    if layer.prefix:
+        return False
+    layer.quant_unnamed = True
+    return True
+
+
 class LinearMethodBase:
     """Weights and compute of a ``Linear`` (y [R, N] = x [R, K] @ W.T + b). ``dtype`` of create_weights is the
     model dtype (activations, bias). Loaders: each parameter's ``weight_loader(param, tensor, shard_id, name)``

@@ -49,7 +49,7 @@ from torch import nn
 from sparrow.errors import ModelLoadError
 from sparrow.kernels.int4 import DEFAULT_GROUP, GROUP_SIZES, PACK, num_groups, quantize_int4_ref
 from sparrow.quant._compressed_tensors import check_extras
-from sparrow.quant.base import LinearMethodBase, QuantizationConfig
+from sparrow.quant.base import LinearMethodBase, QuantizationConfig, mark_unnamed
 from sparrow.quant.int4_layouts import AWQ_ORDER, convert, finish_scale, finish_zero, layout_tensors, shape_error
 from sparrow.quant.int4_moe import Int4MoEMethod
 from sparrow.quant.registry import register_quantization
@@ -239,8 +239,7 @@ class Int4LinearMethod(LinearMethodBase):
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         n, k = layer.out_features, layer.in_features
         if k % PACK:
-            if not layer.prefix:  # built, not yet named (quant.base)
-                layer.quant_unnamed = True
+            if mark_unnamed(layer):
                 return
             hint = " (a checkpoint leaves such a layer float in its ignore list)" if self.config.from_checkpoint else ""
             raise ModelLoadError(f"int4 weights need in features divisible by {PACK}: {layer.prefix!r} has {k}{hint}")

@@ -21,7 +21,7 @@ from torch import nn
 
 from sparrow.errors import ModelLoadError
 from sparrow.kernels.int4 import PACK, dequantize_int4_ref, num_groups, quantize_int4_ref
-from sparrow.quant.base import FusedMoEMethodBase
+from sparrow.quant.base import FusedMoEMethodBase, mark_unnamed
 from sparrow.quant.int4_layouts import convert, finish_scale, finish_zero, layout_tensors
 from sparrow.quant.unquantized import UnquantizedFusedMoEMethod, stacked_expert_param
 
@@ -46,8 +46,7 @@ class Int4MoEMethod(FusedMoEMethodBase):
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         h, i = layer.hidden_size, layer.intermediate_size
         if h % PACK or i % PACK:
-            if not layer.prefix:  # built, not yet named (quant.base)
-                layer.quant_unnamed = True
+            if mark_unnamed(layer):
                 return
             raise ModelLoadError(f"int4 experts need hidden size and expert width divisible by {PACK}: "
                                  f"{layer.prefix!r} has {h} and {i}")
