@@ -7,7 +7,7 @@ from sparrow.errors import ModelLoadError
 
 _INT_FIELDS = {  # name -> smallest value; checked when present (the required ones: ModelConfig.from_hf)
     "hidden_size": 1, "num_attention_heads": 1, "num_hidden_layers": 1, "vocab_size": 1, "head_dim": 1,
-    "num_key_value_heads": 1, "intermediate_size": 0, "sliding_window": 1, "sliding_window_pattern": 1,
+    "num_key_value_heads": 1, "intermediate_size": 0, "sliding_window": 0, "sliding_window_pattern": 1,
     "num_experts": 0, "num_local_experts": 0, "n_routed_experts": 0, "num_experts_per_tok": 0,
     "moe_intermediate_size": 0, "shared_expert_intermediate_size": 0, "decoder_sparse_step": 1,
     "query_pre_attn_scalar": 1, "global_head_dim": 1, "num_global_key_value_heads": 1, "top_k_experts": 0,
