@@ -89,26 +89,31 @@ def dequantize_int4_ref(packed: torch.Tensor, scale: torch.Tensor, zero: torch.T
 
 
 QUANTIZE_CHUNK = 1 << 24
-"""Elements of w that ``quantize_int4_ref`` quantizes at a time: the formula is row-wise, so rows taken in chunks
-give the same result while its fp32 temporaries stay near 10 x 64 MB whatever w's size (a stacked MoE weight of
-gemma4-26b-a4b is 5 x 10^8 elements)."""
+"""Elements of w that ``quantize_int4_ref`` quantizes at a time on a GPU: the formula is row-wise, so rows taken in
+chunks give the same result while its fp32 temporaries stay near 10 x 64 MB whatever w's size (a stacked MoE
+weight of gemma4-26b-a4b is 5 x 10^8 elements)."""
+
+QUANTIZE_CHUNK_CPU = 1 << 18
+"""The same on the CPU, where launches cost nothing and host memory is what a load is bounded by (temporaries
+near 10 x 1 MB: loading in bounded memory, tests/loader/test_load_memory.py)."""
 
 
 def quantize_int4_ref(w: torch.Tensor, group: int = DEFAULT_GROUP, symmetric: bool = True,
                       scale_dtype: torch.dtype | None = None):
     """w [..., N, K] float -> (packed int32 [..., N, K / 8], scale [..., N, G] in ``scale_dtype`` (default
     w's dtype), zero uint8 [..., N, G] or None when ``symmetric``); formula in the module doc, rows taken
-    ``QUANTIZE_CHUNK`` elements at a time. Raises ValueError for a non-float w or K not a multiple of 8."""
+    ``QUANTIZE_CHUNK`` (CPU: ``QUANTIZE_CHUNK_CPU``) elements at a time. Raises ValueError for a non-float w or K not a multiple of 8."""
     if not w.is_floating_point() or w.dim() < 2:
         raise ValueError(f"quantize_int4: w must be a float tensor [..., N, K], got {tuple(w.shape)} {w.dtype}")
     k = w.shape[-1]
     if k % PACK:
         raise ValueError(f"quantize_int4: K = {k} must be a multiple of {PACK}")
     scale_dtype = scale_dtype or w.dtype
-    if w.numel() <= QUANTIZE_CHUNK:
+    chunk = QUANTIZE_CHUNK if w.is_cuda else QUANTIZE_CHUNK_CPU
+    if w.numel() <= chunk:
         return _quantize_rows(w, group, symmetric, scale_dtype)
     rows = w.reshape(-1, k)
-    step = max(1, QUANTIZE_CHUNK // k)
+    step = max(1, chunk // k)
     parts = [_quantize_rows(rows[i:i + step], group, symmetric, scale_dtype) for i in range(0, rows.shape[0], step)]
     lead = tuple(w.shape[:-1])
     return tuple(None if part[0] is None else torch.cat(part).reshape(*lead, -1) for part in zip(*parts))

@@ -101,21 +101,39 @@ def _groups(w: torch.Tensor) -> torch.Tensor:
     return w.unflatten(-1, (w.shape[-1] // GROUP, GROUP))
 
 
+def _chunk_rows(w: torch.Tensor) -> int:
+    """Rows of w quantized at a time: ModelOpt's formula is row-wise once the global scale is known, so chunks give
+    the same bytes while the fp32 temporaries stay small (``kernels.int4.QUANTIZE_CHUNK`` elements on a GPU,
+    ``QUANTIZE_CHUNK_CPU`` on the CPU, where host memory bounds a load)."""
+    from sparrow.kernels.int4 import QUANTIZE_CHUNK, QUANTIZE_CHUNK_CPU
+
+    return max(1, (QUANTIZE_CHUNK if w.is_cuda else QUANTIZE_CHUNK_CPU) // w.shape[-1])
+
+
+def _modelopt_rows(wg: torch.Tensor, g2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and e4m3 block scales of fp32 groups wg [..., N, G, 16] under the global scale g2 (ModelOpt)."""
+    block = wg.abs().amax(dim=-1) / (E2M1_MAX * g2)
+    block[block == 0] = 1.0
+    scale = block.clamp_(min=2.0 ** -9).to(SCALE_DTYPE)
+    x = wg / (scale.float() * g2).unsqueeze(-1)
+    return pack_nvfp4_ref(e2m1_codes_ref(x.flatten(-2), ties="modelopt")), scale
+
+
 def quantize_nvfp4_ref(w: torch.Tensor, convention: str = "modelopt"
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize one weight w [N, K] (float, K a multiple of 16) -> (packed uint8 [N, K/2], scale e4m3 [N, K/16],
     global fp32 [1]) by ``convention``'s formula (module doc): "modelopt" (global = ``weight_scale_2``) or
     "compressed-tensors" (global = ``weight_global_scale``, dequantize with ``divide_global=True``).
     Raises ValueError for another convention or a shape / dtype the format cannot hold."""
-    wg = _groups(w).float()  # [N, G, 16]
     if convention == "modelopt":
-        g2 = wg.abs().amax() / (E2M1_MAX * E4M3_MAX)
+        _groups(w)  # checks the shape
+        chunks = w.split(_chunk_rows(w), dim=-2)
+        amax = torch.stack([c.abs().amax() for c in chunks]).amax().float()  # exact in any float dtype
+        g2 = amax / (E2M1_MAX * E4M3_MAX)
         g2 = torch.where(g2 > 0, g2, 1.0).reshape(1)  # all zeros (or all below 2688 x fp32's least): 0 / 0 else
-        block = wg.abs().amax(dim=-1) / (E2M1_MAX * g2)
-        block[block == 0] = 1.0
-        scale = block.clamp_(min=2.0 ** -9).to(SCALE_DTYPE)
-        x = wg / (scale.float() * g2).unsqueeze(-1)
-        return pack_nvfp4_ref(e2m1_codes_ref(x.flatten(-2), ties="modelopt")), scale, g2
+        parts = [_modelopt_rows(_groups(c).float(), g2) for c in chunks]
+        return torch.cat([p for p, _ in parts], dim=-2), torch.cat([s for _, s in parts], dim=-2), g2
+    wg = _groups(w).float()  # [N, G, 16]
     if convention == "compressed-tensors":
         amax = wg.abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
         gs = torch.nan_to_num(E4M3_MAX * E2M1_MAX / amax, nan=1.0, posinf=1.0, neginf=1.0).reshape(1)

@@ -21,6 +21,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from sparrow.devices import release_freed_host_memory
 from sparrow.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,7 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
     loaded: dict[str, set] = {}
     skipped = 0
     names: list[str] = []  # the checkpoint's tensor names, to spell the missing ones as it would
+    on_host = any(p.device.type == "cpu" for p in params.values())
     for name, tensor in tensors:
         names.append(name)
         target = model.resolve_weight(name)
@@ -172,6 +174,9 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
                 f"checkpoint tensor {name!r} is not used by {type(model).__name__} "
                 f"({pname!r} has no shard {shard!r})")
         getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard, name)
+        if on_host:  # what the tensor's read buffer and an on-load quantization freed goes back to the OS
+            del tensor
+            release_freed_host_memory("cpu")
         loaded.setdefault(pname, set()).add(shard)
     if skipped:
         log.info("skipped %d checkpoint tensors outside the text decoder", skipped)

@@ -300,9 +300,14 @@ class Fp8LinearMethod(LinearMethodBase):
                              "FP8 quantization_config; load it without quantization='fp8' after adding one")
 
     @staticmethod
-    def _quantize_into(layer: nn.Module, w: torch.Tensor, chunk_rows: int = 32 * GROUP) -> None:
-        """Quantize w [N, K] into the layer's e4m3 weight and scales, ``chunk_rows`` (a multiple of 128) rows
-        at a time so the fp32 temporaries stay small for wide layers."""
+    def _quantize_into(layer: nn.Module, w: torch.Tensor) -> None:
+        """Quantize w [N, K] into the layer's e4m3 weight and scales a multiple of 128 rows at a time (blocks are
+        128 x 128, so the result is the same), about ``kernels.int4.QUANTIZE_CHUNK`` elements (CPU:
+        ``QUANTIZE_CHUNK_CPU``, host memory bounding a load) each, so the fp32 temporaries stay small."""
+        from sparrow.kernels.int4 import QUANTIZE_CHUNK, QUANTIZE_CHUNK_CPU
+
+        chunk = QUANTIZE_CHUNK if w.is_cuda else QUANTIZE_CHUNK_CPU
+        chunk_rows = max(1, chunk // (w.shape[1] * GROUP)) * GROUP
         for r0 in range(0, w.shape[0], chunk_rows):
             q, s = quantize_fp8_block_ref(w[r0:r0 + chunk_rows], GROUP)
             layer.weight.data[r0:r0 + q.shape[0]].copy_(q)

@@ -10,8 +10,8 @@ dequant = q * scale of the 128 x 128 block).
   or fused (transformers 5: ``experts.gate_up_proj`` + ``experts.gate_up_proj_scale_inv``). A per-expert
   checkpoint needs H and I multiples of 128 (a gate block and an up block must not share a scale row), so
   loading a tensor into unaligned experts raises ModelLoadError;
-- on-load mode (``quantization="fp8"`` on a float checkpoint): the experts load in the model dtype, then
-  ``process_weights_after_loading`` quantizes each stacked weight one expert slice at a time into a new e4m3
+- on-load mode (``quantization="fp8"`` on a float checkpoint): one layer's experts at a time load in the model
+  dtype (``sparrow.quant.on_load``), and when the layer's last tensor lands ``process_weights_after_loading`` quantizes each stacked weight one expert slice at a time into a new e4m3
   tensor and drops the float one (extra memory: one e4m3 copy of one weight plus one expert's fp32
   temporaries). Widths that are not multiples of 128 get partial last blocks (with I = 704, as Gemma 4
   26B-A4B, one gate|up scale block spans the last gate rows and the first up rows), which the kernels and
@@ -26,7 +26,8 @@ from torch import nn
 
 from sparrow.errors import ModelLoadError
 from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, quantize_fp8_block_ref
-from sparrow.quant.unquantized import UnquantizedFusedMoEMethod, stacked_expert_param
+from sparrow.quant.on_load import create_staged_experts
+from sparrow.quant.unquantized import stacked_expert_param
 from sparrow.quant.base import FusedMoEMethodBase
 
 
@@ -61,8 +62,8 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         self.from_checkpoint = from_checkpoint
 
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
-        if not self.from_checkpoint:  # float experts until process_weights_after_loading
-            UnquantizedFusedMoEMethod().create_weights(layer, dtype)
+        if not self.from_checkpoint:  # float experts, one layer at a time (quant.on_load)
+            create_staged_experts(layer, dtype, self)
             return
         h, i = layer.hidden_size, layer.intermediate_size
         nb = lambda n: -(-n // GROUP)  # noqa: E731  (scale blocks of n rows / columns)

@@ -9,8 +9,8 @@ Parameters after loading (the kernel layout of ``sparrow.kernels.int4``, stacked
   (``mlp.experts.N.gate_proj.weight_packed`` / ``.weight_scale`` / ``.weight_zero_point`` / ``.weight_shape``;
   GPTQ / AWQ ``.qweight`` / ``.qzeros`` / ``.scales`` (/ ``.g_idx``)), each converted to the kernel layout as
   it arrives (``sparrow.quant.int4.convert``) and copied into its expert's rows;
-- on-load mode (``quantization="int4"``): the experts load in the model dtype, then
-  ``process_weights_after_loading`` quantizes them one expert at a time (symmetric, group 128).
+- on-load mode (``quantization="int4"``): one layer's experts at a time load in the model dtype
+  (``sparrow.quant.on_load``), then ``process_weights_after_loading`` quantizes them one expert at a time (symmetric, group 128).
 apply: dequantize the experts to x's dtype and run the float paths of ``sparrow.kernels.moe_ref`` (CPU, the
 twin), the W4A16 Triton kernels where Triton runs (``sparrow.kernels.int4_moe``).
 """
@@ -23,7 +23,8 @@ from sparrow.errors import ModelLoadError
 from sparrow.kernels.int4 import PACK, dequantize_int4_ref, num_groups, quantize_int4_ref
 from sparrow.quant.base import FusedMoEMethodBase, mark_unnamed
 from sparrow.quant.int4_layouts import convert, finish_scale, finish_zero, layout_tensors
-from sparrow.quant.unquantized import UnquantizedFusedMoEMethod, stacked_expert_param
+from sparrow.quant.on_load import create_staged_experts
+from sparrow.quant.unquantized import stacked_expert_param
 
 _STACKED = (("gate_up_proj", "w13"), ("down_proj", "w2"))
 
@@ -51,8 +52,8 @@ class Int4MoEMethod(FusedMoEMethodBase):
             raise ModelLoadError(f"int4 experts need hidden size and expert width divisible by {PACK}: "
                                  f"{layer.prefix!r} has {h} and {i}")
         layer._int4_scale_dtypes = set()
-        if not self.config.from_checkpoint:  # float experts until process_weights_after_loading
-            UnquantizedFusedMoEMethod().create_weights(layer, dtype)
+        if not self.config.from_checkpoint:  # float experts, one layer at a time (quant.on_load)
+            create_staged_experts(layer, dtype, self)
             return
         group = self.config.group
         for stacked, rows, k, blocks in (("gate_up_proj", 2 * i, h, 2), ("down_proj", h, i, 1)):

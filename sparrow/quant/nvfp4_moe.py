@@ -7,7 +7,8 @@ the layout: ``sparrow.quant.nvfp4.NAMES``): ``gate_up_proj`` uint8 [E, 2I, H/2] 
 [E, H, I/2] (e2m1 codes), ``w13_weight_scale`` e4m3 [E, 2I, H/16] / ``w2_weight_scale`` e4m3 [E, H, I/16],
 ``w13_global`` fp32 [E, 2, 1] (the gate's and the up projection's global scales) / ``w2_global`` [E, 1, 1],
 and the unused activation scales ``w13_input_scale`` / ``w2_input_scale`` (optional, same shapes).
-On-load mode (``quantization="nvfp4"``): the experts load in the model dtype, then
+On-load mode (``quantization="nvfp4"``): one layer's experts at a time load in the model dtype
+(``sparrow.quant.on_load``), then
 ``process_weights_after_loading`` quantizes each expert's gate, up and down projection by ModelOpt's formula
 (one global scale each, as an offline per-expert export has) into those parameters ("modelopt" convention).
 apply: ``sparrow.kernels.nvfp4_moe`` (W4A16 Triton kernels on CUDA; on CPU its twin: the selected experts
@@ -21,7 +22,8 @@ from torch import nn
 from sparrow.errors import ModelLoadError
 from sparrow.kernels.nvfp4 import GROUP, SCALE_DTYPE, quantize_nvfp4_ref
 from sparrow.quant.base import FusedMoEMethodBase
-from sparrow.quant.unquantized import UnquantizedFusedMoEMethod, stacked_expert_param
+from sparrow.quant.on_load import create_staged_experts
+from sparrow.quant.unquantized import stacked_expert_param
 
 NAMES = {  # checkpoint suffix of (e2m1 codes, e4m3 scales, global scale, activation scale) per layout
     "modelopt": ("weight", "weight_scale", "weight_scale_2", "input_scale"),
@@ -71,8 +73,8 @@ class Nvfp4MoEMethod(FusedMoEMethodBase):
             for j in range(4) for stacked, params in _PARAMS.items())
 
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
-        if not self.from_checkpoint:  # float experts until process_weights_after_loading
-            UnquantizedFusedMoEMethod().create_weights(layer, dtype)
+        if not self.from_checkpoint:  # float experts, one layer at a time (quant.on_load)
+            create_staged_experts(layer, dtype, self)
             return
         h, i = layer.hidden_size, layer.intermediate_size
         for stacked, rows, k, blocks in (("gate_up_proj", 2 * i, h, 2), ("down_proj", h, i, 1)):

@@ -78,7 +78,7 @@ def test_pack_unpack_bit_exact_with_compressed_tensors():
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_quantize_and_dequantize_bit_exact_with_compressed_tensors(group, symmetric, scale_dtype, monkeypatch):
-    """Also with rows quantized 5 at a time (``QUANTIZE_CHUNK``, a short last chunk) and w as [4, 6, K]."""
+    """Also with rows quantized 5 at a time (``QUANTIZE_CHUNK_CPU``, a short last chunk) and w as [4, 6, K]."""
     w = torch.randn(24, 256, generator=torch.Generator().manual_seed(group)) * 0.05
     c, decompressed = ct_compress(w, group, symmetric, scale_dtype)
     zero = convert("compressed-tensors", "zero", c["weight_zero_point"], 24, 256, group, "z") if not symmetric else None
@@ -87,7 +87,7 @@ def test_quantize_and_dequantize_bit_exact_with_compressed_tensors(group, symmet
         packed, scale, z = quantize_int4_ref(w, group, symmetric)
         assert torch.equal(packed, c["weight_packed"]) and torch.equal(scale, c["weight_scale"])
         assert (z is None) == symmetric and (symmetric or torch.equal(z, zero))
-        monkeypatch.setattr(int4_kernels, "QUANTIZE_CHUNK", 5 * 256)
+        monkeypatch.setattr(int4_kernels, "QUANTIZE_CHUNK_CPU", 5 * 256)
         chunked = quantize_int4_ref(w.reshape(4, 6, 256), group, symmetric)
         for got, want in zip(chunked, (packed, scale, z)):
             assert (got is None and want is None) or torch.equal(got, want.reshape(4, 6, -1))
