@@ -150,10 +150,10 @@ def main(argv=None) -> list[dict]:
                         "device time (CPU time on a CPU)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    from sparrow.bench.runners import sparrow_model_from_hf
+    from sparrow.bench.runners import sparrow_model_random
     from sparrow.config import TORCH_DTYPES
     from sparrow.lora.request import LoRARequest
-    from sparrow.model_shapes import build_random_hf_model, full_config_dict, shape_config
+    from sparrow.model_shapes import full_config_dict, hf_skeleton, shape_config
 
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -161,13 +161,12 @@ def main(argv=None) -> list[dict]:
     full = full_config_dict(cfg)
     print(f"building random-weight {args.model_shape} ({dtype}, {args.quantization or 'unquantized'}) on "
           f"{args.device} ...", flush=True)
-    hf = build_random_hf_model(cfg, TORCH_DTYPES[dtype], args.device, seed=args.seed)
     tmp = tempfile.TemporaryDirectory(prefix="sparrow-lora-bench-")
-    folder = write_random_adapter(hf, args.lora_rank, pathlib.Path(tmp.name) / "adapter", args.seed)
+    folder = write_random_adapter(hf_skeleton(cfg, TORCH_DTYPES[dtype]), args.lora_rank,  # names and shapes
+                                  pathlib.Path(tmp.name) / "adapter", args.seed)
     settings = SimpleNamespace(quantization=args.quantization, dtype=dtype, device=args.device,
-                               quantize_lm_head=False)
-    model = sparrow_model_from_hf(hf, full, settings)
-    del hf
+                               quantize_lm_head=False, seed=args.seed)
+    model = sparrow_model_random(cfg, full, settings)  # streamed: the float model never exists whole
     _free(args.device)
     requests = [LoRARequest(f"adapter-{i}", i + 1, str(folder)) for i in range(args.num_loras)]
     max_len = args.prompt_len + args.decode_tokens

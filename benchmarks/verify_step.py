@@ -116,14 +116,13 @@ def median_step_s(fn, steps: int, warmup: int, cuda: bool) -> float:
 
 
 def build(args):
-    """(sparrow model, footprint, full config dict, Settings) for the named shape; transformers' copy of the
-    weights is freed once sparrow's model holds them."""
+    """(sparrow model, footprint, full config dict, Settings) for the named shape, its random weights streamed
+    in one module at a time (``bench.runners.sparrow_model_random``)."""
     from sparrow.bench.footprint import footprint
-    from sparrow.bench.runners import _free, sparrow_model_from_hf
+    from sparrow.bench.runners import _free, sparrow_model_random
     from sparrow.bench.settings import Settings
-    from sparrow.config import TORCH_DTYPES
     from sparrow.devices import resolve_device, resolve_dtype
-    from sparrow.model_shapes import build_random_hf_model, full_config_dict, shape_config
+    from sparrow.model_shapes import full_config_dict, shape_config
 
     device = resolve_device(args.device)
     quant = None if args.quantization in (None, "", "none") else args.quantization
@@ -134,9 +133,7 @@ def build(args):
     full = full_config_dict(cfg)
     label = f"{s.dtype}" + (f", {quant} weights" if quant else "")
     print(f"building random-weight {args.model_shape} ({label}) on {device} ...", flush=True)
-    hf = build_random_hf_model(cfg, TORCH_DTYPES[s.dtype], device, seed=s.seed)
-    model = sparrow_model_from_hf(hf, full, s)
-    del hf
+    model = sparrow_model_random(cfg, full, s)
     _free(device)
     fp = footprint(model, full, bool(full.get("tie_word_embeddings")), int(full["hidden_size"]))
     return model, fp, full, s

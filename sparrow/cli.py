@@ -192,8 +192,10 @@ def _llm(args):
         c, runner = llm.config, llm.engine.runner
         tokens = runner.num_blocks * c.cache.block_size
         weights = sum(p.numel() * p.element_size() for p in runner.model.parameters()) / 2**20
+        peak = "GPU allocator" if c.device.startswith("cuda") else "RSS"
         print(f"sparrow: loaded {c.model.architecture} in {llm.load_time:.1f} s ({c.device}, {c.dtype}, "
-              f"max_model_len {c.max_model_len}; weights {weights:.0f} MiB, KV cache {tokens} tokens = "
+              f"max_model_len {c.max_model_len}; weights {weights:.0f} MiB, peak {peak} while loading "
+              f"{llm.load_peak_memory / 2**20:.0f} MiB, KV cache {tokens} tokens = "
               f"{tokens * kv_bytes_per_token(runner.model, runner.dtype) / 2**20:.0f} MiB)",
               file=sys.stderr, flush=True)
     return llm

@@ -134,48 +134,93 @@ def _no_init():
     return no_init_weights()
 
 
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Inside: every ``nn.Parameter`` a module registers moves to the meta device (no memory); buffers stay where
+    they are built (rope tables, Gemma 4's ``layer_scalar``: small, and their values come from ``__init__``)."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def hf_skeleton(cfg: dict, dtype: torch.dtype) -> torch.nn.Module:
+    """transformers' causal LM for a shape dict with its parameters on the meta device (names, shapes, dtypes,
+    ties) and its buffers built on the CPU: what ``random_weights`` fills one module at a time."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("cpu"), _no_init(), _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(hf_config(cfg), dtype=dtype)
+    model.tie_weights()  # skipped under no_init_weights; ties lm_head to the embedding where the config says so
+    return model
+
+
 @torch.no_grad()
-def init_random_(model: torch.nn.Module, std: float = 0.02, seed: int = 0) -> None:
-    """Fill a transformers model in place, on its device: every matrix / expert stack ~ N(0, std); every
-    module holding a vector parameter (norms, biases, router scales) gets transformers' own ``_init_weights``
-    (norm weights 1, or 0 for Gemma's 1 + w). Keeps bf16 activations finite: unit-scale norms, small
-    matrices. Raises RuntimeError if a parameter is left non-finite."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for p in model.parameters():
-        if p.dim() >= 2:
-            p.normal_(0.0, std, generator=gen)
+def random_weights(cfg: dict, dtype: torch.dtype, device: str, seed: int = 0, std: float = 0.02):
+    """Yield (name, tensor) for every parameter and persistent buffer of the shape's transformers model (its
+    ``state_dict`` names, a tied LM head once, as ``save_pretrained`` writes it), each made on ``device`` only when
+    its module comes up, so a consumer that copies and drops them (``loader.weights.load_weights``, on-load
+    quantization) never holds the float model: the bound of loading in bounded memory holds for random shapes.
+    Values: every matrix / expert stack ~ N(0, std) from one ``torch.Generator(device)`` seeded with ``seed``, in
+    ``model.parameters()`` order; every module holding a vector parameter (norms, biases, router scales) then gets
+    transformers' own ``_init_weights`` (norm weights 1, or 0 for Gemma's 1 + w), which keeps bf16 activations
+    finite. Same arguments, same tensors. Raises RuntimeError if a tensor is left non-finite."""
+    model = hf_skeleton(cfg, dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
     hf_init = getattr(model, "_init_weights", None)
-    for mod in model.modules():
-        if any(p.dim() < 2 for p in mod.parameters(recurse=False)) and hf_init is not None:
+    persistent = set(model.state_dict())
+    seen: set[int] = set()
+    for prefix, mod in model.named_modules():
+        prefix = prefix + "." if prefix else ""
+        for bname, buf in mod.named_buffers(recurse=False):
+            if prefix + bname in persistent:
+                yield prefix + bname, buf.to(device)
+        own = [(n, p) for n, p in mod.named_parameters(recurse=False) if id(p) not in seen]
+        if not own:
+            continue
+        seen.update(id(p) for _, p in own)
+        for n, p in own:  # materialize this module's parameters alone
+            mod._parameters[n] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                    requires_grad=False)
+            if p.dim() >= 2:
+                mod._parameters[n].normal_(0.0, std, generator=gen)
+        if hf_init is not None and any(p.dim() < 2 for _, p in own):
             hf_init(mod)
-    for name, p in model.named_parameters():
-        if p.dim() < 2 and not torch.isfinite(p).all():
-            p.zero_() if name.endswith("bias") else p.fill_(1.0)
-        if not torch.isfinite(p).all():
-            raise RuntimeError(f"random init left non-finite values in {name}")
+        for n, meta in own:
+            t = mod._parameters[n].data
+            if t.dim() < 2 and not torch.isfinite(t).all():
+                t.zero_() if n.endswith("bias") else t.fill_(1.0)
+            if not torch.isfinite(t).all():
+                raise RuntimeError(f"random init left non-finite values in {prefix + n}")
+            mod._parameters[n] = meta  # the consumer's copy is the only one kept
+            yield prefix + n, t
+            del t
 
 
 def build_random_hf_model(cfg: dict, dtype: torch.dtype, device: str, seed: int = 0) -> torch.nn.Module:
-    """transformers' causal LM for a shape dict, allocated directly on ``device`` in ``dtype`` with random
-    weights (``init_random_``), in eval mode."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device(device), _no_init():
-        model = AutoModelForCausalLM.from_config(hf_config(cfg), dtype=dtype)
-    if next(model.parameters()).device.type != torch.device(device).type:  # a transformers that ignores torch.device
-        model.to(device)
-    model.tie_weights()  # skipped under no_init_weights; ties lm_head to the embedding where the config says so
-    init_random_(model, seed=seed)
+    """transformers' causal LM for a shape dict on ``device`` in ``dtype``, filled by ``random_weights`` (the
+    same tensors sparrow's ``random_llm`` loads for the same seed), in eval mode."""
+    model = hf_skeleton(cfg, dtype)
+    model.load_state_dict(dict(random_weights(cfg, dtype, device, seed)), strict=False, assign=True)
+    model.tie_weights()
+    model.to(device)  # the non-persistent buffers (rope tables)
     return model.eval()
 
 
 def random_llm(name: str, *, device: str = "auto", dtype: str = "auto", quantization: str | None = None,
                quantize_lm_head: bool = False, seed: int = 0, **engine_args):
-    """A tokenizer-less ``LLM`` of the named shape with random weights (``build_random_hf_model`` with
-    ``seed``, copied into sparrow's model, then quantized at load when ``quantization`` names a format):
-    prompts are token ids, outputs carry token ids and no text. The same arguments give the same weights.
-    transformers' copy is freed before the engine sizes its KV pool (``gpu_memory_utilization`` of the
-    memory then free). ``engine_args``: LLM's engine arguments (max_model_len default: the shape's
+    """A tokenizer-less ``LLM`` of the named shape with random weights (``random_weights`` with ``seed``, streamed
+    into sparrow's model one module at a time and quantized at load when ``quantization`` names a format, so
+    the float model never exists whole): prompts are token ids, outputs carry token ids and no text. The same
+    arguments give the same weights, those of ``build_random_hf_model``. ``engine_args``: LLM's engine arguments (max_model_len default: the shape's
     positions, capped as LLM caps them). Raises InvalidRequestError for an unknown name, device, dtype or
     format, UnsupportedArchitectureError when sparrow lacks the shape's architecture."""
     import gc
@@ -194,11 +239,9 @@ def random_llm(name: str, *, device: str = "auto", dtype: str = "auto", quantiza
     dtype = resolve_dtype(dtype, device)
     mcfg = ModelConfig.from_hf(full_config_dict(cfg))
     cls = get_model_class(mcfg.architecture)
-    hf = build_random_hf_model(cfg, TORCH_DTYPES[dtype], device, seed=seed)
     quant_config = config_for_quantization(quantization)
     model = build_model(cls, mcfg, TORCH_DTYPES[dtype], device, quant_config)
-    load_weights(model, hf.state_dict().items())
-    del hf
+    load_weights(model, random_weights(cfg, TORCH_DTYPES[dtype], device, seed=seed))
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()

@@ -63,6 +63,7 @@ def test_tiny_dense_bench_table_and_json(tmp_path, capsys):
             assert r[f] > 0, (f, r)
         assert r["bytes_per_step_by_group"]["kv"] > 0
     assert report["meta"]["copy_bandwidth_GBps"] > 0
+    assert report["meta"]["load_peak_memory_bytes"] > sum(report["meta"]["bytes_model"]["weight_bytes"].values())
     assert set(report["profiles"]) == {"sparrow", "transformers", "sparrow prefill"}
     assert "prefill of 3 x 9 tokens" in report["profiles"]["sparrow prefill"]
     text = capsys.readouterr().out
@@ -121,7 +122,8 @@ def test_random_init_is_finite_in_bf16():
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "tiny-gemma4"])
 def test_sparrow_and_transformers_run_the_same_weights(name):
-    """The shape path copies transformers' random weights into sparrow: greedy ids agree (fp32, CPU)."""
+    """The shape path streams the random weights transformers' model is built with into sparrow: greedy ids
+    agree (fp32, CPU)."""
     if not _supported(name):
         pytest.skip(f"sparrow does not register {SHAPES[name]['architectures'][0]} yet")
     from sparrow import bench
@@ -129,8 +131,8 @@ def test_sparrow_and_transformers_run_the_same_weights(name):
 
     s = bench.Settings(device="cpu", dtype="float32", batch_sizes=[1], prompt_lens=[20], decode_tokens=6)
     hf = build_random_hf_model(shape_config(name), torch.float32, "cpu")
-    runner = bench.SparrowRunner(bench.sparrow_from_hf(hf, full_config_dict(shape_config(name)), s,
-                                                       bench.engine_kwargs(s, None)))
+    runner = bench.SparrowRunner(bench.sparrow_from_shape(shape_config(name), full_config_dict(shape_config(name)),
+                                                          s, bench.engine_kwargs(s, None)))
     prompt = list(range(5, 25))
     step, cleanup = runner.decode_stepper([prompt])  # prefill + 2 greedy steps
     ids = []
@@ -184,4 +186,8 @@ def test_checkpoint_transformers_cannot_load_keeps_sparrows_rows(tmp_path, monke
     assert all("error" not in r for r in report["results"])
     assert report["meta"]["hf_error"] == ("ImportError: Loading a GPTQ quantized model requires optimum "
                                           "(`pip install optimum`)")
-    assert "transformers cannot load" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "transformers cannot load" in out
+    # peak RSS while loading: the whole process, so at least the weights it holds
+    assert report["meta"]["load_peak_memory_bytes"] > sum(report["meta"]["bytes_model"]["weight_bytes"].values())
+    assert "sparrow's load peaked at" in out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -167,6 +168,7 @@ def test_prompt_from_stdin_and_file_with_flags_after_the_subcommand(tiny_text_mo
     by_stdin = cli("generate", "-", *args, "-v", "--threads", "1", input="hello")
     assert by_stdin.returncode == 0, by_stdin.stderr
     assert "(1 CPU threads)" in by_stdin.stderr and "sparrow: loaded LlamaForCausalLM" in by_stdin.stderr
+    assert re.search(r"peak RSS while loading [1-9]\d* MiB", by_stdin.stderr), by_stdin.stderr
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("hello")
     by_file = cli("generate", "--file", prompt, *args)

@@ -14,9 +14,9 @@ point, profiles), ``runners`` (building the models), ``report`` (table, JSON), `
 """
 from sparrow.bench.footprint import Footprint, footprint
 from sparrow.bench.run import run_bench
-from sparrow.bench.runners import engine_kwargs, shape_runners, sparrow_from_hf
+from sparrow.bench.runners import engine_kwargs, shape_runners, sparrow_from_shape
 from sparrow.bench.settings import Settings, resolve_settings
 from sparrow.bench.timing import HFRunner, SparrowRunner, copy_bandwidth, measure
 
 __all__ = ["Footprint", "HFRunner", "Settings", "SparrowRunner", "copy_bandwidth", "engine_kwargs", "footprint",
-           "measure", "resolve_settings", "run_bench", "shape_runners", "sparrow_from_hf"]
+           "measure", "resolve_settings", "run_bench", "shape_runners", "sparrow_from_shape"]

@@ -9,6 +9,7 @@ import torch
 
 from sparrow.errors import InvalidRequestError, UnsupportedArchitectureError
 from sparrow.config import TORCH_DTYPES as _DTYPES
+from sparrow.devices import peak_memory, reset_peak_memory
 
 from sparrow.bench.footprint import footprint
 from sparrow.bench.settings import Settings
@@ -31,30 +32,32 @@ def engine_kwargs(s: Settings, max_model_len: int | None) -> dict:
                 enforce_eager=s.enforce_eager, gpu_memory_utilization=s.gpu_memory_utilization)
 
 
-def sparrow_model_from_hf(hf_model, full_cfg: dict, s: Settings):
-    """sparrow's model for ``full_cfg`` on the device, filled from the transformers model's state dict (the
-    same weights), quantized as ``s`` asks (``--quantization``, ``--quantize-lm-head``). Raises
+def sparrow_model_random(cfg: dict, full_cfg: dict, s: Settings):
+    """sparrow's model for the shape dict ``cfg`` (``full_cfg``: its config.json form) on the device, filled with
+    ``model_shapes.random_weights`` for ``s.seed`` (the weights of ``build_random_hf_model``) one module at a
+    time, quantized as ``s`` asks (``--quantization``, ``--quantize-lm-head``) as they stream in. Raises
     UnsupportedArchitectureError if sparrow lacks the architecture."""
     from sparrow.config import ModelConfig
     from sparrow.loader.model_loader import build_model, finish_loading
     from sparrow.loader.weights import load_weights
+    from sparrow.model_shapes import random_weights
     from sparrow.models.registry import get_model_class
     from sparrow.quant import config_for_quantization
 
     mcfg = ModelConfig.from_hf(full_cfg)
     quant_config = config_for_quantization(s.quantization)  # on-load quantization of the random bf16 weights
     model = build_model(get_model_class(mcfg.architecture), mcfg, _DTYPES[s.dtype], s.device, quant_config)
-    load_weights(model, hf_model.state_dict().items())
+    load_weights(model, random_weights(cfg, _DTYPES[s.dtype], s.device, seed=s.seed))
     finish_loading(model, quant_config, s.quantize_lm_head)
     return model
 
 
-def sparrow_from_hf(hf_model, full_cfg: dict, s: Settings, engine_kw: dict):
-    """``sparrow_model_from_hf`` wrapped in an Engine by ``LLM.from_model`` (no tokenizer). Raises
+def sparrow_from_shape(cfg: dict, full_cfg: dict, s: Settings, engine_kw: dict):
+    """``sparrow_model_random`` wrapped in an Engine by ``LLM.from_model`` (no tokenizer). Raises
     UnsupportedArchitectureError if sparrow lacks the architecture."""
     from sparrow.engine.llm import LLM
 
-    model = sparrow_model_from_hf(hf_model, full_cfg, s)
+    model = sparrow_model_random(cfg, full_cfg, s)
     # a --max-model-len beyond the shape's positions only sizes the KV pool (num_kv_blocks); prompt + decode
     # tokens were checked against the positions
     kw = dict(engine_kw, max_model_len=min(engine_kw["max_model_len"], model.config.max_position_embeddings))
@@ -73,23 +76,23 @@ def load_hf_pretrained(path: Path, s: Settings):
     return model.to(s.device).eval()
 
 
+def _print_load_peak(meta: dict, device: str) -> None:
+    kind = "torch's GPU allocator" if device.startswith("cuda") else "process RSS"
+    print(f"sparrow's load peaked at {meta['load_peak_memory_bytes'] / 2**20:.0f} MiB ({kind})", flush=True)
+
+
 def _free(device: str) -> None:
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
 
 
-def _param_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
 def shape_runners(name: str, s: Settings, engine_kw: dict, with_hf: bool, meta: dict):
     """Yield (runner, footprint, vocab) for sparrow, then transformers, on one random-weight model of a
-    named shape. transformers' model is built first (random init on the device) and sparrow's is filled
-    from it; when the weights would not fit twice beside the KV pools (> 1/4 of GPU memory) the HF copy
-    moves to host memory before sparrow's model is built (gemma4-26b-a4b's 50 GB of bf16 weights on an 80 GB
-    GPU) and waits there while sparrow runs; sparrow is freed before HF runs."""
-    from sparrow.model_shapes import build_random_hf_model, full_config_dict, shape_config
+    named shape, the same weights in both (``model_shapes.random_weights`` for ``s.seed``). sparrow's model is
+    filled from the stream one module at a time (the float model never exists whole: gemma4-26b-a4b in FP8 on
+    an 80 GB GPU) and freed before transformers' is built."""
+    from sparrow.model_shapes import build_random_hf_model, full_config_dict, hf_skeleton, shape_config
 
     cfg = shape_config(name)
     full = full_config_dict(cfg)
@@ -101,17 +104,15 @@ def shape_runners(name: str, s: Settings, engine_kw: dict, with_hf: bool, meta: 
     quant = f", {s.quantization} for sparrow" if s.quantization else ""
     quant += " (LM head too)" if s.quantize_lm_head else ""
     print(f"building random-weight {name} ({s.dtype}{quant}) on {s.device} ...", flush=True)
-    hf = build_random_hf_model(cfg, _DTYPES[s.dtype], s.device, seed=s.seed)
-    meta["params"] = sum(p.numel() for p in hf.parameters())
-    fp = hf_fp = footprint(hf, full, tied, hidden)  # each engine's row uses the bytes of its own weights
-    park = s.device.startswith("cuda") and \
-        _param_bytes(hf) > 0.25 * torch.cuda.get_device_properties(torch.device(s.device)).total_memory
-    if park:  # sparrow's model is filled from the host copy: the device never holds both
-        print("weights too large to hold twice: transformers' copy waits in host memory", flush=True)
-        hf.to("cpu")
-        _free(s.device)
+    skeleton = hf_skeleton(cfg, _DTYPES[s.dtype])  # parameters on meta: names and sizes only
+    meta["params"] = sum(p.numel() for p in skeleton.parameters())
+    fp = hf_fp = footprint(skeleton, full, tied, hidden)  # each engine's row uses the bytes of its own weights
+    del skeleton
+    reset_peak_memory(s.device)
     try:
-        engine = sparrow_from_hf(hf, full, s, engine_kw)
+        engine = sparrow_from_shape(cfg, full, s, engine_kw)
+        meta["load_peak_memory_bytes"] = peak_memory(s.device)
+        _print_load_peak(meta, s.device)
     except UnsupportedArchitectureError as e:
         print(f"sparrow cannot run {name} yet ({e}); measuring transformers only", flush=True)
         meta["sparrow_error"] = str(e)
@@ -122,9 +123,7 @@ def shape_runners(name: str, s: Settings, engine_kw: dict, with_hf: bool, meta: 
         del engine
         _free(s.device)
     if with_hf:
-        if park:
-            hf.to(s.device)
-        yield HFRunner(hf, s.device), hf_fp, vocab
+        yield HFRunner(build_random_hf_model(cfg, _DTYPES[s.dtype], s.device, seed=s.seed), s.device), hf_fp, vocab
 
 
 def path_runners(path: Path, s: Settings, engine_kw: dict, with_hf: bool, meta: dict):
@@ -138,7 +137,10 @@ def path_runners(path: Path, s: Settings, engine_kw: dict, with_hf: bool, meta: 
     quant = {"quantization": s.quantization} if s.quantization else {}
     if s.quantize_lm_head:
         quant["quantize_lm_head"] = True
-    engine = LLM(str(path), device=s.device, dtype=s.dtype, skip_tokenizer_init=True, **quant, **engine_kw).engine
+    llm = LLM(str(path), device=s.device, dtype=s.dtype, skip_tokenizer_init=True, **quant, **engine_kw)
+    engine, meta["load_peak_memory_bytes"] = llm.engine, llm.load_peak_memory
+    del llm
+    _print_load_peak(meta, s.device)
     mcfg = engine.config.model
     fp = footprint(engine.runner.model, mcfg.raw, mcfg.tie_word_embeddings, mcfg.hidden_size)
     meta["params"] = sum(p.numel() for p in engine.runner.model.parameters())

@@ -9,7 +9,7 @@ from typing import Iterator, Sequence as Seq
 import torch
 
 from sparrow.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-from sparrow.devices import TORCH_DTYPES
+from sparrow.devices import TORCH_DTYPES, peak_memory, reset_peak_memory
 from sparrow.engine.engine import Engine
 from sparrow.errors import InvalidRequestError
 from sparrow.outputs import RequestOutput
@@ -128,13 +128,16 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization, speculative_config=speculative_config,
             enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
         torch.manual_seed(seed)
+        reset_peak_memory(config.device)
         loaded = load_model(path, TORCH_DTYPES[config.dtype], config.device, quantization=quantization,
                             quantize_lm_head=quantize_lm_head)
+        load_peak = peak_memory(config.device)
         # skip_tokenizer_init (vLLM's name): no tokenizer; prompts must be {'prompt_token_ids': [...]}, no text out
         if tokenizer is None and not skip_tokenizer_init:
             tokenizer = load_tokenizer(path)
         self._start(config.replace(model=loaded.config), loaded.model, tokenizer, path)
         self.load_time = time.perf_counter() - start
+        self.load_peak_memory = load_peak
 
     @staticmethod
     def _load_draft(config: EngineConfig) -> torch.nn.Module | None:
@@ -179,6 +182,9 @@ class LLM:
         self.model_path = path
         self.load_time: float | None = None
         """Seconds the constructor took (config, weights, tokenizer, KV pool); None for ``from_model``."""
+        self.load_peak_memory: int | None = None
+        """Peak bytes while the weights loaded (``devices.peak_memory``: torch's allocator on CUDA, the process's
+        RSS on the CPU); None for ``from_model``."""
         self.last_output: RequestOutput | None = None
         """The final RequestOutput of the latest ``stream`` that ran to its end (its ``metrics`` included)."""
         self._watched: dict[str, RequestOutput | None] = {}
