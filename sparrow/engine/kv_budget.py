@@ -57,8 +57,11 @@ class KVPool:
     ``bytes_per_token`` over all layers (and a draft model's pool of as many blocks), and what sized it."""
 
     num_blocks: int
+    """Blocks the block manager hands out."""
     block_size: int
+    """Tokens per block."""
     bytes_per_token: int
+    """K and V bytes of one token over all layers (a draft model's included)."""
     budget: str
     """What set the size, for the start-up line: 'num_kv_blocks', 'kv_cache_memory=...', the utilization."""
 
@@ -73,6 +76,7 @@ class KVPool:
         return (self.num_blocks + 1) * self.block_size * self.bytes_per_token
 
     def describe(self) -> str:
+        """The start-up line: 'KV pool: N blocks x B tokens = T tokens, X GiB (budget: ...)'."""
         return (f"KV pool: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
                 f"{_gib(self.nbytes)} (budget: {self.budget})")
 
