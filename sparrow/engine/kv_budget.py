@@ -82,8 +82,11 @@ class KVPool:
 
 
 def _gib(n: float) -> str:
-    """Bytes as GiB (MiB below 1 GiB), two decimals."""
-    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / (1 << 20):.2f} MiB"
+    """Bytes as GiB, two decimals (MiB or KiB below 1 GiB or 1 MiB)."""
+    for unit, size in (("GiB", GIB), ("MiB", 1 << 20)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n / 1024:.2f} KiB"
 
 
 def plan_kv_pool(*, bytes_per_token: int, block_size: int, max_model_len: int, max_num_seqs: int,

@@ -71,6 +71,7 @@ class ModelRunner:
         per_token = kv_bytes_per_token(self.model, self.dtype) + extra_bytes_per_token
         device = dict(cpu_budget=cache.cpu_kv_cache_bytes)
         if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # blocks loading freed (on-load quantization) count as free, not in use
             free, total = torch.cuda.mem_get_info(self.device)
             reserve = 0
             if not self.config.enforce_eager and get_backend() != "torch":
