@@ -42,6 +42,18 @@ def _fraction(text: str) -> float:
     return x
 
 
+def _size(text: str) -> int:
+    """argparse type: bytes, as digits or with a unit ('8GiB', '8G', '512MiB'; argparse names the flag)."""
+    from sparrow.engine.kv_budget import parse_size
+    from sparrow.errors import InvalidRequestError
+
+    try:
+        return parse_size(text, "value")
+    except InvalidRequestError:
+        raise argparse.ArgumentTypeError(f"expected bytes, e.g. 8589934592, '8GiB', '8G' or '512MiB', "
+                                         f"got {text!r}") from None
+
+
 def _json_object(text: str) -> dict:
     """argparse type: a JSON object (argparse names the flag in the error)."""
     try:
@@ -75,7 +87,12 @@ def _add_model_args(p: argparse.ArgumentParser, kv_cache: bool = True) -> None:
                             "(default: off)")
         p.add_argument("--num-kv-blocks", type=_positive_int, default=CacheConfig.num_blocks,
                        help=f"KV cache size in blocks of {CacheConfig.block_size} tokens (default: what "
-                            "max-model-len x the request's completions need, up to 1 GiB on CPU; free memory on GPU)")
+                            "max-model-len x the request's completions need, up to 1 GiB on CPU, up to "
+                            "--gpu-memory-utilization on GPU)")
+        p.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", type=_size,
+                       default=CacheConfig.kv_cache_memory, metavar="BYTES",
+                       help="KV cache size in bytes, e.g. 8GiB, 8G (= 8GiB), 512MiB, 8GB (10^9); overrides "
+                            "--gpu-memory-utilization; not with --num-kv-blocks (default: off)")
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="CPU threads of torch's ops (generate, chat: default 1 on a machine with <= 2 cores, else "
                         "half the cores, whatever OMP_NUM_THREADS says; bench: default torch's, i.e. "
@@ -181,8 +198,8 @@ def _llm(args):
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
               num_kv_blocks=args.num_kv_blocks, max_num_seqs=max(1, getattr(args, "n", 1)),
-              gpu_memory_utilization=args.gpu_memory_utilization, speculative_config=args.speculative_config,
-              **lora)
+              gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
+              speculative_config=args.speculative_config, **lora)
     if lora:  # read and check the adapter now: chat would report a bad one at each turn
         llm.engine.runner.lora.load(_lora_request(args))
     # max_num_seqs = the completions of one request: the CPU KV pool is sized to them, not to 64 sequences

@@ -296,12 +296,15 @@ class CacheConfig:
     block_size: int = 16
     """Tokens per KV block (a power of two >= 1)."""
     num_blocks: int | None = None
-    """Blocks in the pool per layer (LLM's ``num_kv_blocks``); None sizes the pool from max_num_seqs x
-    max_model_len (CPU) or free GPU memory."""
+    """Blocks in the pool per layer (LLM's ``num_kv_blocks``), authoritative; None sizes the pool from the memory
+    settings (``sparrow.engine.kv_budget``)."""
     gpu_memory_utilization: float = 0.85
-    """Fraction of GPU memory the engine may use (weights + KV pool), in (0, 1]."""
+    """Fraction of GPU memory the engine may use (weights + CUDA graphs + KV pool), in (0, 1]."""
+    kv_cache_memory: int | None = None
+    """Bytes of the KV pool (an int, or a string such as '8GiB', '8G', '512MiB', read as bytes); overrides
+    gpu_memory_utilization (and cpu_kv_cache_bytes on CPU); not with num_kv_blocks."""
     cpu_kv_cache_bytes: int = 1 << 30
-    """Bytes of the KV pool on CPU (the pool is still at least one max_model_len sequence)."""
+    """Most bytes of the KV pool on CPU without kv_cache_memory."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
 
@@ -315,6 +318,13 @@ class CacheConfig:
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise InvalidRequestError(f"gpu_memory_utilization={u!r} must be a number in (0, 1]")
         _check_int("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
+        if self.kv_cache_memory is not None:
+            from sparrow.engine.kv_budget import parse_size
+
+            object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))  # frozen: set once here
+            if self.num_blocks is not None:
+                raise InvalidRequestError(f"num_kv_blocks={self.num_blocks} and kv_cache_memory="
+                                          f"{self.kv_cache_memory} both size the KV pool: give one")
 
 
 @dataclass(frozen=True)

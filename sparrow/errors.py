@@ -28,3 +28,8 @@ class InvalidRequestError(SparrowError, ValueError):
 class LoRAAdapterError(InvalidRequestError):
     """A LoRA adapter cannot be used: missing or malformed folder, an unsupported PEFT feature (DoRA, biases,
     modules_to_save), a rank over max_lora_rank, or a target module sparrow cannot adapt."""
+
+
+class InsufficientMemoryError(InvalidRequestError):
+    """The KV pool the memory settings allow cannot hold one sequence of max_model_len tokens (or does not fit the
+    free device memory); the message names the weights, free and total memory and the setting to change."""

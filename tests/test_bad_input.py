@@ -152,6 +152,8 @@ def test_tokenizer_missing_message_is_one_line(tiny_model_dir):
     (dict(max_num_seqs=0), "max_num_seqs=0"),  # accepted before: generate then never admitted a request
     (dict(max_num_batched_tokens=-4), "max_num_batched_tokens=-4"),
     (dict(num_kv_blocks=0), "num_kv_blocks=0"),
+    (dict(kv_cache_memory="8XB"), "kv_cache_memory='8XB'"),
+    (dict(kv_cache_memory="1GiB", num_kv_blocks=64), "num_kv_blocks=64 and kv_cache_memory"),
 ])
 def test_bad_llm_arguments(tiny_model_dir, kw, needle):
     raises(InvalidRequestError, lambda: make_llm(tiny_model_dir, **kw), needle)

@@ -72,7 +72,7 @@ def test_llm_and_cli_defaults_are_the_config_fields():
     shared = [n for n in fields if n in sig]
     assert set(shared) == {"device", "dtype", "max_model_len", "block_size", "num_kv_blocks", "enable_prefix_caching",
                            "max_num_seqs", "max_num_batched_tokens", "enforce_eager",
-                           "gpu_memory_utilization"}
+                           "gpu_memory_utilization", "kv_cache_memory"}
     for name in shared:
         assert sig[name].default == fields[name], name
     args = build_parser().parse_args(["generate", "hi"])

@@ -25,6 +25,14 @@ log = logging.getLogger(__name__)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
+def graph_buckets(max_batch: int) -> list[int]:
+    """The batch sizes graphs are captured for: DEFAULT_BUCKETS up to ``max_batch``, and ``max_batch`` itself."""
+    buckets = [b for b in DEFAULT_BUCKETS if b <= max_batch] or [max_batch]
+    if buckets[-1] < max_batch:
+        buckets.append(max_batch)
+    return buckets
+
+
 class DecodeInputs:
     """The graphs' static inputs and their host staging buffers (pinned on CUDA).
 
@@ -110,9 +118,7 @@ class DecodeGraphs:
         kernels, whose rows of slot -1 add nothing."""
         self.model = model
         self.device = device
-        self.buckets = [b for b in DEFAULT_BUCKETS if b <= max_batch] or [max_batch]
-        if self.buckets[-1] < max_batch:
-            self.buckets.append(max_batch)
+        self.buckets = graph_buckets(max_batch)
         self.query_lens = tuple(sorted(set(query_lens)))
         bmax, qmax = self.buckets[-1], self.query_lens[-1]
         self.max_blocks = max_blocks_per_seq

@@ -26,6 +26,7 @@ def engine_config(model: ModelConfig, *, device: str = _E.device, dtype: str = _
                   max_num_seqs: int = _S.max_num_seqs, max_num_batched_tokens: int = _S.max_num_batched_tokens,
                   enforce_eager: bool = _E.enforce_eager,
                   gpu_memory_utilization: float = _C.gpu_memory_utilization,
+                  kv_cache_memory: int | str | None = _C.kv_cache_memory,
                   speculative_config: dict | None = None, enable_lora: bool = False,
                   max_loras: int = LoRAConfig.max_loras, max_lora_rank: int = LoRAConfig.max_lora_rank,
                   max_cpu_loras: int | None = LoRAConfig.max_cpu_loras) -> EngineConfig:
@@ -34,7 +35,7 @@ def engine_config(model: ModelConfig, *, device: str = _E.device, dtype: str = _
     InvalidRequestError names the first bad argument (cache and scheduler settings, the speculative config,
     then device, dtype, max_model_len and the pool size)."""
     cache = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
-                        gpu_memory_utilization=gpu_memory_utilization)
+                        gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=kv_cache_memory)
     scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     if not isinstance(enable_lora, bool):
         raise InvalidRequestError(f"enable_lora={enable_lora!r} must be True or False")
@@ -76,8 +77,11 @@ class LLM:
     (Gemma 3 270M Q4_K_M); ``LLM.from_model`` wraps a model already built. device: 'auto' | 'cpu' | 'cuda'.
     dtype: 'auto' | 'float32' | 'bfloat16' | 'float16'. max_model_len: longest prompt + output (default: the
     model's, capped at 8192). block_size, num_kv_blocks, enable_prefix_caching, max_num_seqs,
-    max_num_batched_tokens, enforce_eager, gpu_memory_utilization: the engine settings (defaults and meaning: the fields of
-    ``CacheConfig``, ``SchedulerConfig``, ``EngineConfig``; every value is checked before the weights load).
+    max_num_batched_tokens, enforce_eager, gpu_memory_utilization, kv_cache_memory: the engine settings (defaults and
+    meaning: the fields of ``CacheConfig``, ``SchedulerConfig``, ``EngineConfig``; every value is checked before the
+    weights load). The KV pool is sized after the weights load, before CUDA graphs are captured
+    (``sparrow.engine.kv_budget``; ``llm.engine.runner.kv_pool``): InsufficientMemoryError when it cannot hold one
+    sequence of max_model_len tokens.
     quantization: None or a registered weight format (``sparrow.quant.supported_quantization()``; 'fp8':
     quantize a float checkpoint's linear layers and experts to block-scaled FP8 at load); a quantized
     checkpoint, declared by config.json's quantization_config, loads in its format (quantization None, that
@@ -105,7 +109,8 @@ class LLM:
                  max_num_batched_tokens: int = _S.max_num_batched_tokens, enforce_eager: bool = _E.enforce_eager,
                  num_kv_blocks: int | None = _C.num_blocks, enable_prefix_caching: bool = _C.enable_prefix_caching,
                  seed: int = 0, tokenizer=None, skip_tokenizer_init: bool = False, quantize_lm_head: bool = False,
-                 gpu_memory_utilization: float = _C.gpu_memory_utilization, speculative_config: dict | None = None,
+                 gpu_memory_utilization: float = _C.gpu_memory_utilization,
+                 kv_cache_memory: int | str | None = _C.kv_cache_memory, speculative_config: dict | None = None,
                  enable_lora: bool = False, max_loras: int = LoRAConfig.max_loras,
                  max_lora_rank: int = LoRAConfig.max_lora_rank, max_cpu_loras: int | None = LoRAConfig.max_cpu_loras):
         from sparrow.default_model import default_model_path
@@ -125,8 +130,9 @@ class LLM:
             read_model_config(path)[0], device=device, dtype=dtype, max_model_len=max_model_len,
             block_size=block_size, num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
-            gpu_memory_utilization=gpu_memory_utilization, speculative_config=speculative_config,
-            enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
+            gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=kv_cache_memory,
+            speculative_config=speculative_config, enable_lora=enable_lora, max_loras=max_loras,
+            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
         torch.manual_seed(seed)
         reset_peak_memory(config.device)
         loaded = load_model(path, TORCH_DTYPES[config.dtype], config.device, quantization=quantization,
@@ -155,7 +161,8 @@ class LLM:
         ``config`` is a ModelConfig, after ``loader.model_loader.finish_loading``), e.g. random weights copied
         from a transformers model. ``engine_args``: LLM's engine arguments (device, dtype, max_model_len,
         block_size, num_kv_blocks, enable_prefix_caching, max_num_seqs, max_num_batched_tokens, enforce_eager,
-        gpu_memory_utilization, speculative_config, enable_lora, max_loras, max_lora_rank, max_cpu_loras);
+        gpu_memory_utilization, kv_cache_memory, speculative_config, enable_lora, max_loras, max_lora_rank,
+        max_cpu_loras);
         device and dtype ('auto' or left out) are the model's own (``_model_placement``). tokenizer: None runs
         without one (prompts as {'prompt_token_ids': [...]}). Raises InvalidRequestError for a model that is not
         a sparrow model, a device or dtype other than the model's, or a bad engine argument; TypeError for an

@@ -11,6 +11,7 @@ import torch
 
 from sparrow.config import TORCH_DTYPES, EngineConfig
 from sparrow.engine.forward_inputs import fed_tokens, forward_batch, pad_rows, step_rows
+from sparrow.engine.kv_budget import KVPool, graph_reserve_bytes, plan_kv_pool
 from sparrow.engine.sampler import Sampler, SamplingState, prompt_logprob_rows
 from sparrow.engine.step_plan import StepPlan, StepResult
 
@@ -42,7 +43,9 @@ class ModelRunner:
 
             self.lora = LoRAManager(model, config.lora.max_loras, config.lora.max_lora_rank, self.dtype, self.device,
                                     config.lora.max_cpu_loras)
-        self.num_blocks = self._num_blocks(extra_kv_bytes_per_token)
+        self.kv_pool = self._kv_pool(extra_kv_bytes_per_token, query_lens)
+        """The KV pool's size and what set it (``sparrow.engine.kv_budget.KVPool``), sized before graph capture."""
+        self.num_blocks = self.kv_pool.num_blocks
         self.pad_block = self.num_blocks  # one extra block, never handed out: CUDA-graph padding rows write here
         self._allocate_kv_cache()
         self.sampler = Sampler()
@@ -57,22 +60,31 @@ class ModelRunner:
                                        self.pad_block, self.block_size, query_lens, lora=self.lora is not None)
             self.graphs.capture()
 
-    def _num_blocks(self, extra_bytes_per_token: int = 0) -> int:
+    def _kv_pool(self, extra_bytes_per_token: int = 0, query_lens: tuple[int, ...] = (1,)) -> KVPool:
+        """The pool ``plan_kv_pool`` sizes from the cache settings and, on CUDA, the memory left after the
+        weights (less the CUDA graphs' estimated reserve when they will be captured); logs it. Raises
+        InsufficientMemoryError when it cannot hold one sequence of max_model_len tokens."""
+        from sparrow.engine.cuda_graphs import graph_buckets
+        from sparrow.kernels import get_backend
+
         cache = self.config.cache
-        if cache.num_blocks is not None:
-            return cache.num_blocks
-        per_block = (kv_bytes_per_token(self.model, self.dtype) + extra_bytes_per_token) * self.block_size
-        want = self.config.scheduler.max_num_seqs * -(-self.config.max_model_len // self.block_size)
+        per_token = kv_bytes_per_token(self.model, self.dtype) + extra_bytes_per_token
+        device = dict(cpu_budget=cache.cpu_kv_cache_bytes)
         if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # blocks loading freed (on-load quantization) count as free, not in use
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - cache.gpu_memory_utilization) * total
-        else:
-            budget = cache.cpu_kv_cache_bytes
-        fits = int(budget // per_block)
-        need_one = -(-self.config.max_model_len // self.block_size)
-        if fits < need_one:
-            fits = need_one  # one full-length sequence must fit; later ones wait or are preempted
-        return max(1, min(want, fits))
+            reserve = 0
+            if not self.config.enforce_eager and get_backend() != "torch":
+                buckets = graph_buckets(self.config.scheduler.max_num_seqs)
+                reserve = graph_reserve_bytes(buckets, query_lens, self.config.model.vocab_size)
+            device = dict(device_total=total, device_free=free, graph_reserve=reserve)
+        weights = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+        pool = plan_kv_pool(bytes_per_token=per_token, block_size=self.block_size,
+                            max_model_len=self.config.max_model_len, max_num_seqs=self.config.scheduler.max_num_seqs,
+                            num_kv_blocks=cache.num_blocks, kv_cache_memory=cache.kv_cache_memory,
+                            gpu_memory_utilization=cache.gpu_memory_utilization, weights_bytes=weights, **device)
+        log.info(pool.describe())
+        return pool
 
     def _allocate_kv_cache(self) -> None:
         self.kv_caches = []

@@ -15,7 +15,8 @@ def _build_llm(args):
 
     engine = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                   num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager,
-                  gpu_memory_utilization=args.gpu_memory_utilization, speculative_config=args.speculative_config)
+                  gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
+                  speculative_config=args.speculative_config)
     if args.max_num_seqs is not None:
         engine["max_num_seqs"] = args.max_num_seqs
     if args.enable_lora:

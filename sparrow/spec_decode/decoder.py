@@ -274,7 +274,8 @@ def make_speculative_decoder(config, num_blocks: int, draft_model=None) -> Specu
                 "share the target's tokenizer")
         try:
             draft_config = config.replace(model=dcfg, speculative=None, lora=None,
-                                          cache=dataclasses.replace(config.cache, num_blocks=num_blocks))
+                                          cache=dataclasses.replace(config.cache, num_blocks=num_blocks,
+                                                                    kv_cache_memory=None))
         except InvalidRequestError as e:
             raise InvalidRequestError(f"draft model: {e}") from None
         proposer = DraftModelProposer(draft_config, draft_model)
