@@ -226,7 +226,7 @@ def random_llm(name: str, *, device: str = "auto", dtype: str = "auto", quantiza
     import gc
 
     from sparrow.config import ModelConfig
-    from sparrow.devices import TORCH_DTYPES, resolve_device, resolve_dtype
+    from sparrow.devices import TORCH_DTYPES, peak_memory, reset_peak_memory, resolve_device, resolve_dtype
     from sparrow.engine.llm import LLM
     from sparrow.loader.model_loader import build_model, finish_loading
     from sparrow.loader.weights import load_weights
@@ -240,10 +240,14 @@ def random_llm(name: str, *, device: str = "auto", dtype: str = "auto", quantiza
     mcfg = ModelConfig.from_hf(full_config_dict(cfg))
     cls = get_model_class(mcfg.architecture)
     quant_config = config_for_quantization(quantization)
+    reset_peak_memory(device)
     model = build_model(cls, mcfg, TORCH_DTYPES[dtype], device, quant_config)
     load_weights(model, random_weights(cfg, TORCH_DTYPES[dtype], device, seed=seed))
+    finish_loading(model, quant_config, quantize_lm_head)
+    peak = peak_memory(device)
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    finish_loading(model, quant_config, quantize_lm_head)
-    return LLM.from_model(model, device=device, dtype=dtype, **engine_args)
+    llm = LLM.from_model(model, device=device, dtype=dtype, **engine_args)
+    llm.load_peak_memory = peak
+    return llm

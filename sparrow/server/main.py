@@ -59,8 +59,11 @@ def run_server(args) -> int:
     quant = f", {args.quantization}" if args.quantization else ""
     adapters = f"; LoRA adapters {', '.join(srv.model.loras)}" if srv.model.loras else ""
     named = srv.model.name if srv.model.name == source else f"{srv.model.name} ({source})"
-    log.info("sparrow serve: model %s on %s, %s%s; KV cache %d tokens; max_model_len %d%s; "
-             "listening on %s/v1", named, cfg.device, cfg.dtype, quant, kv_tokens, cfg.max_model_len, adapters,
+    peak = "" if llm.load_peak_memory is None else \
+        f"; peak {'GPU allocator' if cfg.device.startswith('cuda') else 'RSS'} while loading " \
+        f"{llm.load_peak_memory / 2**30:.2f} GiB"
+    log.info("sparrow serve: model %s on %s, %s%s; KV cache %d tokens; max_model_len %d%s%s; "
+             "listening on %s/v1", named, cfg.device, cfg.dtype, quant, kv_tokens, cfg.max_model_len, peak, adapters,
              srv.url)
     def _terminate(signum, frame):  # SIGTERM (docker stop, kill): the same orderly stop as Ctrl-C
         raise KeyboardInterrupt
