@@ -13,14 +13,9 @@ from sparrow.config import TORCH_DTYPES, EngineConfig
 from sparrow.engine.forward_inputs import fed_tokens, forward_batch, pad_rows, step_rows
 from sparrow.engine.sampler import Sampler, SamplingState, prompt_logprob_rows
 from sparrow.engine.step_plan import StepPlan, StepResult
+from sparrow.kv_cache import KVCache, kv_bytes_per_token  # noqa: F401  (kv_bytes_per_token: re-exported)
 
 log = logging.getLogger(__name__)
-
-
-def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token occupies over all layers."""
-    size = torch.tensor([], dtype=dtype).element_size()
-    return sum(a.num_kv_heads * (a.head_dim + a.v_head_dim) * size for a in model.attention_layers())
 
 
 class ModelRunner:
@@ -61,7 +56,8 @@ class ModelRunner:
         cache = self.config.cache
         if cache.num_blocks is not None:
             return cache.num_blocks
-        per_block = (kv_bytes_per_token(self.model, self.dtype) + extra_bytes_per_token) * self.block_size
+        per_block = (kv_bytes_per_token(self.model, self.dtype, cache.kv_cache_dtype, cache.kv_cache_dtype_skip_layers)
+                     + extra_bytes_per_token) * self.block_size
         want = self.config.scheduler.max_num_seqs * -(-self.config.max_model_len // self.block_size)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -75,15 +71,12 @@ class ModelRunner:
         return max(1, min(want, fits))
 
     def _allocate_kv_cache(self) -> None:
-        self.kv_caches = []
-        for attn in self.model.attention_layers():
-            shape_k = (self.num_blocks + 1, self.block_size, attn.num_kv_heads, attn.head_dim)
-            shape_v = (self.num_blocks + 1, self.block_size, attn.num_kv_heads, attn.v_head_dim)
-            k = torch.zeros(shape_k, dtype=self.dtype, device=self.device)
-            v = torch.zeros(shape_v, dtype=self.dtype, device=self.device)
-            attn.kv_cache = (k, v)
-            self.kv_caches.append((k, v))
-        log.info("KV cache: %d blocks of %d tokens", self.num_blocks, self.block_size)
+        """``self.kv_cache``: the pool of num_blocks blocks (+ the pad block), bound to every attention layer."""
+        cache = self.config.cache
+        self.kv_cache = KVCache(self.model, self.num_blocks, self.block_size, self.dtype, self.device,
+                                cache.kv_cache_dtype, cache.kv_cache_dtype_skip_layers, cache.calculate_kv_scales)
+        log.info("KV cache: %d blocks of %d tokens (%s, %d bytes per token)", self.num_blocks, self.block_size,
+                 cache.kv_cache_dtype, self.kv_cache.bytes_per_token)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan, previous: StepResult | None = None) -> StepResult:
@@ -106,7 +99,9 @@ class ModelRunner:
                 logits = logits[torch.tensor(keep, device=logits.device)]
             return self._sample(plan, logits)
         batch = forward_batch(rows, feed, self.pad_block, self.device)
-        hidden = self.model(batch)
+        prefill = any(s.start < s.seq.num_prompt_tokens for s in plan.seqs)
+        with self.kv_cache.calculating_scales(prefill):  # calculate_kv_scales: the first prefill measures them
+            hidden = self.model(batch)
         logits = self.model.compute_logits(hidden[batch.sample_rows]) if rows.sample_rows else None
         prompt_lp = {}
         for i, row0, m in rows.prompt_rows:
