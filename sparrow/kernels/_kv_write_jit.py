@@ -19,7 +19,8 @@ def kv_store_value(x, scale, out_dtype: tl.constexpr, KV_FP8: tl.constexpr, EMUL
     if KV_FP8:
         y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0)
         if EMULATE_FP8:
-            y = round_e4m3(y)
+            r = round_e4m3(y)
+            y = tl.where(r == 0.0, y * 0.0, r)  # keep the sign of values that round to zero (-0), as torch does
         return y.to(out_dtype)
     else:
         return x.to(out_dtype)
