@@ -184,6 +184,15 @@ class KVCache:
         return [c.scales() for c in self.layers]
 
     @contextlib.contextmanager
+    def holding_scales(self):
+        """Steps inside do not measure pending scales (the server's warm-up on random ids); they stay pending."""
+        pending, self.scales_pending = self.scales_pending, False
+        try:
+            yield
+        finally:
+            self.scales_pending = pending
+
+    @contextlib.contextmanager
     def calculating_scales(self, prefill: bool = True):
         """Around an eager forward: while scales are pending and the step computes prompt rows (``prefill``),
         each FP8 layer measures its scales from the K / V it writes (before writing them); then they are no

@@ -190,6 +190,18 @@ def test_calculate_kv_scales_measures_the_first_prefill_once(tiny_model_dir):
     assert kv.scales() == measured  # measured once
 
 
+def test_server_warm_up_leaves_the_scales_to_the_first_request(tiny_model_dir):
+    from sparrow.engine.warmup import warm_up
+
+    llm = make_llm(tiny_model_dir, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, kv_cache_dtype="fp8",
+                   calculate_kv_scales=True)
+    assert warm_up(llm.engine) > 0
+    kv = llm.engine.runner.kv_cache
+    assert kv.scales_pending and kv.scales() == [(1.0, 1.0)] * 2
+    generate_ids(llm, random_prompts([20]), SamplingParams(max_tokens=2, **GREEDY))
+    assert not kv.scales_pending and kv.scales() != [(1.0, 1.0)] * 2
+
+
 def test_skip_layers_keep_the_model_dtype(gemma4_dir):
     llm = make_llm(gemma4_dir, max_model_len=64, kv_cache_dtype="fp8", kv_cache_dtype_skip_layers=["sliding_window"])
     kv = llm.engine.runner.kv_cache
