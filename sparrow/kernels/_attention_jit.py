@@ -18,53 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from sparrow.kernels._attention_tile_jit import dot16, kv_scales, qk_scores, tanh_finite
 from sparrow.kernels._pdl_jit import pdl_enter
-
-
-@triton.jit
-def _tanh(x):
-    # tanh(x) = 1 - 2 / (exp(2x) + 1): finite for every x (exp overflow gives 1, underflow -1).
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-
-@triton.jit
-def _dot16(a, b, UPCAST: tl.constexpr):
-    """a @ b for 16-bit operands with fp32 accumulation. UPCAST: same numbers through an fp32 dot (the
-    Triton 3.9 interpreter's bf16 tl.dot reads the raw bits as integers)."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
-def _qk_scores(
-    q_ptr, q_row_off, q_head_off, q_mask, k_ptr, k_tok_off, n_mask,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_FP32: tl.constexpr, UPCAST: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    KV_FP8: tl.constexpr,
-):
-    """q [BLOCK_Q, D] . k [BLOCK_N, D]^T -> fp32 [BLOCK_Q, BLOCK_N], D walked in BLOCK_D chunks.
-    q_row_off / q_head_off: [BLOCK_Q] element offsets (summed); k_tok_off: [BLOCK_N] element offsets.
-    KV_FP8: k is e4m3, widened to q's dtype (the caller applies k_scale)."""
-    scores = tl.zeros([BLOCK_Q, BLOCK_N], dtype=tl.float32)
-    for d0 in tl.static_range(0, HEAD_DIM_PAD, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        d_mask = offs_d < HEAD_DIM
-        qc = tl.load(
-            q_ptr + (q_row_off + q_head_off)[:, None] + offs_d[None, :],
-            mask=q_mask[:, None] & d_mask[None, :], other=0.0,
-        )  # [BLOCK_Q, BLOCK_D]
-        kc = tl.load(
-            k_ptr + k_tok_off[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0
-        )  # [BLOCK_D, BLOCK_N]
-        if DOT_FP32:
-            scores += tl.dot(qc.to(tl.float32), kc.to(tl.float32), input_precision="ieee")
-        elif KV_FP8:
-            scores += _dot16(qc, kc.to(qc.dtype), UPCAST)
-        else:
-            scores += _dot16(qc.to(kc.dtype), kc, UPCAST)
-    return scores
 
 
 @triton.jit
@@ -128,11 +83,7 @@ def paged_decode_kernel(
     offs_dv = tl.arange(0, DV_PAD)
     dv_mask = offs_dv < DV
 
-    qk_scale = scale
-    v_scale = 1.0
-    if KV_FP8:
-        qk_scale = scale * tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
+    qk_scale, v_scale = kv_scales(k_scale_ptr, v_scale_ptr, scale, KV_FP8)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, DV_PAD], dtype=tl.float32)
@@ -142,12 +93,12 @@ def paged_decode_kernel(
         page = tl.load(block_tables_ptr + s * stride_bt + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
         in_page = offs_n % PAGE
         k_tok_off = page * stride_kn + in_page * stride_kb + kvh * stride_kh
-        scores = _qk_scores(
+        scores = qk_scores(
             q_ptr, q_row_off, q_head_off, g_mask, k_ptr, k_tok_off, n_mask,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_D, DOT_FP32, UPCAST, GROUP_PAD, BLOCK_N, KV_FP8,
         ) * qk_scale
         if USE_SOFTCAP:
-            scores = soft_cap * _tanh(scores / soft_cap)
+            scores = soft_cap * tanh_finite(scores / soft_cap)
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
         # every tile holds >= 1 live key, so m_new is finite
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -163,7 +114,7 @@ def paged_decode_kernel(
         if DOT_FP32:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + _dot16(p.to(v.dtype), v, UPCAST)
+            acc = acc * alpha[:, None] + dot16(p.to(v.dtype), v, UPCAST)
         m_i = m_new
 
     if KV_FP8:
@@ -273,11 +224,7 @@ def paged_prefill_kernel(
     q_head_off = (offs_m * 0 + h) * stride_qh
     offs_dv = tl.arange(0, DV_PAD)
     dv_mask = offs_dv < DV
-    qk_scale = scale
-    v_scale = 1.0
-    if KV_FP8:
-        qk_scale = scale * tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
+    qk_scale, v_scale = kv_scales(k_scale_ptr, v_scale_ptr, scale, KV_FP8)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
@@ -287,12 +234,12 @@ def paged_prefill_kernel(
         page = tl.load(block_tables_ptr + s * stride_bt + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
         in_page = offs_n % PAGE
         k_tok_off = page * stride_kn + in_page * stride_kb + kvh * stride_kh
-        scores = _qk_scores(
+        scores = qk_scores(
             q_ptr, q_row_off, q_head_off, m_mask, k_ptr, k_tok_off, n_mask,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_D, DOT_FP32, UPCAST, BLOCK_M, BLOCK_N, KV_FP8,
         ) * qk_scale
         if USE_SOFTCAP:
-            scores = soft_cap * _tanh(scores / soft_cap)
+            scores = soft_cap * tanh_finite(scores / soft_cap)
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
@@ -311,7 +258,7 @@ def paged_prefill_kernel(
         if DOT_FP32:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + _dot16(p.to(v.dtype), v, UPCAST)
+            acc = acc * alpha[:, None] + dot16(p.to(v.dtype), v, UPCAST)
         m_i = m_new
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padded rows only

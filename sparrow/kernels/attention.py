@@ -86,7 +86,7 @@ def _common(q, k_cache, v_cache, sliding_window, soft_cap):
         HEAD_DIM=d, HEAD_DIM_PAD=max(16, triton.next_power_of_2(d)), DV=dv, DV_PAD=max(16, triton.next_power_of_2(dv)),
         PAGE=k_cache.shape[1], USE_WINDOW=sliding_window is not None, USE_SOFTCAP=soft_cap is not None,
         DOT_FP32=q.dtype == torch.float32 or k_cache.dtype == torch.float32,
-        UPCAST=interpreting(),  # interpreter: 16-bit dots via fp32 (see _dot16)
+        UPCAST=interpreting(),  # interpreter: 16-bit dots via fp32 (see dot16)
         KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
     )
 
