@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparrow import LLM, SamplingParams
+from sparrow import LLM
 from tests.kv_cache.test_fp8_kv import TEXT_PROMPTS, greedy_refs, teacher_forced
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
