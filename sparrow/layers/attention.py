@@ -27,7 +27,7 @@ class Attention(nn.Module):
         self.v_head_dim = v_head_dim or head_dim
         self.scale, self.sliding_window, self.soft_cap = scale, sliding_window, soft_cap
         self.kv_cache = None  # sparrow.kv_cache.LayerKVCache
-        self.checkpoint_kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.checkpoint_kv_scales: tuple[float, float] | None = None  # sparrow.kv_cache.checkpoint
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         self.kv_cache.write(k, v, batch.slot_mapping)
@@ -53,7 +53,9 @@ class SelfAttention(nn.Module):
     projection), ``attention_k_eq_v`` (Gemma 4 full layers: no v_proj, V = the raw K projection), Gemma 4's
     scale-free v_norm, per-layer head dim / KV heads / window / rope / rotary dim from ``config.layers``.
     On the Triton path the per-head q/k norms, v_norm, RoPE and the K/V cache write are one kernel
-    (``sparrow.kernels.rope.qk_norm_rope_kv_write``); MiniMax-M2's whole-projection norms stay separate."""
+    (``sparrow.kernels.rope.qk_norm_rope_kv_write``), except on the step that measures FP8 KV scales
+    (calculate_kv_scales: the cache measures K after norm and RoPE, then writes); MiniMax-M2's whole-projection
+    norms stay separate."""
 
     def __init__(self, config, layer_idx: int, dtype: torch.dtype):
         super().__init__()
