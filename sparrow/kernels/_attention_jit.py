@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sparrow.kernels._attention_tile_jit import dot16, kv_scales, qk_scores, tanh_finite
+from sparrow.kernels._attention_tile_jit import dot16, qk_scores, tanh_finite
 from sparrow.kernels._pdl_jit import pdl_enter
 
 
@@ -83,7 +83,9 @@ def paged_decode_kernel(
     offs_dv = tl.arange(0, DV_PAD)
     dv_mask = offs_dv < DV
 
-    qk_scale, v_scale = kv_scales(k_scale_ptr, v_scale_ptr, scale, KV_FP8)
+    qk_scale = scale
+    if KV_FP8:  # e4m3 pools: stored x k_scale, so the q.k products take it (v_scale: after the loop)
+        qk_scale = scale * tl.load(k_scale_ptr)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, DV_PAD], dtype=tl.float32)
@@ -118,7 +120,7 @@ def paged_decode_kernel(
         m_i = m_new
 
     if KV_FP8:
-        acc = acc * v_scale
+        acc = acc * tl.load(v_scale_ptr)
     acc = acc / l_i[:, None]
     st_mask = g_mask[:, None] & dv_mask[None, :]
     if SPLIT:
@@ -224,7 +226,9 @@ def paged_prefill_kernel(
     q_head_off = (offs_m * 0 + h) * stride_qh
     offs_dv = tl.arange(0, DV_PAD)
     dv_mask = offs_dv < DV
-    qk_scale, v_scale = kv_scales(k_scale_ptr, v_scale_ptr, scale, KV_FP8)
+    qk_scale = scale
+    if KV_FP8:  # e4m3 pools: stored x k_scale, so the q.k products take it (v_scale: after the loop)
+        qk_scale = scale * tl.load(k_scale_ptr)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
@@ -263,7 +267,7 @@ def paged_prefill_kernel(
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padded rows only
     if KV_FP8:
-        acc = acc * v_scale
+        acc = acc * tl.load(v_scale_ptr)
     acc = acc / l_i[:, None]
     po = out_ptr + (q0 + offs_m).to(tl.int64)[:, None] * stride_or + h * stride_oh + offs_dv[None, :]
     tl.store(po, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & dv_mask[None, :])

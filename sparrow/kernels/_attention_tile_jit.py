@@ -1,5 +1,5 @@
 """Triton helpers of the paged attention kernels (_attention_jit.py): the q.k tile product, 16-bit dots with the
-interpreter's workaround, tanh for the soft-cap, and the FP8 pools' scales.
+interpreter's workaround, and tanh for the soft-cap.
 
 Shapes as _attention_jit.py: BLOCK_Q query rows, BLOCK_N keys, D walked in BLOCK_D chunks.
 """
@@ -54,12 +54,3 @@ def qk_scores(
             scores += dot16(qc.to(kc.dtype), kc, UPCAST)
     return scores
 
-
-@triton.jit
-def kv_scales(k_scale_ptr, v_scale_ptr, scale, KV_FP8: tl.constexpr):
-    """(factor of the q.k products, factor of the P.V sum): (scale, 1) for pools in a float dtype, (scale x k_scale,
-    v_scale) for FP8 pools (e4m3 read as stored x scale; the scales are [1] fp32 on the device)."""
-    if KV_FP8:
-        return scale * tl.load(k_scale_ptr), tl.load(v_scale_ptr)
-    else:
-        return scale, 1.0
