@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from sparrow.cli_support import chat_model, default_threads, field_docs, line_editing, stats_line
+from sparrow.cli_support import chat_model, default_threads, field_docs, kv_cache_args, line_editing, stats_line
 from sparrow.errors import SparrowError
 
 
@@ -85,6 +85,17 @@ def _add_model_args(p: argparse.ArgumentParser, kv_cache: bool = True) -> None:
                        help="speculative decoding, vLLM's dict: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' or "
                             "'{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": 4}' "
                             "(default: off)")
+        from sparrow.kv_cache import KV_CACHE_DTYPES
+
+        p.add_argument("--kv-cache-dtype", default=CacheConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                       help="KV cache storage: auto (the model dtype), fp8 / fp8_e4m3 (e4m3 with per-layer k/v "
+                            f"scales, about twice the tokens; default {CacheConfig.kv_cache_dtype})")
+        p.add_argument("--calculate-kv-scales", action="store_true",
+                       help="with an fp8 KV cache: measure each layer's k/v scales on the first prefill (amax / "
+                            "448; default: the checkpoint's k_scale / v_scale, else 1.0)")
+        p.add_argument("--kv-cache-dtype-skip-layers", default="", metavar="LAYERS",
+                       help="with an fp8 KV cache: layers kept in the model dtype, comma-separated: sliding_window "
+                            "and / or attention-layer indices (default: none)")
         p.add_argument("--num-kv-blocks", type=_positive_int, default=CacheConfig.num_blocks,
                        help=f"KV cache size in blocks of {CacheConfig.block_size} tokens (default: what "
                             "max-model-len x the request's completions need, up to 1 GiB on CPU, up to "
@@ -199,13 +210,11 @@ def _llm(args):
               quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
               num_kv_blocks=args.num_kv_blocks, max_num_seqs=max(1, getattr(args, "n", 1)),
               gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
-              speculative_config=args.speculative_config, **lora)
+              speculative_config=args.speculative_config, **kv_cache_args(args), **lora)
     if lora:  # read and check the adapter now: chat would report a bad one at each turn
         llm.engine.runner.lora.load(_lora_request(args))
     # max_num_seqs = the completions of one request: the CPU KV pool is sized to them, not to 64 sequences
     if status:
-        from sparrow.engine.model_runner import kv_bytes_per_token
-
         c, runner = llm.config, llm.engine.runner
         tokens = runner.num_blocks * c.cache.block_size
         weights = sum(p.numel() * p.element_size() for p in runner.model.parameters()) / 2**20
@@ -213,7 +222,7 @@ def _llm(args):
         print(f"sparrow: loaded {c.model.architecture} in {llm.load_time:.1f} s ({c.device}, {c.dtype}, "
               f"max_model_len {c.max_model_len}; weights {weights:.0f} MiB, peak {peak} while loading "
               f"{llm.load_peak_memory / 2**20:.0f} MiB, KV cache {tokens} tokens = "
-              f"{tokens * kv_bytes_per_token(runner.model, runner.dtype) / 2**20:.0f} MiB)",
+              f"{tokens * runner.kv_cache.bytes_per_token / 2**20:.0f} MiB, {c.cache.kv_cache_dtype})",
               file=sys.stderr, flush=True)
     return llm
 

@@ -96,3 +96,10 @@ def line_editing() -> None:
         except OSError:  # a read-only cache only loses the history
             pass
     atexit.register(save)
+
+
+def kv_cache_args(args) -> dict:
+    """LLM's KV-cache dtype arguments from the --kv-cache-dtype / --calculate-kv-scales /
+    --kv-cache-dtype-skip-layers flags (generate, chat, serve)."""
+    return dict(kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
+                kv_cache_dtype_skip_layers=args.kv_cache_dtype_skip_layers)

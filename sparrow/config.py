@@ -307,8 +307,21 @@ class CacheConfig:
     """Most bytes of the KV pool on CPU without kv_cache_memory."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
+    kv_cache_dtype: str = "auto"
+    """KV storage: 'auto' (the model dtype), 'fp8' or 'fp8_e4m3' (e4m3 with per-layer k/v scales: half the bytes)."""
+    calculate_kv_scales: bool = False
+    """FP8 KV: measure each layer's k/v scales on the first prefill (amax / 448), else checkpoint's or 1.0."""
+    kv_cache_dtype_skip_layers: tuple = ()
+    """FP8 KV: layers kept in the model dtype: 'sliding_window' and / or attention-layer indices."""
 
     def __post_init__(self):
+        from sparrow.kv_cache.cache import check_kv_cache_dtype, parse_skip_layers
+
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise InvalidRequestError(f"calculate_kv_scales={self.calculate_kv_scales!r} must be True or False")
+        # frozen: the normalized tuple, set once here
+        object.__setattr__(self, "kv_cache_dtype_skip_layers", parse_skip_layers(self.kv_cache_dtype_skip_layers))
         _check_int("block_size", self.block_size)
         if self.block_size & (self.block_size - 1):
             raise InvalidRequestError(f"block_size={self.block_size} must be a power of two")

@@ -293,6 +293,28 @@ def test_gpu_memory_utilization_reaches_the_cache_config():
     assert build_parser().parse_args(["bench"]).gpu_memory_utilization == CacheConfig.gpu_memory_utilization
 
 
+def test_kv_cache_dtype_flags_reach_the_cache_config(tiny_model_dir, capsys):
+    """--kv-cache-dtype / --calculate-kv-scales / --kv-cache-dtype-skip-layers on serve (and generate, chat); a bad
+    dtype is refused by the parser naming the flag and the value; a bad skip entry by the config, naming it."""
+    from sparrow.cli import build_parser, main
+    from sparrow.server.main import _build_llm
+
+    args = build_parser().parse_args(["serve", "--model-shape", "tiny-dense", "--device", "cpu", "--max-model-len",
+                                      "32", "--kv-cache-dtype", "fp8", "--calculate-kv-scales",
+                                      "--kv-cache-dtype-skip-layers", "sliding_window,1"])
+    cache = _build_llm(args).config.cache
+    assert (cache.kv_cache_dtype, cache.calculate_kv_scales, cache.kv_cache_dtype_skip_layers) == (
+        "fp8", True, ("sliding_window", 1))
+    for command in (["generate", "hi"], ["chat"]):
+        assert build_parser().parse_args([*command, "--kv-cache-dtype", "fp8_e4m3"]).kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "hi", "--kv-cache-dtype", "int8"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--kv-cache-dtype" in err and "'int8'" in err
+    assert_cli_error(cli("generate", "hi", "--model", tiny_model_dir, "--kv-cache-dtype", "fp8",
+                         "--kv-cache-dtype-skip-layers", "full"), "kv_cache_dtype_skip_layers entry 'full'")
+
+
 def test_serve_model_and_model_shape_refused(tiny_model_dir):
     assert_cli_error(cli("serve", "--model", tiny_model_dir, "--model-shape", "tiny-dense"),
                      "--model or --model-shape")

@@ -28,6 +28,10 @@ def tiny_config(tiny_model_dir) -> ModelConfig:
     (lambda: CacheConfig(num_blocks=0), "num_kv_blocks=0"),
     (lambda: CacheConfig(gpu_memory_utilization=1.5), "gpu_memory_utilization=1.5"),
     (lambda: CacheConfig(cpu_kv_cache_bytes=0), "cpu_kv_cache_bytes=0"),
+    (lambda: CacheConfig(kv_cache_dtype="int8"), "kv_cache_dtype='int8' is not supported"),
+    (lambda: CacheConfig(calculate_kv_scales="yes"), "calculate_kv_scales='yes'"),
+    (lambda: CacheConfig(kv_cache_dtype_skip_layers=["full"]), "kv_cache_dtype_skip_layers entry 'full'"),
+    (lambda: CacheConfig(kv_cache_dtype_skip_layers=[-1]), "kv_cache_dtype_skip_layers entry -1"),
     (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs=0"),
     (lambda: SchedulerConfig(max_num_batched_tokens=2.5), "max_num_batched_tokens=2.5"),
     (lambda: SchedulerConfig(max_num_seqs=True), "max_num_seqs=True"),
@@ -72,11 +76,21 @@ def test_llm_and_cli_defaults_are_the_config_fields():
     shared = [n for n in fields if n in sig]
     assert set(shared) == {"device", "dtype", "max_model_len", "block_size", "num_kv_blocks", "enable_prefix_caching",
                            "max_num_seqs", "max_num_batched_tokens", "enforce_eager",
-                           "gpu_memory_utilization", "kv_cache_memory"}
+                           "gpu_memory_utilization", "kv_cache_memory", "kv_cache_dtype", "calculate_kv_scales",
+                           "kv_cache_dtype_skip_layers"}
     for name in shared:
         assert sig[name].default == fields[name], name
     args = build_parser().parse_args(["generate", "hi"])
     assert (args.device, args.dtype, args.max_model_len) == (fields["device"], fields["dtype"], fields["max_model_len"])
+    assert (args.kv_cache_dtype, args.calculate_kv_scales) == (fields["kv_cache_dtype"], fields["calculate_kv_scales"])
+
+
+def test_skip_layers_are_normalized():
+    """kv_cache_dtype_skip_layers: a list or a comma-separated string (the CLI's) of 'sliding_window' and indices."""
+    assert CacheConfig(kv_cache_dtype_skip_layers="sliding_window, 3,0").kv_cache_dtype_skip_layers == (
+        "sliding_window", 3, 0)
+    assert CacheConfig(kv_cache_dtype_skip_layers=[1, "2", 1]).kv_cache_dtype_skip_layers == (1, 2)
+    assert CacheConfig().kv_cache_dtype_skip_layers == ()
 
 
 def test_from_model_generates_what_llm_of_the_path_generates(tiny_model_dir):

@@ -58,7 +58,9 @@ class Engine:
         self.tokenizer = tokenizer
         spec = config.speculative
         query_lens = tuple(range(1, spec.num_speculative_tokens + 2)) if spec is not None else (1,)
-        draft_bytes = kv_bytes_per_token(draft_model, TORCH_DTYPES[config.dtype]) if draft_model is not None else 0
+        cache = config.cache
+        draft_bytes = (kv_bytes_per_token(draft_model, TORCH_DTYPES[config.dtype], cache.kv_cache_dtype,
+                                          cache.kv_cache_dtype_skip_layers) if draft_model is not None else 0)
         self.runner = ModelRunner(config, model, query_lens, extra_kv_bytes_per_token=draft_bytes)
         self.spec = make_speculative_decoder(config, self.runner.num_blocks, draft_model) if spec else None
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,

@@ -29,13 +29,17 @@ def engine_config(model: ModelConfig, *, device: str = _E.device, dtype: str = _
                   kv_cache_memory: int | str | None = _C.kv_cache_memory,
                   speculative_config: dict | None = None, enable_lora: bool = False,
                   max_loras: int = LoRAConfig.max_loras, max_lora_rank: int = LoRAConfig.max_lora_rank,
-                  max_cpu_loras: int | None = LoRAConfig.max_cpu_loras) -> EngineConfig:
+                  max_cpu_loras: int | None = LoRAConfig.max_cpu_loras, kv_cache_dtype: str = _C.kv_cache_dtype,
+                  calculate_kv_scales: bool = _C.calculate_kv_scales,
+                  kv_cache_dtype_skip_layers=_C.kv_cache_dtype_skip_layers) -> EngineConfig:
     """The EngineConfig for LLM's flat engine arguments (``num_kv_blocks`` is ``cache.num_blocks``;
     ``speculative_config``: vLLM's dict, ``SpeculativeConfig.from_dict``). The configs validate themselves:
     InvalidRequestError names the first bad argument (cache and scheduler settings, the speculative config,
     then device, dtype, max_model_len and the pool size)."""
     cache = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
-                        gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=kv_cache_memory)
+                        gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=kv_cache_memory,
+                        kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
+                        kv_cache_dtype_skip_layers=kv_cache_dtype_skip_layers)
     scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     if not isinstance(enable_lora, bool):
         raise InvalidRequestError(f"enable_lora={enable_lora!r} must be True or False")
@@ -98,6 +102,11 @@ class LLM:
     once (loaded on demand, least recently used evicted), ranks up to max_lora_rank, at most max_cpu_loras adapters
     in host memory (default max_loras; the least recently used one in no slot is dropped and read again from its
     folder when needed: ``sparrow.lora.manager``).
+    kv_cache_dtype: 'auto' (the model dtype), 'fp8' or 'fp8_e4m3' (vLLM's names): e4m3 KV storage with one k and one
+    v scale per layer, read and applied inside the attention kernels (about twice the tokens in the same memory);
+    the scales are the checkpoint's k_scale / v_scale where it has them, else 1.0, or with calculate_kv_scales=True
+    measured on the first prefill; kv_cache_dtype_skip_layers: layers kept in the model dtype ('sliding_window' and
+    / or attention-layer indices; ``sparrow.kv_cache``).
     tokenizer: a transformers tokenizer to use instead of the model's; skip_tokenizer_init=True runs without one.
     seed: seeds torch's global generator before loading.
     Raises sparrow errors (ModelNotFoundError, ModelLoadError, UnsupportedArchitectureError,
@@ -112,7 +121,9 @@ class LLM:
                  gpu_memory_utilization: float = _C.gpu_memory_utilization,
                  kv_cache_memory: int | str | None = _C.kv_cache_memory, speculative_config: dict | None = None,
                  enable_lora: bool = False, max_loras: int = LoRAConfig.max_loras,
-                 max_lora_rank: int = LoRAConfig.max_lora_rank, max_cpu_loras: int | None = LoRAConfig.max_cpu_loras):
+                 max_lora_rank: int = LoRAConfig.max_lora_rank, max_cpu_loras: int | None = LoRAConfig.max_cpu_loras,
+                 kv_cache_dtype: str = _C.kv_cache_dtype, calculate_kv_scales: bool = _C.calculate_kv_scales,
+                 kv_cache_dtype_skip_layers=_C.kv_cache_dtype_skip_layers):
         from sparrow.default_model import default_model_path
         from sparrow.loader.model_loader import load_model, read_model_config
         from sparrow.quant import check_quantization
@@ -132,7 +143,8 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=kv_cache_memory,
             speculative_config=speculative_config, enable_lora=enable_lora, max_loras=max_loras,
-            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
+            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras, kv_cache_dtype=kv_cache_dtype,
+            calculate_kv_scales=calculate_kv_scales, kv_cache_dtype_skip_layers=kv_cache_dtype_skip_layers)
         torch.manual_seed(seed)
         reset_peak_memory(config.device)
         loaded = load_model(path, TORCH_DTYPES[config.dtype], config.device, quantization=quantization,
@@ -162,7 +174,7 @@ class LLM:
         from a transformers model. ``engine_args``: LLM's engine arguments (device, dtype, max_model_len,
         block_size, num_kv_blocks, enable_prefix_caching, max_num_seqs, max_num_batched_tokens, enforce_eager,
         gpu_memory_utilization, kv_cache_memory, speculative_config, enable_lora, max_loras, max_lora_rank,
-        max_cpu_loras);
+        max_cpu_loras, kv_cache_dtype, calculate_kv_scales, kv_cache_dtype_skip_layers);
         device and dtype ('auto' or left out) are the model's own (``_model_placement``). tokenizer: None runs
         without one (prompts as {'prompt_token_ids': [...]}). Raises InvalidRequestError for a model that is not
         a sparrow model, a device or dtype other than the model's, or a bad engine argument; TypeError for an

@@ -14,14 +14,9 @@ from sparrow.engine.forward_inputs import fed_tokens, forward_batch, pad_rows, s
 from sparrow.engine.kv_budget import KVPool, graph_reserve_bytes, plan_kv_pool
 from sparrow.engine.sampler import Sampler, SamplingState, prompt_logprob_rows
 from sparrow.engine.step_plan import StepPlan, StepResult
+from sparrow.kv_cache import KVCache, kv_bytes_per_token  # noqa: F401  (kv_bytes_per_token: re-exported)
 
 log = logging.getLogger(__name__)
-
-
-def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token occupies over all layers."""
-    size = torch.tensor([], dtype=dtype).element_size()
-    return sum(a.num_kv_heads * (a.head_dim + a.v_head_dim) * size for a in model.attention_layers())
 
 
 class ModelRunner:
@@ -68,7 +63,8 @@ class ModelRunner:
         from sparrow.kernels import get_backend
 
         cache = self.config.cache
-        per_token = kv_bytes_per_token(self.model, self.dtype) + extra_bytes_per_token
+        per_token = kv_bytes_per_token(self.model, self.dtype, cache.kv_cache_dtype,
+                                       cache.kv_cache_dtype_skip_layers) + extra_bytes_per_token
         device = dict(cpu_budget=cache.cpu_kv_cache_bytes)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # blocks loading freed (on-load quantization) count as free, not in use
@@ -83,19 +79,15 @@ class ModelRunner:
                             max_model_len=self.config.max_model_len, max_num_seqs=self.config.scheduler.max_num_seqs,
                             num_kv_blocks=cache.num_blocks, kv_cache_memory=cache.kv_cache_memory,
                             gpu_memory_utilization=cache.gpu_memory_utilization, weights_bytes=weights, **device)
-        log.info(pool.describe())
+        log.info("%s; KV cache dtype %s", pool.describe(), cache.kv_cache_dtype)
         return pool
 
     def _allocate_kv_cache(self) -> None:
-        self.kv_caches = []
-        for attn in self.model.attention_layers():
-            shape_k = (self.num_blocks + 1, self.block_size, attn.num_kv_heads, attn.head_dim)
-            shape_v = (self.num_blocks + 1, self.block_size, attn.num_kv_heads, attn.v_head_dim)
-            k = torch.zeros(shape_k, dtype=self.dtype, device=self.device)
-            v = torch.zeros(shape_v, dtype=self.dtype, device=self.device)
-            attn.kv_cache = (k, v)
-            self.kv_caches.append((k, v))
-        log.info("KV cache: %d blocks of %d tokens", self.num_blocks, self.block_size)
+        """``self.kv_cache``: the pool of num_blocks blocks (+ the pad block), bound to every attention layer."""
+        cache = self.config.cache
+        self.kv_cache = KVCache(self.model, self.num_blocks, self.block_size, self.dtype, self.device,
+                                cache.kv_cache_dtype, cache.kv_cache_dtype_skip_layers, cache.calculate_kv_scales)
+        log.debug("KV cache: %s, %d bytes per token", cache.kv_cache_dtype, self.kv_cache.bytes_per_token)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan, previous: StepResult | None = None) -> StepResult:
@@ -118,7 +110,9 @@ class ModelRunner:
                 logits = logits[torch.tensor(keep, device=logits.device)]
             return self._sample(plan, logits)
         batch = forward_batch(rows, feed, self.pad_block, self.device)
-        hidden = self.model(batch)
+        prefill = any(s.start < s.seq.num_prompt_tokens for s in plan.seqs)
+        with self.kv_cache.calculating_scales(prefill):  # calculate_kv_scales: the first prefill measures them
+            hidden = self.model(batch)
         logits = self.model.compute_logits(hidden[batch.sample_rows]) if rows.sample_rows else None
         prompt_lp = {}
         for i, row0, m in rows.prompt_rows:

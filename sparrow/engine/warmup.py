@@ -48,7 +48,19 @@ def warm_up(engine, seed: int = 0) -> int:
     """Run the warm-up steps on ``engine`` (idle: no request of its own may be running) and return how many
     steps ran. Prompts are random ids below the vocabulary size, each at most max_model_len - 2 tokens; a step's
     prompt tokens stop at the step's token budget and its sequences at max_num_seqs. Every request is finished
-    and its blocks freed on return."""
+    and its blocks freed on return. FP8 KV scales still to be measured (calculate_kv_scales) are left for the
+    first real prefill."""
+    import contextlib
+
+    runners = [engine.runner, getattr(getattr(engine.spec, "proposer", None), "runner", None)]
+    with contextlib.ExitStack() as stack:
+        for runner in runners:
+            if runner is not None:
+                stack.enter_context(runner.kv_cache.holding_scales())
+        return _warm_up(engine, seed)
+
+
+def _warm_up(engine, seed: int) -> int:
     cfg = engine.config
     rng = random.Random(seed)
     vocab = cfg.model.vocab_size

@@ -8,55 +8,18 @@ Cache layout and masking follow paged_attention.py: token t of sequence s sits i
 ``block_tables[s, t // B]`` at offset ``t % B``; query at position ``pos`` sees keys ``p <= pos`` and, with a
 window W, ``pos - p < W``. Softmax and accumulation are fp32 (online softmax, Dao et al., FlashAttention-2);
 decode splits are merged by log-sum-exp (flash-decoding).
+
+KV_FP8: e4m3 pools (``sparrow.kv_cache``) read directly: K / V tiles are widened to q's dtype (exact) for the
+dots, and the per-tensor scales are applied to the products (scores x k_scale, the P.V sum x v_scale), which
+equals dequantizing every element first (paged_attention.py's ``dequantize_kv_ref``).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from sparrow.kernels._attention_tile_jit import dot16, qk_scores, tanh_finite
 from sparrow.kernels._pdl_jit import pdl_enter
-
-
-@triton.jit
-def _tanh(x):
-    # tanh(x) = 1 - 2 / (exp(2x) + 1): finite for every x (exp overflow gives 1, underflow -1).
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-
-@triton.jit
-def _dot16(a, b, UPCAST: tl.constexpr):
-    """a @ b for 16-bit operands with fp32 accumulation. UPCAST: same numbers through an fp32 dot (the
-    Triton 3.9 interpreter's bf16 tl.dot reads the raw bits as integers)."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
-def _qk_scores(
-    q_ptr, q_row_off, q_head_off, q_mask, k_ptr, k_tok_off, n_mask,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_FP32: tl.constexpr, UPCAST: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """q [BLOCK_Q, D] . k [BLOCK_N, D]^T -> fp32 [BLOCK_Q, BLOCK_N], D walked in BLOCK_D chunks.
-    q_row_off / q_head_off: [BLOCK_Q] element offsets (summed); k_tok_off: [BLOCK_N] element offsets."""
-    scores = tl.zeros([BLOCK_Q, BLOCK_N], dtype=tl.float32)
-    for d0 in tl.static_range(0, HEAD_DIM_PAD, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        d_mask = offs_d < HEAD_DIM
-        qc = tl.load(
-            q_ptr + (q_row_off + q_head_off)[:, None] + offs_d[None, :],
-            mask=q_mask[:, None] & d_mask[None, :], other=0.0,
-        )  # [BLOCK_Q, BLOCK_D]
-        kc = tl.load(
-            k_ptr + k_tok_off[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0
-        )  # [BLOCK_D, BLOCK_N]
-        if DOT_FP32:
-            scores += tl.dot(qc.to(tl.float32), kc.to(tl.float32), input_precision="ieee")
-        else:
-            scores += _dot16(qc.to(kc.dtype), kc, UPCAST)
-    return scores
 
 
 @triton.jit
@@ -69,7 +32,7 @@ def _split_part(live, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit
 def paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    out_ptr, part_acc_ptr, part_lse_ptr,
+    out_ptr, part_acc_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
     scale, soft_cap, window,
     stride_qr, stride_qh,
     stride_kn, stride_kb, stride_kh,
@@ -81,7 +44,7 @@ def paged_decode_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, KV_FP8: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
 ):
     """One decode row (sequence s), one KV head and its G query heads, one KV split.
@@ -91,7 +54,8 @@ def paged_decode_kernel(
     seq_lens here, so a graph captured for the longest context still spreads a short one over P programs).
     SPLIT: write fp32 partials part_acc [S, Hq, P, Dv] (already divided by the split's softmax sum) and
     part_lse [S, Hq, P]; else (one split) write out [R, Hq, Dv] directly. Empty splits
-    write nothing (the reduce recomputes how many splits are live).
+    write nothing (the reduce recomputes how many splits are live). KV_FP8: e4m3 pools, scaled by
+    k_scale / v_scale ([1] fp32).
     """
     pdl_enter(USE_PDL)
     s = tl.program_id(0)
@@ -119,6 +83,9 @@ def paged_decode_kernel(
     offs_dv = tl.arange(0, DV_PAD)
     dv_mask = offs_dv < DV
 
+    qk_scale = scale
+    if KV_FP8:  # e4m3 pools: stored x k_scale, so the q.k products take it (v_scale: after the loop)
+        qk_scale = scale * tl.load(k_scale_ptr)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, DV_PAD], dtype=tl.float32)
@@ -128,12 +95,12 @@ def paged_decode_kernel(
         page = tl.load(block_tables_ptr + s * stride_bt + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
         in_page = offs_n % PAGE
         k_tok_off = page * stride_kn + in_page * stride_kb + kvh * stride_kh
-        scores = _qk_scores(
+        scores = qk_scores(
             q_ptr, q_row_off, q_head_off, g_mask, k_ptr, k_tok_off, n_mask,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_D, DOT_FP32, UPCAST, GROUP_PAD, BLOCK_N,
-        ) * scale
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_D, DOT_FP32, UPCAST, GROUP_PAD, BLOCK_N, KV_FP8,
+        ) * qk_scale
         if USE_SOFTCAP:
-            scores = soft_cap * _tanh(scores / soft_cap)
+            scores = soft_cap * tanh_finite(scores / soft_cap)
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
         # every tile holds >= 1 live key, so m_new is finite
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -144,12 +111,16 @@ def paged_decode_kernel(
         v = tl.load(
             v_ptr + v_tok_off[:, None] + offs_dv[None, :], mask=n_mask[:, None] & dv_mask[None, :], other=0.0
         )  # [BLOCK_N, DV_PAD]
+        if KV_FP8:
+            v = v.to(out_ptr.dtype.element_ty)
         if DOT_FP32:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + _dot16(p.to(v.dtype), v, UPCAST)
+            acc = acc * alpha[:, None] + dot16(p.to(v.dtype), v, UPCAST)
         m_i = m_new
 
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
     acc = acc / l_i[:, None]
     st_mask = g_mask[:, None] & dv_mask[None, :]
     if SPLIT:
@@ -204,7 +175,7 @@ def paged_decode_reduce_kernel(
 
 @triton.jit(do_not_specialize=["num_seqs"])  # step-varying counts: one variant (sparrow.engine.warmup)
 def paged_prefill_kernel(
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr, k_scale_ptr, v_scale_ptr,
     scale, soft_cap, window, num_seqs,
     stride_qr, stride_qh,
     stride_kn, stride_kb, stride_kh,
@@ -215,8 +186,10 @@ def paged_prefill_kernel(
     DV: tl.constexpr, DV_PAD: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
-    """One tile of BLOCK_M query rows of one sequence, one q head, causal over the paged cache.
+    """One tile of BLOCK_M query rows of one sequence, one q head, causal over the paged cache (KV_FP8: e4m3
+    pools, scaled by k_scale / v_scale, [1] fp32).
 
     grid (R // BLOCK_M + S, Hq). Query tile j of sequence s is program ``qsl[s] // BLOCK_M + s + j``
     (so no host-side count of tiles is needed); programs that land in the gaps exit.
@@ -253,6 +226,9 @@ def paged_prefill_kernel(
     q_head_off = (offs_m * 0 + h) * stride_qh
     offs_dv = tl.arange(0, DV_PAD)
     dv_mask = offs_dv < DV
+    qk_scale = scale
+    if KV_FP8:  # e4m3 pools: stored x k_scale, so the q.k products take it (v_scale: after the loop)
+        qk_scale = scale * tl.load(k_scale_ptr)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
@@ -262,12 +238,12 @@ def paged_prefill_kernel(
         page = tl.load(block_tables_ptr + s * stride_bt + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
         in_page = offs_n % PAGE
         k_tok_off = page * stride_kn + in_page * stride_kb + kvh * stride_kh
-        scores = _qk_scores(
+        scores = qk_scores(
             q_ptr, q_row_off, q_head_off, m_mask, k_ptr, k_tok_off, n_mask,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_D, DOT_FP32, UPCAST, BLOCK_M, BLOCK_N,
-        ) * scale
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_D, DOT_FP32, UPCAST, BLOCK_M, BLOCK_N, KV_FP8,
+        ) * qk_scale
         if USE_SOFTCAP:
-            scores = soft_cap * _tanh(scores / soft_cap)
+            scores = soft_cap * tanh_finite(scores / soft_cap)
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
@@ -281,13 +257,17 @@ def paged_prefill_kernel(
         v = tl.load(
             v_ptr + v_tok_off[:, None] + offs_dv[None, :], mask=n_mask[:, None] & dv_mask[None, :], other=0.0
         )  # [BLOCK_N, DV_PAD]
+        if KV_FP8:
+            v = v.to(out_ptr.dtype.element_ty)
         if DOT_FP32:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + _dot16(p.to(v.dtype), v, UPCAST)
+            acc = acc * alpha[:, None] + dot16(p.to(v.dtype), v, UPCAST)
         m_i = m_new
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padded rows only
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
     acc = acc / l_i[:, None]
     po = out_ptr + (q0 + offs_m).to(tl.int64)[:, None] * stride_or + h * stride_oh + offs_dv[None, :]
     tl.store(po, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & dv_mask[None, :])

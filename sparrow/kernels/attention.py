@@ -16,7 +16,7 @@ import triton
 
 from sparrow.kernels._attention_jit import paged_decode_kernel, paged_decode_reduce_kernel, paged_prefill_kernel
 from sparrow.kernels import interpreting, pdl_kwargs, use_triton
-from sparrow.kernels.paged_attention import paged_attention_ref
+from sparrow.kernels.paged_attention import _scale_args, paged_attention_ref
 
 # head dim (padded to a power of two) -> tile config. BLOCK_D chunks the q.k product so D = 512 fits.
 DECODE_CONFIGS: dict[int, dict[str, int]] = {
@@ -61,6 +61,8 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sliding
         raise ValueError("q, k_cache and v_cache need a contiguous last (head dim) axis")
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"q dtype {q.dtype} not supported (fp32, fp16, bf16)")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache {k_cache.dtype} and v_cache {v_cache.dtype} differ in dtype")
     s = seq_lens.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] < s or query_start_loc.shape[0] != s + 1:
         raise ValueError(
@@ -84,7 +86,8 @@ def _common(q, k_cache, v_cache, sliding_window, soft_cap):
         HEAD_DIM=d, HEAD_DIM_PAD=max(16, triton.next_power_of_2(d)), DV=dv, DV_PAD=max(16, triton.next_power_of_2(dv)),
         PAGE=k_cache.shape[1], USE_WINDOW=sliding_window is not None, USE_SOFTCAP=soft_cap is not None,
         DOT_FP32=q.dtype == torch.float32 or k_cache.dtype == torch.float32,
-        UPCAST=interpreting(),  # interpreter: 16-bit dots via fp32 (see _dot16)
+        UPCAST=interpreting(),  # interpreter: 16-bit dots via fp32 (see dot16)
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
     )
 
 
@@ -115,6 +118,8 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
@@ -131,7 +136,8 @@ def paged_decode_attention(
 
     max_seq_len: host-side bound on seq_lens (default: the block table's capacity M * B); it and the batch
     size choose P, so pass a fixed value when capturing CUDA graphs. num_splits / config force P / tiles.
-    Raises ValueError on bad shapes, dtypes or strides.
+    k_scale / v_scale: [1] fp32 per-tensor scales of an FP8 (e4m3) pool, read in the kernel (None: 1.0);
+    ignored for other pools. Raises ValueError on bad shapes, dtypes or strides.
     """
     _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sliding_window, soft_cap)
     num_seqs, (_, hq, _), hkv = seq_lens.shape[0], q.shape, k_cache.shape[2]
@@ -157,8 +163,9 @@ def paged_decode_attention(
         part_lse = torch.empty(num_seqs, hq, splits, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_lse = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device)
+    ks, vs, _ = _scale_args(k_cache, k_scale, v_scale)
     paged_decode_kernel[(num_seqs, hkv, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_lse, ks, vs,
         float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -191,13 +198,16 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for any mix of rows (prefill chunks, chunked prefill, decode); returns
     [R, Hq, Dv]. Arguments and semantics as ``paged_attention_ref``; earlier context is read from the pool,
     so chunked prefill and prefix-cache hits work. Grid (R // BLOCK_M + S, Hq): no host sync, no per-step
-    metadata beyond the reference's. ``config`` forces tiles. Raises ValueError on bad shapes/dtypes."""
+    metadata beyond the reference's. ``config`` forces tiles. k_scale / v_scale: as ``paged_decode_attention``.
+    Raises ValueError on bad shapes/dtypes."""
     _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sliding_window, soft_cap)
     num_seqs, (rows, hq, _), hkv = seq_lens.shape[0], q.shape, k_cache.shape[2]
     out = torch.empty(rows, hq, v_cache.shape[3], dtype=q.dtype, device=q.device)
@@ -206,8 +216,9 @@ def paged_prefill_attention(
     meta = _common(q, k_cache, v_cache, sliding_window, soft_cap)
     cfg = _config(PREFILL_CONFIGS, meta["HEAD_DIM_PAD"], config)
     grid = (rows // cfg["BLOCK_M"] + num_seqs, hq)
+    ks, vs, _ = _scale_args(k_cache, k_scale, v_scale)
     paged_prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, ks, vs,
         float(scale), float(soft_cap or 0.0), int(sliding_window or 0), num_seqs,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -228,6 +239,8 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged_attention_ref``'s contract, run by the fastest path: on CUDA (or under
     ``sparrow.kernels.backend("triton")``) the split-K decode kernel when R == S (one row per sequence: the caller
@@ -235,9 +248,9 @@ def paged_attention(
     on CPU the torch reference."""
     if not use_triton(q):
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                   sliding_window, soft_cap)
+                                   sliding_window, soft_cap, k_scale, v_scale)
     if q.shape[0] == seq_lens.shape[0]:
         return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                      sliding_window, soft_cap)
+                                      sliding_window, soft_cap, k_scale, v_scale)
     return paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                   sliding_window, soft_cap)
+                                   sliding_window, soft_cap, k_scale, v_scale)

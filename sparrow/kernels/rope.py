@@ -29,8 +29,8 @@ import torch
 import triton
 
 from sparrow.kernels._rope_jit import qk_norm_rope_kv_write_kernel
-from sparrow.kernels import pdl_kwargs, use_triton
-from sparrow.kernels.paged_attention import write_kv_ref
+from sparrow.kernels import interpreting, pdl_kwargs, use_triton
+from sparrow.kernels.paged_attention import _scale_args, write_kv_ref
 
 
 def build_cos_sin_cache(
@@ -89,6 +89,8 @@ def qk_norm_rope_kv_write_ref(
     slot_mapping: torch.Tensor,
     *,
     norm_offset: float = 1.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch twin of ``qk_norm_rope_kv_write`` (same arguments and results; see that docstring)."""
     half = rotary_dim // 2
@@ -112,7 +114,7 @@ def qk_norm_rope_kv_write_ref(
     vv = k if k_eq_v else v
     if v_norm:
         vv = _rms(vv, eps).to(vv.dtype)
-    write_kv_ref(k_out, vv, k_cache, v_cache, slot_mapping)
+    write_kv_ref(k_out, vv, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q_out, k_out
 
 
@@ -166,6 +168,8 @@ def qk_norm_rope_kv_write(
     slot_mapping: torch.Tensor,
     *,
     norm_offset: float = 1.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head q/k RMSNorm, RoPE, and the write of K / V into the paged cache, in one kernel.
 
@@ -173,7 +177,8 @@ def qk_norm_rope_kv_write(
     cos_sin_cache [max_pos, RD] fp32 (``build_cos_sin_cache``); q/k_norm_weight [D] or None (no norm);
     gemma_norm / norm_offset: norm flavour (module doc); v_norm: scale-free RMSNorm on V; k_eq_v: V is the
     raw k (before k-norm and RoPE), then v-norm. k_cache [N, B, Hkv, D], v_cache [N, B, Hkv, Dv] receive
-    the final K and V at slot_mapping [R] int64 (rows with slot < 0 are not written), cast to the cache dtype.
+    the final K and V at slot_mapping [R] int64 (rows with slot < 0 are not written), cast to the cache dtype
+    (FP8 e4m3 pools: divided by k_scale / v_scale, [1] fp32, saturated, rounded: ``quantize_kv_ref``).
     Returns (q_out [R, Hq, D], k_out [R, Hkv, D]) in q's dtype. Runs the Triton kernel on CUDA (or under
     ``sparrow.kernels.backend("triton")``), else the torch twin. Raises ValueError on bad shapes/dtypes.
     """
@@ -182,7 +187,10 @@ def qk_norm_rope_kv_write(
     _check(q, k, v, positions, cos_sin_cache, rotary_dim, q_norm_weight, k_norm_weight, k_eq_v, k_cache, v_cache,
            slot_mapping)
     if not use_triton(q):
-        return qk_norm_rope_kv_write_ref(*args, norm_offset=norm_offset)
+        return qk_norm_rope_kv_write_ref(*args, norm_offset=norm_offset, k_scale=k_scale, v_scale=v_scale)
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache {k_cache.dtype} and v_cache {v_cache.dtype} differ in dtype")
+    ks, vs, fp8 = _scale_args(k_cache, k_scale, v_scale)
     rows, hq, d = q.shape
     hkv = k.shape[1]
     dv = v_cache.shape[3]
@@ -195,7 +203,7 @@ def qk_norm_rope_kv_write(
     qw = q_norm_weight if q_norm_weight is not None else q
     kw = k_norm_weight if k_norm_weight is not None else k
     qk_norm_rope_kv_write_kernel[(rows, hq + hkv)](
-        q, k, vv, positions, cos_sin_cache, qw, kw, q_out, k_out, k_cache, v_cache, slot_mapping,
+        q, k, vv, positions, cos_sin_cache, qw, kw, q_out, k_out, k_cache, v_cache, slot_mapping, ks, vs,
         float(norm_offset), float(eps),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1), cos_sin_cache.stride(0),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
@@ -204,6 +212,7 @@ def qk_norm_rope_kv_write(
         HALF=half, HALF_PAD=triton.next_power_of_2(half),
         PASS_PAD=triton.next_power_of_2(d - rotary_dim) if d > rotary_dim else 0,
         HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None, GEMMA=bool(gemma_norm),
-        V_NORM=bool(v_norm), K_EQ_V=bool(k_eq_v), num_warps=4 if d <= 256 else 8, **pdl_kwargs(q),
+        V_NORM=bool(v_norm), K_EQ_V=bool(k_eq_v), KV_FP8=fp8, EMULATE_FP8=fp8 and interpreting(),
+        num_warps=4 if d <= 256 else 8, **pdl_kwargs(q),
     )
     return q_out, k_out

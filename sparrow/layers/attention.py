@@ -9,15 +9,16 @@ import torch
 from torch import nn
 
 from sparrow.kernels import use_triton
-from sparrow.kernels.paged_attention import paged_attention_ref, write_kv
+from sparrow.kernels.paged_attention import paged_attention_ref
 from sparrow.layers.forward_batch import ForwardBatch
 
 
 class Attention(nn.Module):
     """Writes this step's K/V into the layer's paged cache, then attends (q [R, Hq, D] -> [R, Hq, Dv]).
 
-    ``kv_cache`` is bound by the ModelRunner after the pool is allocated: (k_cache [N, B, Hkv, D],
-    v_cache [N, B, Hkv, Dv])."""
+    ``kv_cache`` is bound by the ModelRunner's ``sparrow.kv_cache.KVCache`` when the pool is allocated: this
+    layer's LayerKVCache (k [N, B, Hkv, D], v [N, B, Hkv, Dv] in the model dtype or FP8 e4m3, k_scale / v_scale).
+    ``checkpoint_kv_scales``: (k_scale, v_scale) read from the checkpoint, if any, for an FP8 pool."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, soft_cap: float | None = None, v_head_dim: int | None = None):
@@ -25,22 +26,22 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.v_head_dim = v_head_dim or head_dim
         self.scale, self.sliding_window, self.soft_cap = scale, sliding_window, soft_cap
-        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.kv_cache = None  # sparrow.kv_cache.LayerKVCache
+        self.checkpoint_kv_scales: tuple[float, float] | None = None  # sparrow.kv_cache.checkpoint
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        k_cache, v_cache = self.kv_cache
-        write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        self.kv_cache.write(k, v, batch.slot_mapping)
         return self.attend(q, batch)
 
     def attend(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Attention over the cache alone: this step's K/V must already be written at ``batch.slot_mapping``."""
-        k_cache, v_cache = self.kv_cache
+        c = self.kv_cache
         if use_triton(q):  # the Triton dispatcher: split-K decode or varlen prefill kernel
             from sparrow.kernels.attention import paged_attention as fn
         else:
             fn = paged_attention_ref
-        return fn(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                  self.scale, self.sliding_window, self.soft_cap)
+        return fn(q, c.k, c.v, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                  self.scale, self.sliding_window, self.soft_cap, c.k_scale, c.v_scale)
 
 
 class SelfAttention(nn.Module):
@@ -52,7 +53,9 @@ class SelfAttention(nn.Module):
     projection), ``attention_k_eq_v`` (Gemma 4 full layers: no v_proj, V = the raw K projection), Gemma 4's
     scale-free v_norm, per-layer head dim / KV heads / window / rope / rotary dim from ``config.layers``.
     On the Triton path the per-head q/k norms, v_norm, RoPE and the K/V cache write are one kernel
-    (``sparrow.kernels.rope.qk_norm_rope_kv_write``); MiniMax-M2's whole-projection norms stay separate."""
+    (``sparrow.kernels.rope.qk_norm_rope_kv_write``), except on the step that measures FP8 KV scales
+    (calculate_kv_scales: the cache measures K after norm and RoPE, then writes); MiniMax-M2's whole-projection
+    norms stay separate."""
 
     def __init__(self, config, layer_idx: int, dtype: torch.dtype):
         super().__init__()
@@ -96,7 +99,8 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None and not self.per_head_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.view(r, self.hq, self.d), k.view(r, self.hkv, self.d), v.view(r, self.hkv, self.d)
-        if use_triton(q) and (self.q_norm is None or self.per_head_norm):
+        # the fused kernel writes K / V itself: not on the step that measures the FP8 scales (calculate_kv_scales)
+        if use_triton(q) and (self.q_norm is None or self.per_head_norm) and not self.attn.kv_cache.measure:
             out = self._fused_norm_rope_write(q, k, None if self.k_eq_v else v, batch)
         else:
             if self.q_norm is not None and self.per_head_norm:
@@ -112,7 +116,7 @@ class SelfAttention(nn.Module):
         v is None on K=V layers (the kernel takes V from the raw k)."""
         from sparrow.kernels.rope import qk_norm_rope_kv_write
 
-        k_cache, v_cache = self.attn.kv_cache
+        c = self.attn.kv_cache
         norm = self.q_norm
         kind = norm.kind if norm is not None else "llama"
         eps = norm.eps if norm is not None else (self.v_norm.eps if self.v_norm is not None else 1e-6)
@@ -120,6 +124,6 @@ class SelfAttention(nn.Module):
             q, k, v, batch.positions, self.rotary.cos_sin_cache(q.device), self.rotary.rotary_dim,
             None if norm is None else norm.weight, None if norm is None else self.k_norm.weight, eps,
             gemma_norm=kind != "llama", v_norm=self.v_norm is not None, k_eq_v=v is None,
-            k_cache=k_cache, v_cache=v_cache, slot_mapping=batch.slot_mapping,
-            norm_offset=1.0 if kind == "gemma" else 0.0)
+            k_cache=c.k, v_cache=c.v, slot_mapping=batch.slot_mapping,
+            norm_offset=1.0 if kind == "gemma" else 0.0, k_scale=c.k_scale, v_scale=c.v_scale)
         return self.attn.attend(q, batch)

@@ -142,24 +142,27 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         from sparrow.loader.safetensors import iter_safetensors
 
         tensors = iter_safetensors(path, device="cpu")
-    rope_freqs, unused = [], []
+    rope_freqs, kv_scales = [], {}
 
     def filtered():
         for name, t in tensors:
             if name == "rope_freqs":
                 rope_freqs.append(t)
                 continue
-            if quant_config.skips_tensor(name):
-                unused.append(name)
+            if quant_config.skips_tensor(name):  # the checkpoint's FP8 KV-cache scales: sparrow.kv_cache
+                kv_scales[name] = t
                 continue
             yield name, t
 
     from sparrow.quant.registry import describe_checkpoint_tensor
 
     load_weights(model, filtered(), describe_checkpoint_tensor)
-    if unused:
-        log.info("skipped %d KV-cache scales (%s, ...): the checkpoint declares an FP8 KV cache, sparrow's is in the "
-                 "model dtype", len(unused), unused[0])
+    if kv_scales:
+        from sparrow.kv_cache.checkpoint import bind_checkpoint_kv_scales
+
+        n = bind_checkpoint_kv_scales(model, kv_scales)
+        log.info("read the k/v scales of %d layers (%s, ...): used by an fp8 KV cache (kv_cache_dtype='fp8'), "
+                 "ignored by the model-dtype one", n, next(iter(kv_scales)))
     if rope_freqs:
         for mod in model.modules():
             if hasattr(mod, "set_freq_factors"):

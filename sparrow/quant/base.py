@@ -137,7 +137,7 @@ class QuantizationConfig:
 
     kv_cache_scales: bool = False
     """The checkpoint's quantization_config declares an FP8 KV cache (ModelOpt ``kv_cache_quant_algo``,
-    compressed-tensors ``kv_cache_scheme``): its ``KV_CACHE_SCALES`` tensors are skipped (``skips_tensor``)."""
+    compressed-tensors ``kv_cache_scheme``): its ``KV_CACHE_SCALES`` tensors are not weights (``skips_tensor``)."""
 
     hf_quant_methods: ClassVar[tuple[str, ...]] = ()
     """More ``quantization_config.quant_method`` values this format may load (besides ``name``), each only where
@@ -169,8 +169,8 @@ class QuantizationConfig:
         return bool(inner.get("kv_cache_quant_algo") or qc.get("kv_cache_scheme"))
 
     def skips_tensor(self, name: str) -> bool:
-        """Whether the loader drops checkpoint tensor ``name`` unread: the KV-cache scales of ``kv_cache_scales``
-        (sparrow's KV cache is in the model dtype, so an FP8 export's scales have nothing to scale)."""
+        """Whether checkpoint tensor ``name`` is not a weight: the KV-cache scales of ``kv_cache_scales``, which the
+        loader hands to ``sparrow.kv_cache.checkpoint`` (used by an FP8 KV cache, ignored by a model-dtype one)."""
         return self.kv_cache_scales and name.endswith(KV_CACHE_SCALES)
 
     def for_model(self, model: nn.Module) -> "QuantizationConfig":

@@ -171,7 +171,7 @@ class Int4Config(QuantizationConfig):
     float_prefixes: frozenset = frozenset()
     """sparrow's names of the layers those entries leave float (``for_model``)."""
     kv_cache_scales: bool = False
-    """The checkpoint declares an FP8 KV cache (``QuantizationConfig.declares_kv_cache``): its scales are skipped."""
+    """The checkpoint declares an FP8 KV cache (``QuantizationConfig.declares_kv_cache``): its scales aren't weights."""
 
     @classmethod
     def claims_hf(cls, qc: dict) -> bool:

@@ -90,7 +90,7 @@ class Nvfp4Config(QuantizationConfig):
     ignored_prefixes: frozenset = frozenset()
     """sparrow's module names those entries name (``for_model``)."""
     kv_cache_scales: bool = False
-    """The checkpoint declares an FP8 KV cache (``QuantizationConfig.declares_kv_cache``): its scales are skipped."""
+    """The checkpoint declares an FP8 KV cache (``QuantizationConfig.declares_kv_cache``): its scales aren't weights."""
 
     @classmethod
     def claims_hf(cls, qc: dict) -> bool:
