@@ -456,6 +456,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=1, help="timed runs per point; the best is reported (default 1)")
     b.add_argument("--enforce-eager", action="store_true", help="sparrow without CUDA graphs")
     b.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default 0)")
+    from sparrow.kv_cache import KV_CACHE_DTYPES
+
+    b.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
+                   help="sparrow's KV cache storage: auto (the model dtype) or fp8 / fp8_e4m3 (default auto)")
     b.add_argument("--hf-dtype", default=None,
                    help="run transformers in this dtype instead of sparrow's (with --model; e.g. its float32 default)")
     b.set_defaults(func=cmd_bench)

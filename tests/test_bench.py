@@ -48,9 +48,11 @@ def test_expert_hit_fraction():
 
 
 def test_kv_bytes_respect_the_sliding_window():
-    fp = Footprint({}, kv_layers=[(2, 4, 4, 8), (1, 8, 8, None)], element_size=2)
+    fp = Footprint({}, kv_layers=[(2, 4, 4, 8, None), (1, 8, 8, None, None)], element_size=2)
     # sliding layer reads min(context, 8) tokens, the full layer all of them
     assert fp.kv_bytes(batch=3, context=100) == 3 * (2 * 8 * 8 + 1 * 16 * 100) * 2
+    fp8 = Footprint({}, kv_layers=[(2, 4, 4, 8, None), (1, 8, 8, None, 1)], element_size=2)  # full layer in fp8
+    assert fp8.kv_bytes(batch=3, context=100) == 3 * (2 * 8 * 8 * 2 + 1 * 16 * 100 * 1)
 
 
 def test_tiny_dense_bench_table_and_json(tmp_path, capsys):

@@ -27,8 +27,9 @@ class Footprint:
     """The LM head is the embedding table."""
     hidden: int = 0
     """Hidden size (bytes of an embedding row = hidden x element size)."""
-    kv_layers: list[tuple[int, int, int, int | None]] = field(default_factory=list)
-    """Per attention layer: (KV heads, K head dim, V head dim, sliding window or None)."""
+    kv_layers: list[tuple[int, int, int, int | None, int | None]] = field(default_factory=list)
+    """Per attention layer: (KV heads, K head dim, V head dim, sliding window or None, bytes per KV element or None
+    for ``element_size``: 1 in an fp8 KV cache)."""
     element_size: int = 2
     """Bytes per element of weights / KV cache."""
 
@@ -41,8 +42,9 @@ class Footprint:
 
     def kv_bytes(self, batch: int, context: float) -> float:
         """K and V bytes a decode step reads for ``batch`` sequences at ``context`` tokens each."""
-        per_seq = sum(h * (dk + dv) * min(context, w or context) for h, dk, dv, w in self.kv_layers)
-        return batch * per_seq * self.element_size
+        per_seq = sum(h * (dk + dv) * min(context, w or context) * (e or self.element_size)
+                      for h, dk, dv, w, e in self.kv_layers)
+        return batch * per_seq
 
     def step_bytes(self, batch: int, context: float) -> dict[str, float]:
         """Bytes read by one decode step of ``batch`` sequences, by group, plus 'total'."""
@@ -85,16 +87,18 @@ def footprint(model: torch.nn.Module, cfg: dict, tied: bool, hidden: int) -> Foo
     return Footprint(groups, n_exp, top_k, tied, hidden, _kv_layers(model), elt)
 
 
-def _kv_layers(model) -> list[tuple[int, int, int, int | None]]:
-    """(KV heads, K dim, V dim, window) per attention layer: sparrow's Attention modules, or transformers'
-    attention modules (those with k_proj and head_dim)."""
+def _kv_layers(model) -> list[tuple[int, int, int, int | None, int | None]]:
+    """(KV heads, K dim, V dim, window, KV element bytes) per attention layer: sparrow's Attention modules (the
+    element size of the KV cache bound to each, once an engine allocated it), or transformers' attention modules
+    (those with k_proj and head_dim; the model dtype's size)."""
     if hasattr(model, "attention_layers"):
-        return [(a.num_kv_heads, a.head_dim, a.v_head_dim, a.sliding_window) for a in model.attention_layers()]
+        return [(a.num_kv_heads, a.head_dim, a.v_head_dim, a.sliding_window,
+                 None if a.kv_cache is None else a.kv_cache.k.element_size()) for a in model.attention_layers()]
     out = []
     for mod in model.modules():
         k_proj, d = getattr(mod, "k_proj", None), getattr(mod, "head_dim", None)
         if k_proj is not None and d:
-            out.append((k_proj.out_features // d, d, d, getattr(mod, "sliding_window", None)))
+            out.append((k_proj.out_features // d, d, d, getattr(mod, "sliding_window", None), None))
     return out
 
 

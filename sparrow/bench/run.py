@@ -66,6 +66,7 @@ def run_bench(args) -> int:
         print(f"transformers runs in {s.hf_dtype}, sparrow in {s.dtype}")
     quant = f", sparrow's weights quantized to {s.quantization} at load" if s.quantization else ""
     quant += ", LM head in FP8" if s.quantize_lm_head else ""
+    quant += f", {s.kv_cache_dtype} KV cache" if s.kv_cache_dtype != "auto" else ""
     print(f"sparrow bench on {report['meta']['device_name']} ({s.device}, {s.dtype}{quant}); load average "
           f"{report['meta']['load_average_start'][0]:.2f}; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)",
           flush=True)

@@ -29,7 +29,8 @@ def engine_kwargs(s: Settings, max_model_len: int | None) -> dict:
     budget = 8192 if s.device.startswith("cuda") else SchedulerConfig.max_num_batched_tokens
     return dict(max_model_len=mml, num_kv_blocks=top * -(-mml // block) + top, max_num_seqs=max(top, 1),
                 max_num_batched_tokens=max(budget, max(s.prompt_lens)), enable_prefix_caching=False,
-                enforce_eager=s.enforce_eager, gpu_memory_utilization=s.gpu_memory_utilization)
+                enforce_eager=s.enforce_eager, gpu_memory_utilization=s.gpu_memory_utilization,
+                kv_cache_dtype=s.kv_cache_dtype)
 
 
 def sparrow_model_random(cfg: dict, full_cfg: dict, s: Settings):
@@ -76,6 +77,18 @@ def load_hf_pretrained(path: Path, s: Settings):
     return model.to(s.device).eval()
 
 
+def kv_capacity_tokens(engine, s: Settings) -> int | None:
+    """Tokens a KV pool in the engine's cache dtype would hold at ``s.gpu_memory_utilization`` beside what the
+    engine holds now besides its own pool (weights, CUDA graphs): what ``sparrow serve`` would get (the bench
+    sizes its pool to its largest batch instead). None off CUDA."""
+    if not s.device.startswith("cuda"):
+        return None
+    runner = engine.runner
+    total = torch.cuda.get_device_properties(torch.device(s.device)).total_memory
+    held = torch.cuda.memory_allocated(s.device) - runner.kv_pool.nbytes
+    return max(0, int((s.gpu_memory_utilization * total - held) // runner.kv_cache.bytes_per_token))
+
+
 def _print_load_peak(meta: dict, device: str) -> None:
     kind = "torch's GPU allocator" if device.startswith("cuda") else "process RSS"
     print(f"sparrow's load peaked at {meta['load_peak_memory_bytes'] / 2**20:.0f} MiB ({kind})", flush=True)
@@ -119,6 +132,7 @@ def shape_runners(name: str, s: Settings, engine_kw: dict, with_hf: bool, meta: 
         engine = None
     if engine is not None:
         fp = footprint(engine.runner.model, full, tied, hidden)
+        meta["kv_capacity_tokens"] = kv_capacity_tokens(engine, s)
         yield SparrowRunner(engine), fp, vocab
         del engine
         _free(s.device)
@@ -141,6 +155,7 @@ def path_runners(path: Path, s: Settings, engine_kw: dict, with_hf: bool, meta: 
     engine, meta["load_peak_memory_bytes"] = llm.engine, llm.load_peak_memory
     del llm
     _print_load_peak(meta, s.device)
+    meta["kv_capacity_tokens"] = kv_capacity_tokens(engine, s)
     mcfg = engine.config.model
     fp = footprint(engine.runner.model, mcfg.raw, mcfg.tie_word_embeddings, mcfg.hidden_size)
     meta["params"] = sum(p.numel() for p in engine.runner.model.parameters())

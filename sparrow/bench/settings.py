@@ -26,6 +26,8 @@ class Settings:
     """transformers' dtype when it differs from sparrow's (--hf-dtype, checkpoints only); None: the same."""
     gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
     """Fraction of GPU memory sparrow's engine may use, weights + KV pool (--gpu-memory-utilization)."""
+    kv_cache_dtype: str = CacheConfig.kv_cache_dtype
+    """sparrow's KV cache storage (--kv-cache-dtype: auto, fp8, fp8_e4m3)."""
 
     @property
     def max_model_len(self) -> int:
@@ -61,6 +63,7 @@ def resolve_settings(args) -> Settings:
         hf_dtype=resolve_dtype(args.hf_dtype, device) if getattr(args, "hf_dtype", None) else None,
         gpu_memory_utilization=_given(getattr(args, "gpu_memory_utilization", None),
                                       CacheConfig.gpu_memory_utilization),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", None) or CacheConfig.kv_cache_dtype,
     )
     if s.hf_dtype and args.model_shape:
         raise InvalidRequestError("--hf-dtype works with --model only (a random-weight shape is shared in one dtype)")

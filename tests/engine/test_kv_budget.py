@@ -115,7 +115,7 @@ def test_llm_on_cpu_gets_the_pool_kv_cache_memory_holds(tiny_model_dir, caplog):
     assert llm.config.cache.kv_cache_memory == MIB
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV pool:")]
     assert lines == [f"KV pool: {pool.num_blocks} blocks x 16 tokens = {pool.num_blocks * 16} tokens, 1.00 MiB "
-                     "(budget: kv_cache_memory=1.00 MiB)"]
+                     "(budget: kv_cache_memory=1.00 MiB); KV cache dtype auto"]
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3
 
