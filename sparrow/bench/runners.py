@@ -53,12 +53,16 @@ def sparrow_model_random(cfg: dict, full_cfg: dict, s: Settings):
     return model
 
 
-def sparrow_from_shape(cfg: dict, full_cfg: dict, s: Settings, engine_kw: dict):
-    """``sparrow_model_random`` wrapped in an Engine by ``LLM.from_model`` (no tokenizer). Raises
-    UnsupportedArchitectureError if sparrow lacks the architecture."""
+def sparrow_from_shape(cfg: dict, full_cfg: dict, s: Settings, engine_kw: dict, meta: dict | None = None):
+    """``sparrow_model_random`` wrapped in an Engine by ``LLM.from_model`` (no tokenizer); ``meta`` (if given)
+    gets ``load_peak_memory_bytes``, the peak while the weights streamed in (before the KV pool and graphs).
+    Raises UnsupportedArchitectureError if sparrow lacks the architecture."""
     from sparrow.engine.llm import LLM
 
+    reset_peak_memory(s.device)
     model = sparrow_model_random(cfg, full_cfg, s)
+    if meta is not None:
+        meta["load_peak_memory_bytes"] = peak_memory(s.device)
     # a --max-model-len beyond the shape's positions only sizes the KV pool (num_kv_blocks); prompt + decode
     # tokens were checked against the positions
     kw = dict(engine_kw, max_model_len=min(engine_kw["max_model_len"], model.config.max_position_embeddings))
@@ -121,10 +125,8 @@ def shape_runners(name: str, s: Settings, engine_kw: dict, with_hf: bool, meta: 
     meta["params"] = sum(p.numel() for p in skeleton.parameters())
     fp = hf_fp = footprint(skeleton, full, tied, hidden)  # each engine's row uses the bytes of its own weights
     del skeleton
-    reset_peak_memory(s.device)
     try:
-        engine = sparrow_from_shape(cfg, full, s, engine_kw)
-        meta["load_peak_memory_bytes"] = peak_memory(s.device)
+        engine = sparrow_from_shape(cfg, full, s, engine_kw, meta)
         _print_load_peak(meta, s.device)
     except UnsupportedArchitectureError as e:
         print(f"sparrow cannot run {name} yet ({e}); measuring transformers only", flush=True)
