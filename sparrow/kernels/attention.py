@@ -215,6 +215,8 @@ def paged_prefill_attention(
         return out
     meta = _common(q, k_cache, v_cache, sliding_window, soft_cap)
     cfg = _config(PREFILL_CONFIGS, meta["HEAD_DIM_PAD"], config)
+    if meta["DOT_FP32"] and meta["HEAD_DIM_PAD"] >= 256 and not (config and "num_stages" in config):
+        cfg["num_stages"] = 1  # fp32 tiles at D >= 256 outgrow shared memory when pipelined (295 KB > 227 KB, H100)
     grid = (rows // cfg["BLOCK_M"] + num_seqs, hq)
     ks, vs, _ = _scale_args(k_cache, k_scale, v_scale)
     paged_prefill_kernel[grid](
