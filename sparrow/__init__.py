@@ -9,6 +9,7 @@ from sparrow.errors import SparrowError
 from sparrow.lora.request import LoRARequest
 from sparrow.outputs import CompletionOutput, Logprob, RequestOutput
 from sparrow.sampling_params import SamplingParams
+from sparrow.structured_outputs import StructuredOutputsParams
 
 
 def __getattr__(name):  # LLM pulls in torch models; import it lazily so `import sparrow` stays cheap
@@ -19,5 +20,5 @@ def __getattr__(name):  # LLM pulls in torch models; import it lazily so `import
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput", "Logprob", "SparrowError"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "LoRARequest", "RequestOutput", "CompletionOutput", "Logprob", "SparrowError"]
 __version__ = "0.1.0"

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from sparrow.errors import InvalidRequestError
+from sparrow.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 """Most log-probabilities returned per token (vLLM's default max_logprobs)."""
@@ -60,6 +61,9 @@ class SamplingParams:
     """Leave special tokens out of the output text."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the text."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice list or grammar (xgrammar's token bitmask applied in the
+    sampler); the sequence finishes with finish_reason "stop" when the grammar is complete."""
     _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -116,6 +120,8 @@ class SamplingParams:
             or any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids)
         ):
             raise bad("stop_token_ids", "must be a list of integers or None")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams or None")
 
     @property
     def greedy(self) -> bool:

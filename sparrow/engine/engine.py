@@ -93,6 +93,8 @@ class Engine:
         its host copy is dropped before a step runs it and its folder cannot be read again then, the request ends
         with the error in ``failed``)."""
         params = own_params(params)
+        if params.structured_outputs is not None:  # until the sampler applies the grammar: refuse, never ignore
+            raise InvalidRequestError("SamplingParams.structured_outputs is not supported by this engine yet")
         if lora_request is not None:
             from sparrow.lora.request import LoRARequest
 
