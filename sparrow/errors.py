@@ -30,6 +30,11 @@ class LoRAAdapterError(InvalidRequestError):
     modules_to_save), a rank over max_lora_rank, or a target module sparrow cannot adapt."""
 
 
+class LoRAAdapterNotFoundError(LoRAAdapterError):
+    """No adapter at a LoRA path: it is not a folder, or the folder lacks adapter_config.json or its weights file
+    (the server answers 404, as vLLM answers "No adapter found")."""
+
+
 class InsufficientMemoryError(InvalidRequestError):
     """The KV pool the memory settings allow cannot hold one sequence of max_model_len tokens (or does not fit the
     free device memory); the message names the weights, free and total memory and the setting to change."""

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from sparrow.errors import LoRAAdapterError
+from sparrow.errors import LoRAAdapterError, LoRAAdapterNotFoundError
 from sparrow.lora.request import LoRARequest
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.(lora_A|lora_B)\.weight$")
@@ -56,7 +56,7 @@ class Adapter:
 def _read_config(folder: Path, name: str) -> dict:
     path = folder / "adapter_config.json"
     if not path.is_file():
-        raise LoRAAdapterError(f"LoRA adapter {name!r}: {path} does not exist")
+        raise LoRAAdapterNotFoundError(f"LoRA adapter {name!r}: {path} does not exist")
     try:
         cfg = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -128,22 +128,37 @@ def _side_by_side(parts: list[tuple[int, torch.Tensor, torch.Tensor]], n: int) -
 def load_adapter(request: LoRARequest, model: torch.nn.Module, max_lora_rank: int,
                  dtype: torch.dtype = torch.float32) -> Adapter:
     """Read ``request``'s folder and map it onto ``model`` (a sparrow CausalLM), the factors in ``dtype``. Raises
-    LoRAAdapterError for a missing or malformed folder (an ``adapter_model.bin`` holding objects other than tensors
-    among them), an unsupported PEFT feature (DoRA, biases, modules_to_save, ...), a tensor that is not a lora_A /
-    lora_B weight or not a finite floating-point one, factors of rank 0, a rank over ``max_lora_rank``, or a target
-    sparrow cannot adapt (naming it)."""
-    from sparrow.layers.linear import Linear
-    from sparrow.layers.moe import FusedMoE
-    from sparrow.layers.router import Router
-    from sparrow.models.base import EXPERT_TENSORS
-
+    LoRAAdapterNotFoundError when the folder does not exist or holds no adapter_config.json or weights file, and
+    LoRAAdapterError for a malformed folder (an ``adapter_model.bin`` holding objects other than tensors among them),
+    an unsupported PEFT feature (DoRA, biases, modules_to_save, ...), a tensor that is not a lora_A / lora_B weight or
+    not a finite floating-point one, factors of rank 0, a rank over ``max_lora_rank``, or a target sparrow cannot
+    adapt (naming it). Reads only ``model``'s structure: safe to call on a thread beside the one stepping it."""
     name, folder = request.lora_name, Path(request.lora_path)
     if not folder.is_dir():
-        raise LoRAAdapterError(f"LoRA adapter {name!r}: {folder} is not a folder")
+        raise LoRAAdapterNotFoundError(f"LoRA adapter {name!r}: {folder} is not a folder")
     cfg = _read_config(folder, name)
     path, tensors = _read_tensors(folder, name)
+    pairs, stray = _lora_pairs(tensors, name)
+    mapper = _Mapper(name, cfg, model, max_lora_rank)
+    for module, ab in sorted(pairs.items()):
+        mapper.add(module, ab)
+    adapter = Adapter(request)
+    mapper.finish(adapter)
+    if stray:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {stray[0]!r} is not supported (only lora_A / lora_B "
+                               "weights: no DoRA magnitudes, biases, embeddings or saved modules)")
+    if not adapter.targets:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: {path} holds no LoRA weights")
+    adapter.targets = {key: (a.to(dtype), b.to(dtype)) for key, (a, b) in adapter.targets.items()}
+    return adapter
+
+
+def _lora_pairs(tensors: dict[str, torch.Tensor], name: str) -> tuple[dict[str, dict[str, torch.Tensor]], list[str]]:
+    """PEFT module -> {'lora_A': fp32 tensor, 'lora_B': ...}, and the keys that are no lora_A / lora_B weight (refused
+    after the targets are mapped: a bad target names itself first). Raises LoRAAdapterError for a factor that is not
+    a finite floating-point tensor."""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
-    stray = []  # tensors other than lora_A / lora_B weights: refused after the targets (a bad target names itself)
+    stray = []
     for key, t in tensors.items():
         m = _KEY.match(key)
         if m is None:
@@ -154,102 +169,130 @@ def load_adapter(request: LoRARequest, model: torch.nn.Module, max_lora_rank: in
         if not torch.isfinite(t).all():
             raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {key!r} holds NaN or infinite values")
         pairs.setdefault(m.group(1), {})[m.group(2)] = t.float()
-    adapter = Adapter(request)
-    linear_parts: dict[str, list] = {}
-    expert_parts: dict[tuple[str, str], dict[int, list]] = {}
+    return pairs, stray
 
-    def fail(module: str, why: str):
-        raise LoRAAdapterError(f"LoRA adapter {name!r}: target module {module!r} {why}")
 
-    for module, ab in sorted(pairs.items()):
+class _Mapper:
+    """PEFT factor pairs -> sparrow targets, one module at a time (``add``), assembled by ``finish``: a packed linear's
+    shards side by side, per-expert factors stacked [E, ...]. Scalings are folded into B as each pair is read."""
+
+    def __init__(self, name: str, cfg: dict, model: torch.nn.Module, max_lora_rank: int):
+        self.name, self.cfg, self.model, self.max_lora_rank = name, cfg, model, max_lora_rank
+        self.targets: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.rank = 0
+        self.linear_parts: dict[str, list] = {}
+        """sparrow linear path -> [(first output row, A [r, K], B [n_i, r])] per shard."""
+        self.expert_parts: dict[tuple[str, str], dict[int, list]] = {}
+        """(FusedMoE path, stacked name) -> expert -> [(first output row, A, B)]."""
+
+    def fail(self, module: str, why: str):
+        raise LoRAAdapterError(f"LoRA adapter {self.name!r}: target module {module!r} {why}")
+
+    def check_rank(self, module: str, r: int) -> None:
+        if r > self.max_lora_rank:
+            raise LoRAAdapterError(f"LoRA adapter {self.name!r}: rank {r} of {module!r} exceeds max_lora_rank="
+                                   f"{self.max_lora_rank}")
+
+    def add(self, module: str, ab: dict[str, torch.Tensor]) -> None:
+        """Map PEFT ``module``'s lora_A / lora_B (``base_layer`` wrappers unwrapped) onto its sparrow module."""
+        from sparrow.layers.linear import Linear
+        from sparrow.layers.moe import FusedMoE
+        from sparrow.layers.router import Router
+
         if set(ab) != {"lora_A", "lora_B"}:
-            fail(module, "lacks its lora_A or lora_B weight")
+            self.fail(module, "lacks its lora_A or lora_B weight")
         a, b = ab["lora_A"], ab["lora_B"]
         if a.dim() != 2 or b.dim() != 2:
-            fail(module, f"has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}: both must be 2-D")
+            self.fail(module, f"has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}: both must be 2-D")
         if a.shape[0] == 0 or b.shape[1] == 0:
-            fail(module, f"has rank 0 (lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)})")
+            self.fail(module, f"has rank 0 (lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)})")
         hf = module
         while hf.endswith(_BASE_LAYER):
             hf = hf[: -len(_BASE_LAYER)]
-        resolved = model.resolve_weight(hf + ".weight")
+        resolved = self.model.resolve_weight(hf + ".weight")
         if resolved is None:
-            fail(hf, "is not part of the text decoder")
+            self.fail(hf, "is not part of the text decoder")
         pname, shard = resolved
         mpath = pname.rpartition(".")[0]
-        target = _submodule(model, mpath)
-        per_expert = _PER_EXPERT.match(hf)
-        if per_expert is not None and per_expert.group(3) not in EXPERT_TENSORS:
-            per_expert = None
+        target = _submodule(self.model, mpath)
         if target is None:
-            fail(hf, "does not exist in the model")
+            self.fail(hf, "does not exist in the model")
         if isinstance(target, Linear):
-            r = a.shape[0]
-            _check_rank(name, hf, r, max_lora_rank)
-            n_i = target.output_sizes[shard or 0]
-            if tuple(a.shape) != (r, target.in_features) or tuple(b.shape) != (n_i, r):
-                fail(hf, f"has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, expected "
-                         f"({r}, {target.in_features}) / ({n_i}, {r})")
-            row = sum(target.output_sizes[: shard or 0])
-            linear_parts.setdefault(mpath, []).append((row, a, b * _scaling(cfg, hf, r)))
+            self._linear(hf, mpath, target, shard, a, b)
         elif isinstance(target, Router):
-            r = a.shape[0]
-            _check_rank(name, hf, r, max_lora_rank)
-            if tuple(a.shape) != (r, target.hidden_size) or tuple(b.shape) != (target.num_experts, r):
-                fail(hf, f"(router) has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, expected "
-                         f"({r}, {target.hidden_size}) / ({target.num_experts}, {r})")
-            adapter.targets[mpath, "weight"] = (a, b * _scaling(cfg, hf + ".weight", r))
-            adapter.rank = max(adapter.rank, r)
+            self._router(hf, mpath, target, a, b)
         elif isinstance(target, FusedMoE):
-            e, h, i = target.num_experts, target.hidden_size, target.intermediate_size
-            if per_expert is not None:  # experts.N.gate_proj: one expert's gate / up / down
-                stacked, block = EXPERT_TENSORS[per_expert.group(3)]
-                r, expert = a.shape[0], int(per_expert.group(2))
-                _check_rank(name, hf, r, max_lora_rank)
-                k, n_i = (h, i) if stacked == "gate_up_proj" else (i, h)
-                if expert >= e or tuple(a.shape) != (r, k) or tuple(b.shape) != (n_i, r):
-                    fail(hf, f"has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, expected ({r}, {k}) / "
-                             f"({n_i}, {r}) for one of {e} experts")
-                expert_parts.setdefault((mpath, stacked), {}).setdefault(expert, []).append(
-                    (block * i, a, b * _scaling(cfg, hf, r)))
-                continue
-            # fused 3-D parameter (PEFT target_parameters): which one, by the factors' shapes
-            stacked = {(h, 2 * i): "gate_up_proj", (i, h): "down_proj"}.get((a.shape[1], b.shape[0]))
-            if stacked is None or a.shape[0] % e or b.shape[1] != a.shape[0]:
-                fail(hf, f"(experts) has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, which fit neither "
-                         f"gate_up_proj ({e} experts x [{2 * i}, {h}]) nor down_proj ({e} x [{h}, {i}])")
-            r = a.shape[0] // e
-            _check_rank(name, f"{hf}.{stacked}", r, max_lora_rank)
-            a3 = a.reshape(e, r, a.shape[1])  # [E, r, in]
-            b3 = b.reshape(b.shape[0], r, e).permute(2, 0, 1).contiguous()  # [E, out, r]
-            adapter.targets[mpath, stacked] = (a3, b3 * _scaling(cfg, f"{hf}.{stacked}", r))
-            adapter.rank = max(adapter.rank, r)
+            self._experts(hf, mpath, target, a, b)
         else:
-            fail(hf, f"is a {type(target).__name__}, which LoRA cannot adapt here (supported: dense linears, "
-                     "the router mlp.gate, routed and shared experts)")
-    for mpath, parts in linear_parts.items():
-        target = model.get_submodule(mpath)
-        adapter.targets[mpath, "weight"] = _side_by_side(sorted(parts, key=lambda p: p[0]), target.out_features)
-        adapter.rank = max(adapter.rank, max(p[1].shape[0] for p in parts))
-    for (mpath, stacked), experts in expert_parts.items():
-        target = model.get_submodule(mpath)
-        n = 2 * target.intermediate_size if stacked == "gate_up_proj" else target.hidden_size
-        k = target.hidden_size if stacked == "gate_up_proj" else target.intermediate_size
-        built = {ex: _side_by_side(sorted(p, key=lambda q: q[0]), n) for ex, p in experts.items()}
-        width = max(a.shape[0] for a, _ in built.values())
-        a3 = torch.zeros(target.num_experts, width, k)
-        b3 = torch.zeros(target.num_experts, n, width)
-        for ex, (a, b) in built.items():
-            a3[ex, : a.shape[0]], b3[ex, :, : b.shape[1]] = a, b
-        adapter.targets[mpath, stacked] = (a3, b3)
-        adapter.rank = max(adapter.rank, max(p[1].shape[0] for ps in experts.values() for p in ps))
-    if stray:
-        raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {stray[0]!r} is not supported (only lora_A / lora_B "
-                               "weights: no DoRA magnitudes, biases, embeddings or saved modules)")
-    if not adapter.targets:
-        raise LoRAAdapterError(f"LoRA adapter {name!r}: {path} holds no LoRA weights")
-    adapter.targets = {key: (a.to(dtype), b.to(dtype)) for key, (a, b) in adapter.targets.items()}
-    return adapter
+            self.fail(hf, f"is a {type(target).__name__}, which LoRA cannot adapt here (supported: dense linears, "
+                          "the router mlp.gate, routed and shared experts)")
+
+    def _linear(self, hf: str, mpath: str, target, shard: int | None, a: torch.Tensor, b: torch.Tensor) -> None:
+        r = a.shape[0]
+        self.check_rank(hf, r)
+        n_i = target.output_sizes[shard or 0]
+        if tuple(a.shape) != (r, target.in_features) or tuple(b.shape) != (n_i, r):
+            self.fail(hf, f"has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, expected "
+                          f"({r}, {target.in_features}) / ({n_i}, {r})")
+        row = sum(target.output_sizes[: shard or 0])
+        self.linear_parts.setdefault(mpath, []).append((row, a, b * _scaling(self.cfg, hf, r)))
+
+    def _router(self, hf: str, mpath: str, target, a: torch.Tensor, b: torch.Tensor) -> None:
+        r = a.shape[0]
+        self.check_rank(hf, r)
+        if tuple(a.shape) != (r, target.hidden_size) or tuple(b.shape) != (target.num_experts, r):
+            self.fail(hf, f"(router) has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, expected "
+                          f"({r}, {target.hidden_size}) / ({target.num_experts}, {r})")
+        self.targets[mpath, "weight"] = (a, b * _scaling(self.cfg, hf + ".weight", r))
+        self.rank = max(self.rank, r)
+
+    def _experts(self, hf: str, mpath: str, target, a: torch.Tensor, b: torch.Tensor) -> None:
+        from sparrow.models.base import EXPERT_TENSORS
+
+        e, h, i = target.num_experts, target.hidden_size, target.intermediate_size
+        per_expert = _PER_EXPERT.match(hf)
+        if per_expert is not None and per_expert.group(3) in EXPERT_TENSORS:  # experts.N.gate_proj: one expert's
+            stacked, block = EXPERT_TENSORS[per_expert.group(3)]
+            r, expert = a.shape[0], int(per_expert.group(2))
+            self.check_rank(hf, r)
+            k, n_i = (h, i) if stacked == "gate_up_proj" else (i, h)
+            if expert >= e or tuple(a.shape) != (r, k) or tuple(b.shape) != (n_i, r):
+                self.fail(hf, f"has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, expected ({r}, {k}) / "
+                              f"({n_i}, {r}) for one of {e} experts")
+            self.expert_parts.setdefault((mpath, stacked), {}).setdefault(expert, []).append(
+                (block * i, a, b * _scaling(self.cfg, hf, r)))
+            return
+        # fused 3-D parameter (PEFT target_parameters): which one, by the factors' shapes
+        stacked = {(h, 2 * i): "gate_up_proj", (i, h): "down_proj"}.get((a.shape[1], b.shape[0]))
+        if stacked is None or a.shape[0] % e or b.shape[1] != a.shape[0]:
+            self.fail(hf, f"(experts) has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, which fit neither "
+                          f"gate_up_proj ({e} experts x [{2 * i}, {h}]) nor down_proj ({e} x [{h}, {i}])")
+        r = a.shape[0] // e
+        self.check_rank(f"{hf}.{stacked}", r)
+        a3 = a.reshape(e, r, a.shape[1])  # [E, r, in]
+        b3 = b.reshape(b.shape[0], r, e).permute(2, 0, 1).contiguous()  # [E, out, r]
+        self.targets[mpath, stacked] = (a3, b3 * _scaling(self.cfg, f"{hf}.{stacked}", r))
+        self.rank = max(self.rank, r)
+
+    def finish(self, adapter: Adapter) -> None:
+        """Assemble the packed linears and the per-expert factors; put every target and the rank into ``adapter``."""
+        for mpath, parts in self.linear_parts.items():
+            target = self.model.get_submodule(mpath)
+            self.targets[mpath, "weight"] = _side_by_side(sorted(parts, key=lambda p: p[0]), target.out_features)
+            self.rank = max(self.rank, max(p[1].shape[0] for p in parts))
+        for (mpath, stacked), experts in self.expert_parts.items():
+            target = self.model.get_submodule(mpath)
+            n = 2 * target.intermediate_size if stacked == "gate_up_proj" else target.hidden_size
+            k = target.hidden_size if stacked == "gate_up_proj" else target.intermediate_size
+            built = {ex: _side_by_side(sorted(p, key=lambda q: q[0]), n) for ex, p in experts.items()}
+            width = max(a.shape[0] for a, _ in built.values())
+            a3 = torch.zeros(target.num_experts, width, k)
+            b3 = torch.zeros(target.num_experts, n, width)
+            for ex, (a, b) in built.items():
+                a3[ex, : a.shape[0]], b3[ex, :, : b.shape[1]] = a, b
+            self.targets[mpath, stacked] = (a3, b3)
+            self.rank = max(self.rank, max(p[1].shape[0] for ps in experts.values() for p in ps))
+        adapter.targets, adapter.rank = self.targets, self.rank
 
 
 def _read_tensors(folder: Path, name: str) -> tuple[Path, dict[str, torch.Tensor]]:
@@ -266,8 +309,8 @@ def _read_tensors(folder: Path, name: str) -> tuple[Path, dict[str, torch.Tensor
             raise LoRAAdapterError(f"LoRA adapter {name!r}: cannot read {path}: {_one_line(str(e))}") from None
     path = folder / "adapter_model.bin"
     if not path.is_file():
-        raise LoRAAdapterError(f"LoRA adapter {name!r}: {folder} holds neither adapter_model.safetensors nor "
-                               "adapter_model.bin")
+        raise LoRAAdapterNotFoundError(f"LoRA adapter {name!r}: {folder} holds neither adapter_model.safetensors "
+                                       "nor adapter_model.bin")
     try:
         tensors = torch.load(str(path), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:  # an object weights_only does not allow, or not a pickle at all
@@ -291,12 +334,6 @@ _UNPICKLER = "WeightsUnpickler error:"
 
 def _one_line(text: str) -> str:
     return " ".join(re.sub(r"\x1b\[[0-9;]*m", "", text).split())
-
-
-def _check_rank(name: str, module: str, r: int, max_lora_rank: int) -> None:
-    if r > max_lora_rank:
-        raise LoRAAdapterError(f"LoRA adapter {name!r}: rank {r} of {module!r} exceeds max_lora_rank="
-                               f"{max_lora_rank}")
 
 
 def _submodule(model: torch.nn.Module, path: str):
