@@ -418,7 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=_int_at_least(1, 65535), default=8000, help="port (default 8000)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    s.add_argument("--served-model-name", default=None, help="the model's name in the API (default: its path)")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name(s) in the API: the first is the id responses and /v1/models report, a "
+                        "request may give any (default: the model's folder or file name; --model-shape's name)")
     s.add_argument("--max-num-seqs", type=_positive_int, default=None, help="most sequences in one batch")
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     s.add_argument("--model-shape", default=None, metavar="NAME",
@@ -426,6 +428,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "prompts as token ids, answers as token ids (" + ", ".join(SHAPES) + ")")
     s.add_argument("--seed", type=int, default=0, help="seed of --model-shape's random weights (default 0)")
     s.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (--lora-modules)")
+    s.add_argument("--enable-runtime-lora", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora; vLLM's "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING): anyone who can reach the API then loads adapters from "
+                        "the server's disk")
     s.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
                    help="PEFT adapter folders, each served as the model NAME (also as JSON: "
                         "'{\"name\": NAME, \"path\": PATH}')")

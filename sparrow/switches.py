@@ -45,6 +45,20 @@ def _bool(name: str, default: bool, doc: str) -> bool:
     raise SwitchError(f"environment variable {name}={os.environ[name]!r}: expected 1 or 0 ({doc})")
 
 
+def _float(name: str, default: float, doc: str, minimum: float = 0.0) -> float:
+    SWITCHES[name] = Switch(name, float, default, doc)
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= minimum or value == float("inf"):
+        raise SwitchError(f"environment variable {name}={os.environ[name]!r}: expected a number >= {minimum} ({doc})")
+    return value
+
+
 OVERLAP: bool = _bool(
     "SPARROW_OVERLAP", True,
     "queue the next greedy decode step before reading this one's tokens (the scheduler's queue_next plans)")
@@ -69,6 +83,12 @@ SPEC_CLOSED_BATCH: bool = _bool(
 """Read at each step (sparrow.spec_decode.decoder.SpeculativeDecoder.pays): a batch no waiting request can
 join ends with its longest sequences, so other sequences' gains shorten nothing. Off: the drafted sequences'
 gains are summed against the step's cost (throughput when finished sequences' slots are taken at once)."""
+
+LORA_UNLOAD_TIMEOUT_S: float = _float(
+    "SPARROW_LORA_UNLOAD_TIMEOUT_S", 60.0,
+    "seconds /v1/unload_lora_adapter waits for the requests running the adapter before it ends them with an error")
+"""Read at each unload (sparrow.server.lora_updates): the adapter's name is gone from /v1/models at once; the
+requests that run it (running or waiting) finish first, up to this long."""
 
 TRITON_INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
 """Triton's own variable, read here as Triton parses it (1 / true / on): Triton runs its kernels in its CPU

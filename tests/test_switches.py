@@ -17,9 +17,9 @@ ALLOWED = {"sparrow/switches.py", "sparrow/cache.py"}
 
 def test_table_lists_each_switch_with_type_default_and_doc():
     assert set(switches.SWITCHES) == {"SPARROW_OVERLAP", "SPARROW_PDL", "SPARROW_DUAL_STREAM", "SPARROW_SPEC_CLOSED_BATCH",
-                                      "TRITON_INTERPRET"}
+                                      "SPARROW_LORA_UNLOAD_TIMEOUT_S", "TRITON_INTERPRET"}
     for s in switches.SWITCHES.values():
-        assert s.type is bool and isinstance(s.default, bool) and s.doc
+        assert s.type in (bool, float) and isinstance(s.default, s.type) and s.doc
     assert switches.SWITCHES["SPARROW_PDL"].default is True and switches.SWITCHES["SPARROW_OVERLAP"].default is True
 
 
@@ -44,6 +44,18 @@ def test_values_are_read_from_the_environment(env, want):
 def test_unreadable_value_names_the_variable():
     out = _read({"SPARROW_PDL": "maybe"})
     assert out.returncode != 0 and "SwitchError" in out.stderr and "SPARROW_PDL='maybe'" in out.stderr
+
+
+@pytest.mark.parametrize("raw,ok", [("2.5", True), ("0", True), ("-1", False), ("soon", False), ("nan", False),
+                                    ("inf", False)])
+def test_number_switch(raw, ok):
+    code = "from sparrow import switches as s; print(s.LORA_UNLOAD_TIMEOUT_S)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "SPARROW_LORA_UNLOAD_TIMEOUT_S": raw})
+    if ok:
+        assert out.returncode == 0 and float(out.stdout.split("\n")[-2]) == float(raw), out.stderr
+    else:
+        assert out.returncode != 0 and f"SPARROW_LORA_UNLOAD_TIMEOUT_S={raw!r}: expected a number >= 0" in out.stderr
 
 
 def _environment_reads(path: Path) -> list[int]:

@@ -18,6 +18,9 @@ exception: with ``max_cpu_loras == max_loras``, an adapter read in while every o
 for the step that will run it (dropping it would read it twice), so the cache holds up to ``max_loras + 1``.
 ``assign`` puts the step's cached adapters into slots before it reads any, and reads each in with the slot it takes
 already given up, so a step never adds to that.
+
+At run time (the server's /v1/load_lora_adapter) an adapter is ``read`` on another thread and ``install``-ed into the
+host cache between steps; ``remove`` forgets an id and clears its slot once no request runs it.
 """
 from __future__ import annotations
 
@@ -100,12 +103,45 @@ class LoRAManager:
         if same is not None:  # the folder is cached under another id: share its factors
             adapter = Adapter(request, self.adapters[same].targets, self.adapters[same].rank)
         else:
-            adapter = load_adapter(request, self.model, self.max_lora_rank, self.dtype)
-            for key, (a, b) in adapter.targets.items():
-                buf = self.buffers.get(key)
-                if buf is None or a.shape[-2] > buf.width:
-                    raise LoRAAdapterError(f"LoRA adapter {request.lora_name!r}: {key[0]}.{key[1]} cannot take its "
-                                           f"factors {tuple(a.shape)}")
+            adapter = self.read(request)
+        self._cache(adapter, folder, keep)
+        return adapter
+
+    def read(self, request: LoRARequest) -> Adapter:
+        """``request``'s adapter read from its folder and checked against the slot buffers, not cached (``install``
+        caches it). LoRAAdapterError (LoRAAdapterNotFoundError: no adapter there) when it cannot be used. Touches no
+        state of the manager: safe on a thread beside the engine's (the server reads runtime-loaded adapters so)."""
+        adapter = load_adapter(request, self.model, self.max_lora_rank, self.dtype)
+        for key, (a, b) in adapter.targets.items():
+            buf = self.buffers.get(key)
+            if buf is None or a.shape[-2] > buf.width:
+                raise LoRAAdapterError(f"LoRA adapter {request.lora_name!r}: {key[0]}.{key[1]} cannot take its "
+                                       f"factors {tuple(a.shape)}")
+        return adapter
+
+    def install(self, adapter: Adapter) -> None:
+        """Cache ``adapter`` (from ``read``) under its lora_int_id, as ``load`` would have; call between steps. Raises
+        LoRAAdapterError for an id already in use."""
+        lid = adapter.request.lora_int_id
+        if lid in self.folders:
+            raise LoRAAdapterError(f"lora_int_id {lid} is already the adapter at {self.folders[lid]!r}")
+        self._cache(adapter, os.path.realpath(adapter.request.lora_path), keep=set(self.slots))
+
+    def remove(self, lora_int_id: int) -> bool:
+        """Forget adapter ``lora_int_id``: its host copy, its folder and its slot (cleared: free for another adapter).
+        Call between steps, when no request runs it (a later request naming the id reads its folder again). Returns
+        whether the id was known."""
+        known = self.folders.pop(lora_int_id, None) is not None
+        self.adapters.pop(lora_int_id, None)
+        slot = self.slots.pop(lora_int_id, None)
+        if slot is not None:
+            for buf in self.buffers.values():
+                buf.write(slot, None)
+            log.info("LoRA: adapter id %d removed, slot %d free", lora_int_id, slot)
+        return known
+
+    def _cache(self, adapter: Adapter, folder: str, keep: set[int]) -> None:
+        lid = adapter.request.lora_int_id
         self.adapters[lid] = adapter
         self.folders[lid] = folder
         for other in [o for o in self.adapters if o not in keep and o != lid]:

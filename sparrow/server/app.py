@@ -16,7 +16,6 @@ import contextlib
 import logging
 import re
 import time
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,7 +27,9 @@ from sparrow.errors import SparrowError
 from sparrow.server.engine_client import EngineClient
 from sparrow.server.engine_loop import StreamError, Update, merge_updates
 from sparrow.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from sparrow.server.lora_routes import add_lora_routes
 from sparrow.server.routes import add_generation_routes
+from sparrow.server.served_model import ServedModel
 from sparrow.server.serving import ApiError
 
 log = logging.getLogger(__name__)
@@ -95,32 +96,6 @@ async def _wait_disconnect(raw: Request) -> None:
         pass
 
 
-@dataclass
-class ServedModel:
-    """What the front end knows of the served model (the engine and its weights live in the engine process)."""
-
-    name: str
-    """The model's name in the API (``model`` fields, /v1/models)."""
-    root: str | None
-    """Its path (None for a random-weight shape)."""
-    max_model_len: int
-    vocab_size: int
-    spec_k: int | None = None
-    """Draft tokens per verify step with speculative decoding on; None: off."""
-    loras: dict = field(default_factory=dict)
-    """Served LoRA adapters: name (a ``model`` value) -> LoRARequest."""
-    max_loras: int | None = None
-    """Most distinct LoRA adapters in one step (``LoRAConfig.max_loras``); None: LoRA off."""
-
-    @classmethod
-    def of(cls, llm, served_model_name: str | None = None, loras: dict | None = None) -> "ServedModel":
-        spec, lora = llm.config.speculative, llm.config.lora
-        return cls(served_model_name or (llm.model_path or "sparrow-model"), llm.model_path,
-                   llm.config.max_model_len, llm.config.model.vocab_size,
-                   spec.num_speculative_tokens if spec is not None else None, dict(loras or {}),
-                   lora.max_loras if lora is not None else None)
-
-
 class _Server:
     """What the handlers share: the engine client, tokenizer, served name, limits."""
 
@@ -138,11 +113,11 @@ class _Server:
     def check_model(self, model: str | None):
         """The LoRARequest a request's ``model`` names (None: the base model, or no model given). Raises ApiError
         404 naming the served models for another name."""
-        if model is None or model == self.model_name:
+        if model is None or model in self.model.names:
             return None
         lora = self.model.loras.get(model)
         if lora is None:
-            served = ", ".join(repr(n) for n in [self.model_name, *self.model.loras])
+            served = ", ".join(repr(n) for n in [*self.model.names, *self.model.loras])
             raise ApiError(404, f"the model {model!r} does not exist (this server serves {served})", "model",
                            "model_not_found")
         return lora
@@ -304,11 +279,13 @@ def build_app(model: ServedModel, tokenizer, client: EngineClient, api_key: str 
 
     @app.get("/v1/models")
     async def models():
-        base = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "sparrow",
-                "root": model.root, "parent": None, "max_model_len": server.max_model_len}
+        """vLLM's model list: one card per served name, then one per LoRA adapter (``parent``: the base's id)."""
+        base = {"object": "model", "created": server.created, "owned_by": "sparrow", "root": model.root,
+                "parent": None, "max_model_len": server.max_model_len}
+        names = [{**base, "id": name} for name in model.names]
         adapters = [{**base, "id": name, "root": lora.lora_path, "parent": server.model_name}
                     for name, lora in model.loras.items()]
-        return {"object": "list", "data": [base, *adapters]}
+        return {"object": "list", "data": [*names, *adapters]}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -333,4 +310,6 @@ def build_app(model: ServedModel, tokenizer, client: EngineClient, api_key: str 
         return {"prompt": server.tokenizer.decode(body.tokens)}
 
     add_generation_routes(app, server)
+    if model.runtime_lora:
+        add_lora_routes(app, server)
     return app

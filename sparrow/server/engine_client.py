@@ -45,6 +45,7 @@ class EngineClient:
         self._live: dict[str, RequestStream] = {}
         self._ids = itertools.count()
         self._on_lost = None
+        self._lora_ops: dict[int, asyncio.Future] = {}
 
     def attach(self, loop: asyncio.AbstractEventLoop, on_lost) -> None:
         """Start reading the engine's messages into ``loop``; ``on_lost()`` runs there when the engine stops the
@@ -63,6 +64,27 @@ class EngineClient:
         self.conn.send(("add", s.request_id, prompt, params, lora_request))
         return s
 
+    async def lora_update(self, kind: str, *args) -> tuple[int, str]:
+        """Send a runtime LoRA message (``sparrow.server.lora_updates``: kind "load_lora" with a LoRARequest,
+        "unload_lora" with lora_int_id and name) and wait for its answer: (HTTP status, message). Call on the event
+        loop; the engine's reply resolves it (500 when the engine goes away first)."""
+        op = next(self._ids)
+        future = self._lora_ops[op] = asyncio.get_running_loop().create_future()
+        try:
+            self.conn.send((kind, op, *args))
+            return await future
+        finally:
+            self._lora_ops.pop(op, None)
+
+    def _lora_answer(self, op: int, status: int, message: str) -> None:
+        future = self._lora_ops.get(op)
+        if future is not None and not future.done():
+            future.set_result((status, message))
+
+    def _lora_lost(self) -> None:
+        for op in list(self._lora_ops):
+            self._lora_answer(op, 500, "the engine went away")
+
     def abort(self, request_id: str) -> None:
         """Abort a request (finished or unknown ids are ignored)."""
         if self._live.pop(request_id, None) is not None:
@@ -79,11 +101,14 @@ class EngineClient:
                     loop.call_soon_threadsafe(self.metrics.set_baseline, msg[1])
                 elif msg[0] == "out":
                     loop.call_soon_threadsafe(self._dispatch, msg[1], msg[2])
+                elif msg[0] == "lora":
+                    loop.call_soon_threadsafe(self._lora_answer, msg[1], msg[2], msg[3])
                 else:
                     break
         except (EOFError, OSError):
             pass
         try:
+            loop.call_soon_threadsafe(self._lora_lost)
             loop.call_soon_threadsafe(self._on_lost)
         except RuntimeError:  # the loop closed already
             pass

@@ -1,7 +1,8 @@
 """The engine side of the server: one thread owns the Engine and steps it; the HTTP front end (another process,
 ``sparrow.server.frontend``) talks to it over a pipe.
 
-The front end sends ``("add", request_id, prompt, params, lora_request)`` and ``("abort", request_id)``; ``EngineLoop.pump``
+The front end sends ``("add", request_id, prompt, params, lora_request)``, ``("abort", request_id)`` and the runtime
+LoRA messages (``sparrow.server.lora_updates``, answered with ``("lora", op, status, message)``); ``EngineLoop.pump``
 reads them on a thread of its own and queues them for the engine thread, which applies them between steps (an
 abort frees the request's KV blocks before the next step). Before the loop starts, ``("base", state)`` gives the
 counts /metrics starts from. After each loop iteration the engine thread sends one
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from sparrow.errors import SparrowError
 from sparrow.outputs import Logprob, RequestOutput
 from sparrow.sampling_params import SamplingParams
+from sparrow.server.lora_updates import MESSAGES as LORA_MESSAGES, LoRAUpdates
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +166,8 @@ class EngineLoop:
         self._variants: list[str] = []
         self._gone = False
         """The front end is gone (set by ``pump``): the loop ends once it has aborted what was left."""
+        self.lora = LoRAUpdates(engine, send, self._cond)
+        """Runtime adapter loads and unloads (``sparrow.server.lora_updates``)."""
         self._thread = threading.Thread(target=self._run, name="sparrow-engine-loop", daemon=True)
 
     def start(self) -> None:
@@ -209,6 +213,8 @@ class EngineLoop:
                 self.add(msg[1], msg[2], msg[3], msg[4])
             elif msg[0] == "abort":
                 self.abort(msg[1])
+            elif msg[0] in LORA_MESSAGES:
+                self.lora.submit(msg)
         with self._cond:
             self._aborts.extend(self._live)
             self._gone = True
@@ -225,15 +231,18 @@ class EngineLoop:
         engine = self.engine
         while True:
             with self._cond:
-                while not (self._adds or self._aborts or self._stop or self._gone or engine.has_unfinished_requests()):
+                while not (self._adds or self._aborts or self._stop or self._gone or engine.has_unfinished_requests()
+                           or self.lora.ready()):
                     self._cond.wait(0.5)  # a timeout: a signal handler of the main thread runs within it
                 if self._stop:
                     return
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
+                lora_ops = self.lora.take()
             items: list = []
             for rid, prompt, params, lora in adds:
                 self._admit(rid, prompt, params, lora, items)
+            self.lora.apply(lora_ops)
             for rid in aborts:
                 if rid in self._live:
                     self._live.discard(rid)
@@ -243,6 +252,7 @@ class EngineLoop:
                 step = self._step(items)
             elif self._gone:
                 return
+            self.lora.drain(self._live, items, StreamError)
             try:
                 self._send(("out", items, engine_state(engine, step)))
             except (OSError, EOFError):  # the front end is gone: pump() aborts the rest
@@ -283,6 +293,10 @@ class EngineLoop:
         return ("prefill" if engine.last_step_prefill else "decode"), took
 
     def _admit(self, rid: str, prompt: dict, params: SamplingParams, lora_request, items: list) -> None:
+        if lora_request is not None and lora_request.lora_int_id in self.lora.retired:
+            items.append((rid, StreamError(f"the model {lora_request.lora_name!r} does not exist (its LoRA adapter "
+                                           "was unloaded)", True)))
+            return
         try:
             self.engine.add_request(prompt, params, request_id=rid, lora_request=lora_request)
         except SparrowError as e:

@@ -14,7 +14,7 @@ import threading
 import time
 
 from sparrow.errors import InvalidRequestError, SparrowError
-from sparrow.server.app import ServedModel
+from sparrow.server.served_model import ServedModel
 from sparrow.server.engine_loop import EngineLoop, engine_state
 
 log = logging.getLogger("sparrow.server")
@@ -23,13 +23,17 @@ log = logging.getLogger("sparrow.server")
 class ServerProcess:
     """A running server: ``url``, ``model`` (the ServedModel), ``stop()``, ``wait()``."""
 
-    def __init__(self, llm, host: str, port: int, served_model_name: str | None, api_key: str | None,
-                 startup_timeout: float, warm_up: bool, lora_modules: dict[str, str] | None, background: bool = True):
+    def __init__(self, llm, host: str, port: int, served_model_name, api_key: str | None,
+                 startup_timeout: float, warm_up: bool, lora_modules: dict[str, str] | None, background: bool = True,
+                 enable_runtime_lora: bool = False):
         self.llm = llm
+        if enable_runtime_lora and llm.config.lora is None:
+            raise InvalidRequestError("--enable-runtime-lora needs --enable-lora (LLM(..., enable_lora=True))")
         loras = lora_requests(llm, lora_modules or {})
-        self.model = ServedModel.of(llm, served_model_name, loras)
-        if self.model.name in loras:
-            raise InvalidRequestError(f"--lora-modules: the adapter name {self.model.name!r} is the base model's "
+        self.model = ServedModel.of(llm, served_model_name, loras, runtime_lora=enable_runtime_lora)
+        clash = [n for n in self.model.names if n in loras]
+        if clash:
+            raise InvalidRequestError(f"--lora-modules: the adapter name {clash[0]!r} is the base model's "
                                       "served name")
         if warm_up:
             from sparrow.engine.warmup import warm_up as run_warm_up
@@ -143,9 +147,10 @@ def lora_requests(llm, lora_modules: dict[str, str]) -> dict:
     return out
 
 
-def start_server(llm, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
+def start_server(llm, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | list[str] | None = None,
                  api_key: str | None = None, startup_timeout: float = 120.0, warm_up: bool | None = None,
-                 lora_modules: dict[str, str] | None = None, background: bool = True) -> ServerProcess:
+                 lora_modules: dict[str, str] | None = None, background: bool = True,
+                 enable_runtime_lora: bool = False) -> ServerProcess:
     """Serve ``llm`` (its engine is the server's from now until ``stop()``: do not call the LLM meanwhile) on
     ``host:port``; returns once the front end listens. ``warm_up``: run ``sparrow.engine.warmup.warm_up`` first
     (None: when the engine runs on CUDA, where kernels compile on first use). ``lora_modules``: name -> PEFT
@@ -153,8 +158,11 @@ def start_server(llm, host: str = "127.0.0.1", port: int = 8000, served_model_na
     ``enable_lora``). Raises SparrowError when an adapter cannot be used, when it cannot listen (the port in
     use) or when the front end does not start within ``startup_timeout`` seconds. ``background``: the engine
     loop runs on a thread of its own; False: the caller runs it with ``serve()`` (``sparrow serve`` does, on
-    the main thread, where steps run at in-process speed)."""
+    the main thread, where steps run at in-process speed). ``served_model_name``: a name or several (vLLM's: the
+    first is the id responses and /v1/models report, a request's ``model`` may give any); None: the model's folder
+    or file name (``served_model.model_id``). ``enable_runtime_lora``: serve /v1/load_lora_adapter and
+    /v1/unload_lora_adapter (``sparrow.server.lora_routes``; needs ``enable_lora``)."""
     if warm_up is None:
         warm_up = llm.config.device.startswith("cuda")
     return ServerProcess(llm, host, port, served_model_name, api_key, startup_timeout, warm_up, lora_modules,
-                         background)
+                         background, enable_runtime_lora)

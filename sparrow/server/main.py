@@ -45,6 +45,8 @@ def run_server(args) -> int:
 
     if args.lora_modules and not args.enable_lora:
         raise InvalidRequestError("--lora-modules needs --enable-lora")
+    if args.enable_runtime_lora and not args.enable_lora:
+        raise InvalidRequestError("--enable-runtime-lora needs --enable-lora")
     logging.getLogger("sparrow.server").setLevel(logging.INFO)
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(name)s: %(message)s")
@@ -54,13 +56,16 @@ def run_server(args) -> int:
     if len(loras) != len(args.lora_modules or []):
         raise InvalidRequestError("--lora-modules: each adapter needs a name of its own")
     srv = start_server(llm, host=args.host, port=args.port, served_model_name=args.served_model_name or shape,
-                       api_key=args.api_key, lora_modules=loras, background=False)
+                       api_key=args.api_key, lora_modules=loras, background=False,
+                       enable_runtime_lora=args.enable_runtime_lora)
     cfg = llm.config
     kv_tokens = llm.engine.block_manager.num_blocks * cfg.cache.block_size
     source = f"random-weight shape {shape}, no tokenizer: token-id prompts" if shape else llm.model_path
     quant = f", {args.quantization}" if args.quantization else ""
     adapters = f"; LoRA adapters {', '.join(srv.model.loras)}" if srv.model.loras else ""
-    named = srv.model.name if srv.model.name == source else f"{srv.model.name} ({source})"
+    if args.enable_runtime_lora:
+        adapters += "; runtime LoRA loading on (/v1/load_lora_adapter)"
+    named = ", ".join(srv.model.names) + ("" if srv.model.name == source else f" ({source})")
     peak = "" if llm.load_peak_memory is None else \
         f"; peak {'GPU allocator' if cfg.device.startswith('cuda') else 'RSS'} while loading " \
         f"{llm.load_peak_memory / 2**30:.2f} GiB"

@@ -25,7 +25,7 @@ def gemma_server():
 
     llm = LLM(device="cpu", max_model_len=512, num_kv_blocks=64)
     refs = [o.outputs[0] for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))]
-    srv = start_server(llm)  # no served name: the packaged model's path names it
+    srv = start_server(llm)  # no served name: the packaged model's file name is its id
     yield srv, refs
     stop_server(srv)
 
@@ -34,7 +34,7 @@ def test_gemma_served_text_equals_generate(gemma_server):
     srv, refs = gemma_server
     client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0)
     (model,) = [m.id for m in client.models.list().data]
-    assert model == srv.llm.model_path and model.endswith(".gguf")
+    assert model == os.path.basename(srv.llm.model_path) and model.endswith(".gguf") and "/" not in model
     for prompt, ref in zip(PROMPTS, refs):
         out = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
         assert out.choices[0].text == ref.text
@@ -50,7 +50,7 @@ def test_serve_command(tiny_text_model_dir):
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.Popen([sys.executable, "-m", "sparrow", "serve", "--model", str(tiny_text_model_dir),
                              "--device", "cpu", "--dtype", "float32", "--max-model-len", "128", "--port", str(port),
-                             "--served-model-name", "t", "--api-key", "k"],
+                             "--served-model-name", "t", "t2", "--api-key", "k"],
                             cwd=str(REPO_ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -64,8 +64,9 @@ def test_serve_command(tiny_text_model_dir):
             assert proc.poll() is None and time.monotonic() < deadline, "sparrow serve did not start"
             time.sleep(0.2)
         client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
-        answer = client.completions.create(model="t", prompt="hi", max_tokens=3)
-        assert answer.usage.completion_tokens == 3
+        assert [m.id for m in client.models.list().data] == ["t", "t2"]  # vLLM: a card per served name
+        answer = client.completions.create(model="t2", prompt="hi", max_tokens=3)
+        assert answer.usage.completion_tokens == 3 and answer.model == "t"  # any name; the first answers
     finally:
         proc.terminate()  # SIGTERM: the same orderly stop as Ctrl-C, front end included
         out, _ = proc.communicate(timeout=30)

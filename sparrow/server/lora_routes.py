@@ -1,0 +1,94 @@
+"""POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes, bodies and answers), registered when the
+server runs with runtime LoRA updating on (``sparrow serve --enable-lora --enable-runtime-lora``; vLLM's
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING``); the engine's side is ``sparrow.server.lora_updates``.
+
+- load ``{"lora_name": NAME, "lora_path": FOLDER}``: the adapter is read and checked on a thread of the engine
+  process, then served as the model NAME (listed in /v1/models with ``parent`` the base model's id). Answers 200
+  with the text ``Success: LoRA adapter 'NAME' added successfully.``; 400 for an empty field, a name in use (an
+  adapter's or the base model's) or an adapter sparrow cannot use (the message names the problem: a rank over
+  --max-lora-rank, a target module the model lacks, ...); 404 when the path holds no adapter (as vLLM's "No adapter
+  found").
+- unload ``{"lora_name": NAME}`` (vLLM's optional ``lora_int_id`` must match when given): NAME is no longer served
+  from now on (requests naming it get 404 ``model_not_found``); the answer waits until the requests that run it
+  have finished (at most ``SPARROW_LORA_UNLOAD_TIMEOUT_S`` seconds, default 60: those still running then end with
+  an error naming the unload), its slot is then free. 200 ``Success: LoRA adapter 'NAME' removed successfully.``;
+  404 for a name that is not a loaded adapter.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel
+
+from sparrow.lora.request import LoRARequest
+from sparrow.server.serving import ApiError
+
+log = logging.getLogger(__name__)
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's body of /v1/load_lora_adapter."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's body of /v1/unload_lora_adapter."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+def add_lora_routes(app: FastAPI, server) -> None:
+    """Register the two routes on ``app``; ``server``: the app's shared state (app._Server), whose
+    ``model.loras`` (name -> LoRARequest) they update."""
+    loras = server.model.loras
+    pending: set[str] = set()
+    ids = itertools.count(max((r.lora_int_id for r in loras.values()), default=0) + 1)
+
+    async def load(request: LoRARequest) -> tuple[int, str]:
+        status, message = await server.loop.lora_update("load_lora", request)
+        if status == 200:  # here, not in the handler: a client gone meanwhile still leaves the adapter served
+            loras[request.lora_name] = request
+            log.info("LoRA adapter %r loaded from %s", request.lora_name, request.lora_path)
+        return status, message
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        name, path = body.lora_name, body.lora_path
+        if not name or not path:
+            raise ApiError(400, "Both 'lora_name' and 'lora_path' must be provided.", "lora_name" if not name
+                           else "lora_path")
+        if name in server.model.names:
+            raise ApiError(400, f"The name {name!r} is the base model's served name: give the adapter another "
+                                "lora_name.", "lora_name")
+        if name in loras or name in pending:
+            raise ApiError(400, f"The lora adapter {name!r} has already been loaded.", "lora_name")
+        pending.add(name)
+        try:
+            status, message = await asyncio.shield(load(LoRARequest(name, next(ids), path)))
+        finally:
+            pending.discard(name)
+        if status != 200:
+            raise ApiError(status, message, "lora_path")
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        name = body.lora_name
+        if not name:
+            raise ApiError(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "lora_name")
+        request = loras.get(name)
+        if request is None or body.lora_int_id not in (None, request.lora_int_id):
+            raise ApiError(404, f"The lora adapter {name!r} cannot be found.", "lora_name")
+        del loras[name]  # no new request names it from now on
+        status, message = await asyncio.shield(server.loop.lora_update("unload_lora", request.lora_int_id, name))
+        if status != 200:
+            raise ApiError(status, message)
+        return PlainTextResponse(" ".join(filter(None, [f"Success: LoRA adapter '{name}' removed successfully.",
+                                                        message])))
