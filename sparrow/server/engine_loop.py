@@ -252,9 +252,11 @@ class EngineLoop:
                 step = self._step(items)
             elif self._gone:
                 return
-            self.lora.drain(self._live, items, StreamError)
+            answers = self.lora.drain(self._live, items, StreamError)
             try:
                 self._send(("out", items, engine_state(engine, step)))
+                for answer in answers:
+                    self._send(answer)
             except (OSError, EOFError):  # the front end is gone: pump() aborts the rest
                 pass
 

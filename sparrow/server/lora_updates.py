@@ -44,7 +44,8 @@ class _Unload:
 class LoRAUpdates:
     """Adapter loads and unloads for an ``EngineLoop``: ``submit`` (the pump thread) queues a message, ``take`` (the
     engine thread, holding ``cond``) takes what is ready, ``apply`` installs loaded adapters and starts unloads
-    between steps, ``drain`` (after each step) finishes the unloads whose requests are done or out of time.
+    between steps, ``drain`` (after each step) finishes the unloads whose requests are done or out of time and
+    returns their answers.
     ``send(message)``: to the front end; ``cond``: the loop's Condition (held by ``take``, notified when a read
     ends)."""
 
@@ -113,15 +114,13 @@ class LoRAUpdates:
                 self.retired.add(lid)
                 self._unloads.append(_Unload(op, lid, name, time.monotonic() + switches.LORA_UNLOAD_TIMEOUT_S))
 
-    def busy(self) -> bool:
-        """Whether an unload waits for its requests."""
-        return bool(self._unloads)
-
-    def drain(self, live: set[str], items: list, error_type) -> None:
+    def drain(self, live: set[str], items: list, error_type) -> list[tuple]:
         """Finish the unloads whose adapter no request runs now; past an unload's deadline, end its requests first
-        (each gets ``error_type(message, True)`` in ``items`` and leaves ``live``)."""
+        (each gets ``error_type(message, True)`` in ``items`` and leaves ``live``). Returns the answers, to send
+        after ``items`` (the front end sees the requests end before the unload's answer)."""
+        answers: list[tuple] = []
         if not self._unloads:
-            return
+            return answers
         now, left = time.monotonic(), []
         for u in self._unloads:
             users = [rid for rid, (_, seqs) in self.engine.requests.items()
@@ -141,5 +140,6 @@ class LoRAUpdates:
             ended = (f"{len(users)} request(s) still running it after {switches.LORA_UNLOAD_TIMEOUT_S:g} s were "
                      "ended." if users else "")
             log.info("LoRA adapter %r unloaded, its slot free. %s", u.name, ended)
-            self._send(("lora", u.op, 200, ended))
+            answers.append(("lora", u.op, 200, ended))
         self._unloads = left
+        return answers

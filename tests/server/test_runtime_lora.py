@@ -55,7 +55,8 @@ def peft(folders):
 @pytest.fixture(scope="module")
 def server(folders):
     llm = make_llm(folders["base"], max_model_len=256, enable_lora=True, max_loras=1, max_lora_rank=8)
-    srv = start_server(llm, served_model_name=["base", "alias"], enable_runtime_lora=True)
+    srv = start_server(llm, served_model_name=["base", "alias"], enable_runtime_lora=True,
+                       lora_modules={"s": str(folders["b"])})  # an adapter given at start-up, lora_int_id 1
     yield srv
     stop_server(srv)
 
@@ -93,10 +94,10 @@ def _slots(server) -> dict:
 
 
 def test_load_list_generate_unload(server, client, folders, peft):
-    assert _models(client) == [("base", None), ("alias", None)]
+    assert _models(client) == [("base", None), ("alias", None), ("s", "base")]
     assert _load(client, "a", folders["a"]) == "Success: LoRA adapter 'a' added successfully."
     cards = {m.id: m for m in client.models.list().data}
-    assert _models(client) == [("base", None), ("alias", None), ("a", "base")]
+    assert _models(client) == [("base", None), ("alias", None), ("s", "base"), ("a", "base")]
     assert cards["a"].model_extra["root"] == str(folders["a"]) and cards["a"].owned_by == "sparrow"
     assert cards["a"].object == "model" and cards["a"].model_extra["max_model_len"] == 256
     out = _complete(client, "a")
@@ -105,6 +106,8 @@ def test_load_list_generate_unload(server, client, folders, peft):
     base = _complete(client, "alias")  # any served name; the response names the first
     assert base.model == "base"
     _assert_peft(base, peft[None])
+    _assert_peft(_complete(client, "s"), peft["b"])  # the start-up adapter beside the runtime one (ids apart)
+    assert _unload(client, "s") == "Success: LoRA adapter 's' removed successfully."  # start-up ones unload too
     assert _unload(client, "a") == "Success: LoRA adapter 'a' removed successfully."
     assert _models(client) == [("base", None), ("alias", None)]
     with pytest.raises(openai.NotFoundError) as err:
@@ -136,7 +139,7 @@ def test_load_errors(client, folders, body, status, match):
     with pytest.raises(openai.APIStatusError, match=match) as err:
         client.post("/load_lora_adapter", body=body, cast_to=str)
     assert err.value.status_code == status
-    assert _models(client) == [("base", None), ("alias", None)]
+    assert "x" not in {m for m, _ in _models(client)} and "alias" in {m for m, _ in _models(client)}
 
 
 def test_duplicate_and_unknown_names(client, folders, peft):
@@ -258,3 +261,44 @@ def test_model_ids_are_names_never_paths():
     for bad, match in (([], "one or more non-empty names"), (["x", ""], "non-empty"), (["x", "x"], "each name once")):
         with pytest.raises(InvalidRequestError, match=match):
             served_names(bad, None)
+
+
+def test_engine_refuses_a_request_reaching_it_after_the_unload(folders):
+    """The engine's side alone (``EngineLoop`` with its messages recorded): a request that named the adapter before
+    the unload but reaches the engine after it ends with an error (it does not read the folder again); the unload's
+    answer follows the end of the request that ran the adapter."""
+    from sparrow import LoRARequest, SamplingParams
+    from sparrow.server.engine_loop import EngineLoop, StreamError, Update
+
+    llm = make_llm(folders["base"], max_model_len=128, enable_lora=True, max_loras=1, max_lora_rank=8)
+    sent: list = []
+    loop = EngineLoop(llm.engine, sent.append)
+    loop.start()
+
+    def wait(pred, what):
+        deadline = time.monotonic() + 20
+        while not pred():
+            assert time.monotonic() < deadline, f"waited for {what}; sent {sent}"
+            time.sleep(0.005)
+
+    try:
+        req = LoRARequest("a", 5, str(folders["a"]))
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        loop.lora.submit(("load_lora", 1, req))
+        wait(lambda: ("lora", 1, 200, "") in sent, "the load")
+        loop.add("r1", {"prompt_token_ids": PROMPT}, params, req)
+        loop.lora.submit(("unload_lora", 2, 5, "a"))
+        wait(lambda: 5 in loop.lora.retired, "the unload to start")
+        loop.add("r2", {"prompt_token_ids": PROMPT}, params, req)
+        wait(lambda: ("lora", 2, 200, "") in sent, "the unload")
+    finally:
+        loop.stop()
+    items = [(i, item) for i, m in enumerate(sent) if m[0] == "out" for item in m[1]]
+    (r2,) = [item for _, (rid, item) in items if rid == "r2"]
+    assert isinstance(r2, StreamError) and r2.invalid_request and "its LoRA adapter was unloaded" in r2.message
+    tokens = sum(len(d.token_ids) for _, (rid, u) in items if rid == "r1" and isinstance(u, Update)
+                 for d in u.deltas)
+    assert tokens == 40
+    end = [i for i, (rid, item) in items if rid == "r1" and item is None]
+    assert end and end[0] < sent.index(("lora", 2, 200, ""))
+    assert llm.engine.runner.lora.folders == {} and llm.engine.runner.lora.slots == {}
