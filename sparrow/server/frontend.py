@@ -12,7 +12,7 @@ import logging
 
 
 def run_frontend(conn, model, tokenizer, host: str, port: int, api_key: str | None, log_level: int) -> None:
-    """The process's entry: serve ``model`` (an app.ServedModel) with ``tokenizer`` (None: token ids only) on
+    """The process's entry: serve ``model`` (a served_model.ServedModel) with ``tokenizer`` (None: token ids only) on
     ``host:port`` until the engine goes away. A port that cannot be bound ends the process before ready."""
     import uvicorn
 
