@@ -7,7 +7,9 @@ server runs with runtime LoRA updating on (``sparrow serve --enable-lora --enabl
   with the text ``Success: LoRA adapter 'NAME' added successfully.``; 400 for an empty field, a name in use (an
   adapter's or the base model's) or an adapter sparrow cannot use (the message names the problem: a rank over
   --max-lora-rank, a target module the model lacks, ...); 404 when the path holds no adapter (as vLLM's "No adapter
-  found").
+  found"). With ``"load_inplace": true`` (vLLM's) a loaded NAME is replaced: new requests run the new adapter (a new
+  lora_int_id, so no cached prefix of the old one is reused), the old one is unloaded once the requests running it
+  finish.
 - unload ``{"lora_name": NAME}`` (vLLM's optional ``lora_int_id`` must match when given): NAME is no longer served
   from now on (requests naming it get 404 ``model_not_found``); the answer waits until the requests that run it
   have finished (at most ``SPARROW_LORA_UNLOAD_TIMEOUT_S`` seconds, default 60: those still running then end with
@@ -35,6 +37,8 @@ class LoadLoRAAdapterRequest(BaseModel):
 
     lora_name: str
     lora_path: str
+    load_inplace: bool = False
+    """Replace the adapter loaded under lora_name (vLLM's): requests that run the old one finish with it."""
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
@@ -50,12 +54,18 @@ def add_lora_routes(app: FastAPI, server) -> None:
     loras = server.model.loras
     pending: set[str] = set()
     ids = itertools.count(max((r.lora_int_id for r in loras.values()), default=0) + 1)
+    retiring: set[asyncio.Task] = set()
 
     async def load(request: LoRARequest) -> tuple[int, str]:
         status, message = await server.loop.lora_update("load_lora", request)
         if status == 200:  # here, not in the handler: a client gone meanwhile still leaves the adapter served
+            old = loras.get(request.lora_name)
             loras[request.lora_name] = request
             log.info("LoRA adapter %r loaded from %s", request.lora_name, request.lora_path)
+            if old is not None:  # load_inplace: the old id goes once its requests are done
+                task = asyncio.ensure_future(server.loop.lora_update("unload_lora", old.lora_int_id, old.lora_name))
+                retiring.add(task)
+                task.add_done_callback(retiring.discard)
         return status, message
 
     @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
@@ -67,7 +77,7 @@ def add_lora_routes(app: FastAPI, server) -> None:
         if name in server.model.names:
             raise ApiError(400, f"The name {name!r} is the base model's served name: give the adapter another "
                                 "lora_name.", "lora_name")
-        if name in loras or name in pending:
+        if (name in loras and not body.load_inplace) or name in pending:
             raise ApiError(400, f"The lora adapter {name!r} has already been loaded.", "lora_name")
         pending.add(name)
         try:

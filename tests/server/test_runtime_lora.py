@@ -302,3 +302,22 @@ def test_engine_refuses_a_request_reaching_it_after_the_unload(folders):
     end = [i for i, (rid, item) in items if rid == "r1" and item is None]
     assert end and end[0] < sent.index(("lora", 2, 200, ""))
     assert llm.engine.runner.lora.folders == {} and llm.engine.runner.lora.slots == {}
+
+
+def test_load_inplace_replaces_the_adapter(server, client, folders, peft):
+    """vLLM's load_inplace: the name now runs the new folder (one card, its root the new folder); the old adapter's
+    id is unloaded in the background."""
+    _load(client, "a", folders["a"])
+    old_id = next(lid for lid, f in server.llm.engine.runner.lora.folders.items() if f.endswith("/a"))
+    assert client.post("/load_lora_adapter", cast_to=str, body={
+        "lora_name": "a", "lora_path": str(folders["b"]), "load_inplace": True}) == \
+        "Success: LoRA adapter 'a' added successfully."
+    cards = [m for m in client.models.list().data if m.id == "a"]
+    assert len(cards) == 1 and cards[0].model_extra["root"] == str(folders["b"])
+    _assert_peft(_complete(client, "a"), peft["b"])
+    deadline = time.monotonic() + 10
+    while old_id in server.llm.engine.runner.lora.folders:
+        assert time.monotonic() < deadline, "the replaced adapter was not unloaded"
+        time.sleep(0.01)
+    _unload(client, "a")
+    assert _slots(server)["ids"] == set()
