@@ -24,7 +24,7 @@ import logging
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from sparrow.lora.request import LoRARequest
 from sparrow.server.serving import ApiError
@@ -33,7 +33,9 @@ log = logging.getLogger(__name__)
 
 
 class LoadLoRAAdapterRequest(BaseModel):
-    """vLLM's body of /v1/load_lora_adapter."""
+    """vLLM's body of /v1/load_lora_adapter (strict types: a JSON string for a name, true / false for a flag)."""
+
+    model_config = ConfigDict(strict=True)
 
     lora_name: str
     lora_path: str
@@ -42,7 +44,9 @@ class LoadLoRAAdapterRequest(BaseModel):
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
-    """vLLM's body of /v1/unload_lora_adapter."""
+    """vLLM's body of /v1/unload_lora_adapter (strict types, as the load's)."""
+
+    model_config = ConfigDict(strict=True)
 
     lora_name: str
     lora_int_id: int | None = None

@@ -133,9 +133,11 @@ def test_load_list_generate_unload(server, client, folders, peft):
     ({"lora_name": "alias", "lora_path": "{a}"}, 400, "'alias' is the base model's served name"),
     ({"lora_name": "", "lora_path": "{a}"}, 400, "Both 'lora_name' and 'lora_path' must be provided"),
     ({"lora_name": "x"}, 400, "lora_path"),
+    ({"lora_name": 5, "lora_path": "{a}"}, 400, "lora_name"),
+    ({"lora_name": "x", "lora_path": "{a}", "load_inplace": "yes"}, 400, "load_inplace"),
 ])
 def test_load_errors(client, folders, body, status, match):
-    body = {k: v.format(**folders) for k, v in body.items()}
+    body = {k: v.format(**folders) if isinstance(v, str) else v for k, v in body.items()}
     with pytest.raises(openai.APIStatusError, match=match) as err:
         client.post("/load_lora_adapter", body=body, cast_to=str)
     assert err.value.status_code == status
