@@ -282,8 +282,8 @@ def build_app(model: ServedModel, tokenizer, client: EngineClient, api_key: str 
         """vLLM's model list: one card per served name, then one per LoRA adapter (``parent``: the base's id)."""
         base = {"object": "model", "created": server.created, "owned_by": "sparrow", "root": model.root,
                 "parent": None, "max_model_len": server.max_model_len}
-        names = [{**base, "id": name} for name in model.names]
-        adapters = [{**base, "id": name, "root": lora.lora_path, "parent": server.model_name}
+        names = [{"id": name, **base} for name in model.names]
+        adapters = [{"id": name, **base, "root": lora.lora_path, "parent": server.model_name}
                     for name, lora in model.loras.items()]
         return {"object": "list", "data": [*names, *adapters]}
 
