@@ -417,7 +417,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=_int_at_least(1, 65535), default=8000, help="port (default 8000)")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /version and /metrics")
+    from sparrow.server.guards import add_http_args
+
+    add_http_args(s)
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model's name(s) in the API: the first is the id responses and /v1/models report, a "
                         "request may give any (default: the model's folder or file name; --model-shape's name)")

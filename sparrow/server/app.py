@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import logging
 import re
 import time
@@ -26,8 +27,10 @@ import sparrow
 from sparrow.errors import SparrowError
 from sparrow.server.engine_client import EngineClient
 from sparrow.server.engine_loop import StreamError, Update, merge_updates
-from sparrow.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from sparrow.server.guards import HttpOptions, RequestGuard, prompt_char_limit
 from sparrow.server.lora_routes import add_lora_routes
+from sparrow.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                     unknown_fields)
 from sparrow.server.routes import add_generation_routes
 from sparrow.server.served_model import ServedModel
 from sparrow.server.serving import ApiError
@@ -90,6 +93,16 @@ def _validation_message(exc: RequestValidationError, path: str) -> tuple[str, st
     return (f"{param}: {msg}" if param else f"request body: {msg}"), param
 
 
+def _ids_json(head: dict, ids: list[int], chunk: int = 65536) -> bytes:
+    """``{**head, "tokens": ids}`` as JSON bytes, written a chunk of ids at a time (for a worker thread: the C
+    encoder holds the GIL for a whole call, and 3M ids take 0.5 s; FastAPI's own encoder takes seconds)."""
+    parts = [json.dumps(head)[:-1].encode(), b', "tokens": [']
+    for i in range(0, len(ids), chunk):
+        parts.append((b"," if i else b"") + json.dumps(ids[i:i + chunk])[1:-1].encode())
+    parts.append(b"]}")
+    return b"".join(parts)
+
+
 async def _wait_disconnect(raw: Request) -> None:
     """Return when the client of ``raw`` (a request whose body was read) disconnects."""
     while (await raw.receive())["type"] != "http.disconnect":
@@ -99,13 +112,16 @@ async def _wait_disconnect(raw: Request) -> None:
 class _Server:
     """What the handlers share: the engine client, tokenizer, served name, limits."""
 
-    def __init__(self, model: ServedModel, tokenizer, client: EngineClient, api_key: str | None):
+    def __init__(self, model: ServedModel, tokenizer, client: EngineClient, api_key: str | None,
+                 options: HttpOptions):
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = model.max_model_len
         self.vocab_size = model.vocab_size
         self.model_name = model.name
         self.api_key = api_key
+        self.options = options
+        self.max_prompt_chars = prompt_char_limit(tokenizer, model.max_model_len) if tokenizer is not None else None
         self.created = int(time.time())
         self.metrics = client.metrics
         self.loop = client
@@ -128,11 +144,34 @@ class _Server:
             raise ApiError(400, f"{what} needs a tokenizer, and {self.model_name!r} has none (a random-weight "
                                 f"shape served without one): send /v1/completions with prompt as token ids", param)
 
-    def encode(self, text: str, param: str = "prompt") -> list[int]:
+    def check_unknown(self, body) -> None:
+        """400 naming a request field the server does not know (``protocol.unknown_fields``), or with
+        ``reject_unknown_fields`` off a logged warning."""
+        names = unknown_fields(body)
+        if not names:
+            return
+        if self.options.reject_unknown_fields:
+            raise ApiError(400, f"{names[0]}: unknown field (not a request field of this server; check its "
+                                "spelling)", names[0])
+        log.warning("request fields ignored (unknown): %s", ", ".join(names))
+
+    async def encode(self, text: str, param: str = "prompt", bounded: bool = True) -> list[int]:
+        """The prompt's token ids, tokenized on a worker thread (the event loop keeps answering others). Raises
+        ApiError 400 without a tokenizer, and (``bounded``) before tokenizing for a text too long for the
+        context by its character count alone (``guards.prompt_char_limit``; /tokenize counts any length)."""
         from sparrow.tokenizer import encode_prompt
 
         self.need_tokenizer("a text prompt", param)
-        return encode_prompt(self.tokenizer, text)
+        if bounded:
+            self.check_chars(text, param)
+        return await asyncio.to_thread(encode_prompt, self.tokenizer, text)
+
+    def check_chars(self, text: str, param: str) -> None:
+        limit = self.max_prompt_chars
+        if limit is not None and len(text) > limit:
+            raise ApiError(400, f"this model's maximum context length is {self.max_model_len} tokens, and the "
+                                f"{param} has {len(text)} characters: more than {limit} (the longest token's "
+                                f"characters x {self.max_model_len}) cannot fit", param)
 
     def decode(self, ids: list[int]) -> str:
         """The text of ``ids``; '' without a tokenizer."""
@@ -142,11 +181,15 @@ class _Server:
         """One token's text; 'token_id:N' without a tokenizer (as logprobs name a token with no text)."""
         return self.tokenizer.decode([tid]) if self.tokenizer is not None else f"token_id:{tid}"
 
-    def chat_prompt(self, messages) -> str:
+    async def chat_prompt(self, messages, bounded: bool = True) -> str:
+        """The conversation rendered with the chat template, on a worker thread; ``bounded``: as ``encode``."""
         from sparrow.tokenizer import apply_chat_template
 
         self.need_tokenizer("a chat request (the chat template)", "messages")
-        return apply_chat_template(self.tokenizer, [m.as_template_dict() for m in messages])
+        dicts = [m.as_template_dict() for m in messages]
+        if bounded:
+            self.check_chars("".join(str(d.get("content") or "") for d in dicts), "messages")
+        return await asyncio.to_thread(apply_chat_template, self.tokenizer, dicts)
 
     async def updates(self, queue: asyncio.Queue, streams, raw: Request | None = None):
         """Yield (stream position, Update) until every stream ended; a request's updates that queued up while
@@ -202,41 +245,23 @@ class _Server:
                         finish or ",".join(r or "-" for r in s.finish_reasons))
 
 
-class _ApiKeyCheck:
-    """ASGI middleware: with ``server.api_key`` set, a /v1 request without 'Authorization: Bearer KEY' gets a
-    401. A plain ASGI callable, not ``@app.middleware("http")``: that one relays every chunk of a streamed
-    response through an extra task and memory stream."""
-
-    def __init__(self, app, server):
-        self.app, self.server = app, server
-
-    async def __call__(self, scope, receive, send):
-        key = self.server.api_key
-        if key is not None and scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if given != f"Bearer {key}".encode():
-                err = ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)", None,
-                               "invalid_api_key")
-                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def build_app(model: ServedModel, tokenizer, client: EngineClient, api_key: str | None = None,
-              on_engine_lost=None) -> FastAPI:
+              on_engine_lost=None, options: HttpOptions | None = None) -> FastAPI:
     """The FastAPI app serving ``model`` through ``client`` (its engine runs in another process). api_key:
-    required as ``Authorization: Bearer KEY`` on /v1 routes when set. Without a tokenizer (None: a
+    required as ``Authorization: Bearer KEY`` on every route but /health and /version (and /metrics unless
+    ``options.metrics_need_api_key``) when set; ``options``: the request checks (``guards.HttpOptions``). Without a tokenizer (None: a
     random-weight shape, ``skip_tokenizer_init``) the model is served on token ids: completions take prompts as
     token ids and answer with ``token_ids`` (text empty); chat, text prompts, /tokenize and /detokenize answer
     400 naming the missing tokenizer. ``on_engine_lost()``: called when the engine's connection closes."""
-    server = _Server(model, tokenizer, client, api_key)
+    options = options or HttpOptions()
+    server = _Server(model, tokenizer, client, api_key, options)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         client.attach(asyncio.get_running_loop(), on_engine_lost or (lambda: None))
         yield
 
-    app = FastAPI(title="sparrow", version=sparrow.__version__, lifespan=lifespan)
+    app = FastAPI(title="sparrow", version=sparrow.__version__, lifespan=lifespan, redirect_slashes=False)
     app.state.server = server
 
     @app.exception_handler(ApiError)
@@ -256,14 +281,15 @@ def build_app(model: ServedModel, tokenizer, client: EngineClient, api_key: str 
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
-        return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code,
+                            headers=exc.headers)  # a 405's Allow
 
     @app.exception_handler(Exception)
     async def _internal(request, exc: Exception):
         log.exception("internal error on %s", request.url.path)
         return JSONResponse(ApiError(500, "internal server error").body(), status_code=500)
 
-    app.add_middleware(_ApiKeyCheck, server=server)
+    app.add_middleware(RequestGuard, api_key=api_key, options=options)
 
     @app.get("/health")
     async def health():
@@ -290,19 +316,22 @@ def build_app(model: ServedModel, tokenizer, client: EngineClient, api_key: str 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         server.check_model(body.model)
+        server.check_unknown(body)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", "prompt")
         server.need_tokenizer("/tokenize", "prompt")
-        text = body.prompt if body.messages is None else server.chat_prompt(body.messages)
+        text = body.prompt if body.messages is None else await server.chat_prompt(body.messages, bounded=False)
         if body.add_special_tokens and text:
-            ids = server.encode(text)
+            ids = await server.encode(text, bounded=False)
         else:
-            ids = server.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
+            ids = (await asyncio.to_thread(server.tokenizer, text, add_special_tokens=False))["input_ids"]
+        body = await asyncio.to_thread(_ids_json, {"count": len(ids), "max_model_len": server.max_model_len}, ids)
+        return Response(body, media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         server.check_model(body.model)
+        server.check_unknown(body)
         server.need_tokenizer("/detokenize", "tokens")
         vocab = server.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):

@@ -11,9 +11,11 @@ from __future__ import annotations
 import logging
 
 
-def run_frontend(conn, model, tokenizer, host: str, port: int, api_key: str | None, log_level: int) -> None:
+def run_frontend(conn, model, tokenizer, host: str, port: int, api_key: str | None, log_level: int,
+                 options=None) -> None:
     """The process's entry: serve ``model`` (a served_model.ServedModel) with ``tokenizer`` (None: token ids only) on
-    ``host:port`` until the engine goes away. A port that cannot be bound ends the process before ready."""
+    ``host:port`` until the engine goes away; ``options``: a guards.HttpOptions (None: the defaults). A port that
+    cannot be bound ends the process before ready."""
     import uvicorn
 
     from sparrow.server.app import build_app
@@ -38,7 +40,7 @@ def run_frontend(conn, model, tokenizer, host: str, port: int, api_key: str | No
     def lost():
         holder[0].should_exit = True
 
-    app = build_app(model, tokenizer, client, api_key, on_engine_lost=lost)
+    app = build_app(model, tokenizer, client, api_key, on_engine_lost=lost, options=options)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
     holder.append(server)
     server.run()

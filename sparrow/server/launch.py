@@ -25,7 +25,7 @@ class ServerProcess:
 
     def __init__(self, llm, host: str, port: int, served_model_name, api_key: str | None,
                  startup_timeout: float, warm_up: bool, lora_modules: dict[str, str] | None, background: bool = True,
-                 enable_runtime_lora: bool = False):
+                 enable_runtime_lora: bool = False, http_options=None):
         self.llm = llm
         if enable_runtime_lora and llm.config.lora is None:
             raise InvalidRequestError("--enable-runtime-lora needs --enable-lora (LLM(..., enable_lora=True))")
@@ -52,7 +52,7 @@ class ServerProcess:
         self._send_lock = threading.Lock()
         self._proc = ctx.Process(
             target=_frontend_main, name="sparrow-frontend", daemon=True,
-            args=(child_conn, self.model, llm.tokenizer, host, port, api_key, log.getEffectiveLevel()))
+            args=(child_conn, self.model, llm.tokenizer, host, port, api_key, log.getEffectiveLevel(), http_options))
         self._proc.start()
         child_conn.close()
         if not self._conn.poll(startup_timeout):
@@ -150,7 +150,7 @@ def lora_requests(llm, lora_modules: dict[str, str]) -> dict:
 def start_server(llm, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | list[str] | None = None,
                  api_key: str | None = None, startup_timeout: float = 120.0, warm_up: bool | None = None,
                  lora_modules: dict[str, str] | None = None, background: bool = True,
-                 enable_runtime_lora: bool = False) -> ServerProcess:
+                 enable_runtime_lora: bool = False, http_options=None) -> ServerProcess:
     """Serve ``llm`` (its engine is the server's from now until ``stop()``: do not call the LLM meanwhile) on
     ``host:port``; returns once the front end listens. ``warm_up``: run ``sparrow.engine.warmup.warm_up`` first
     (None: when the engine runs on CUDA, where kernels compile on first use). ``lora_modules``: name -> PEFT
@@ -161,8 +161,10 @@ def start_server(llm, host: str = "127.0.0.1", port: int = 8000, served_model_na
     the main thread, where steps run at in-process speed). ``served_model_name``: a name or several (vLLM's: the
     first is the id responses and /v1/models report, a request's ``model`` may give any); None: the model's folder
     or file name (``served_model.model_id``). ``enable_runtime_lora``: serve /v1/load_lora_adapter and
-    /v1/unload_lora_adapter (``sparrow.server.lora_routes``; needs ``enable_lora``)."""
+    /v1/unload_lora_adapter (``sparrow.server.lora_routes``; needs ``enable_lora``). ``http_options``: the
+    front end's request checks (``sparrow.server.guards.HttpOptions``: body size, allowed hosts, /metrics and the
+    key, unknown fields)."""
     if warm_up is None:
         warm_up = llm.config.device.startswith("cuda")
     return ServerProcess(llm, host, port, served_model_name, api_key, startup_timeout, warm_up, lora_modules,
-                         background, enable_runtime_lora)
+                         background, enable_runtime_lora, http_options)

@@ -41,6 +41,7 @@ def run_server(args) -> int:
     """Serve ``args`` (the ``serve`` subcommand's namespace) until Ctrl-C or the front end exits. Raises
     SparrowError for a bad model or engine argument (before anything listens) or a port that cannot be bound."""
     from sparrow.errors import InvalidRequestError
+    from sparrow.server.guards import http_options
     from sparrow.server.launch import start_server
 
     if args.lora_modules and not args.enable_lora:
@@ -50,6 +51,7 @@ def run_server(args) -> int:
     logging.getLogger("sparrow.server").setLevel(logging.INFO)
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(name)s: %(message)s")
+    options = http_options(args)  # a bad flag fails before the model loads
     llm = _build_llm(args)
     shape = getattr(args, "model_shape", None)
     loras = dict(args.lora_modules or [])
@@ -57,7 +59,7 @@ def run_server(args) -> int:
         raise InvalidRequestError("--lora-modules: each adapter needs a name of its own")
     srv = start_server(llm, host=args.host, port=args.port, served_model_name=args.served_model_name or shape,
                        api_key=args.api_key, lora_modules=loras, background=False,
-                       enable_runtime_lora=args.enable_runtime_lora)
+                       enable_runtime_lora=args.enable_runtime_lora, http_options=options)
     cfg = llm.config
     kv_tokens = llm.engine.block_manager.num_blocks * cfg.cache.block_size
     source = f"random-weight shape {shape}, no tokenizer: token-id prompts" if shape else llm.model_path

@@ -2,7 +2,10 @@
 
 Ranges are declared on the fields, so a bad value is a 400 naming the field and its bound before anything
 reaches the engine; ``sampling_params`` turns a request into sparrow's SamplingParams (which checks the rest).
-Unknown fields are ignored, as OpenAI's server and vLLM's do.
+Types are strict, as OpenAI's API reads them: a number field takes a JSON number (an integer field an integer),
+a boolean field true / false; ``"2"``, ``true`` for a count, ``"yes"`` are 400s. A top-level field that is
+neither declared, nor in ``UNSUPPORTED_FIELDS``, nor in ``IGNORED_FIELDS`` is unknown (``unknown_fields``): the
+server answers 400 naming it (``sparrow serve --allow-unknown-fields``: logged and ignored, as vLLM does).
 """
 from __future__ import annotations
 
@@ -16,7 +19,21 @@ TokenIds = list[StrictInt]
 """A prompt of token ids: JSON integers only (pydantic's lax int would read true / false / 1.0 as ids)."""
 
 
+IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+                            "safety_identifier", "request_id", "priority", "cache_salt"})
+"""OpenAI / vLLM request fields that do not change the output (bookkeeping, routing): accepted and ignored."""
+
+_STRICT = ConfigDict(strict=True, extra="ignore")
+
+
+def unknown_fields(body: BaseModel) -> list[str]:
+    """The fields of a request body (a model with ``extra="allow"``) that the server does not know, in order."""
+    return [k for k in (body.model_extra or {}) if k not in UNSUPPORTED_FIELDS and k not in IGNORED_FIELDS]
+
+
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool = False
     """Send a last chunk with ``choices: []`` and the request's ``usage``."""
 
@@ -38,7 +55,7 @@ not declared below (e.g. ``metadata``, ``store``) are ignored."""
 class _Sampling(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow")
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) for the first field this server does not implement that the request sets (see
@@ -101,14 +118,14 @@ class CompletionRequest(_Sampling):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
@@ -138,7 +155,7 @@ class ChatCompletionRequest(_Sampling):
 class TokenizeRequest(BaseModel):
     """``POST /tokenize`` (vLLM's): a prompt, or chat messages rendered with the chat template."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")
 
     model: str | None = None
     prompt: str | None = None
@@ -147,7 +164,9 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """``POST /detokenize`` (vLLM's): token ids (JSON integers) -> text."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
 
     model: str | None = None
-    tokens: list[int]
+    tokens: TokenIds

@@ -30,7 +30,7 @@ def _sse(obj) -> bytes:
     return format_sse_event(data_str=obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False))
 
 
-def _completion_prompts(server, prompt) -> list[dict]:
+async def _completion_prompts(server, prompt) -> list[dict]:
     """Engine prompts of a completions ``prompt``: a string, strings, token ids, or lists of token ids."""
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -41,7 +41,7 @@ def _completion_prompts(server, prompt) -> list[dict]:
     out = []
     for p in prompt:
         if isinstance(p, str):
-            out.append({"prompt_token_ids": server.encode(p), "prompt": p})
+            out.append({"prompt_token_ids": await server.encode(p), "prompt": p})
         else:
             vocab = server.vocab_size
             if not p or any(not 0 <= t < vocab for t in p):
@@ -96,7 +96,9 @@ def add_generation_routes(app: FastAPI, server) -> None:
         return _AbortingStream(sse(events, final_usage), [s.request_id for s in streams], server.loop)
 
     def check_fields(body) -> None:
-        """400 for a field this server does not implement, or stop_token_ids outside the vocabulary."""
+        """400 for an unknown field, a field this server does not implement, or stop_token_ids outside the
+        vocabulary."""
+        server.check_unknown(body)
         refused = body.unsupported()
         if refused is not None:
             raise ApiError(400, refused[1], refused[0])
@@ -114,7 +116,7 @@ def add_generation_routes(app: FastAPI, server) -> None:
         if body.max_tokens == 0 and not body.echo:
             raise ApiError(400, "max_tokens: must be >= 1 (0 only with echo, for the prompt's logprobs)",
                            "max_tokens")
-        prompts = _completion_prompts(server, body.prompt)
+        prompts = await _completion_prompts(server, body.prompt)
         echo_lp = body.echo and body.logprobs is not None
         params = []
         for p in prompts:
@@ -203,8 +205,8 @@ def add_generation_routes(app: FastAPI, server) -> None:
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         lora = server.check_model(body.model)
         check_fields(body)
-        text = server.chat_prompt(body.messages)
-        ids = server.encode(text)
+        text = await server.chat_prompt(body.messages)
+        ids = await server.encode(text)
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         mt = check_context(len(ids), asked, server.max_model_len, "messages")
         k_top = body.top_logprobs or 0

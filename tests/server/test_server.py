@@ -140,7 +140,7 @@ def test_chat_stream_equals_nonstream_and_usage(tiny_server, client, oracle):
     out = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=12, temperature=0)
     assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == ref.outputs[0].text
-    count = httpx.post(tiny_server.url + "/tokenize", json={"messages": flat}).json()["count"]
+    count = httpx.post(tiny_server.url + "/tokenize", json={"messages": flat}, headers=AUTH).json()["count"]
     assert out.usage.prompt_tokens == count == len(ref.prompt_token_ids)
     chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
