@@ -24,6 +24,7 @@ import torch
 from sparrow.config import TORCH_DTYPES, EngineConfig
 from sparrow.engine.block_manager import BlockManager
 from sparrow.engine.detokenizer import IncrementalDetokenizer
+from sparrow.engine.grammar import GrammarCompilers, SequenceGrammar, check_supported, wait_any
 from sparrow.engine.model_runner import ModelRunner, kv_bytes_per_token
 from sparrow.engine.requests import check_stop, held_back, own_params, parse_prompt
 from sparrow.engine.sampler import make_generator
@@ -77,6 +78,9 @@ class Engine:
         self._last_step_end: float | None = None  # perf_counter() at the end of the last decode / verify step
         self.last_step_prefill = False
         """Whether the last step computed prompt tokens (a prefill, alone or beside decode rows)."""
+        self.grammars: GrammarCompilers | None = None
+        """Structured output's grammar compiles (``sparrow.engine.grammar``), made on the first constrained request."""
+        self._compiling: dict[str, SequenceGrammar] = {}  # request id -> its grammar, while it compiles
         self.failed: dict[str, SparrowError] = {}
         """Requests the engine ended with an error (request id -> the error): a request whose LoRA adapter's host
         copy was dropped (``max_cpu_loras``) and could not be read again when a step needed it. Whoever reports
@@ -93,8 +97,8 @@ class Engine:
         its host copy is dropped before a step runs it and its folder cannot be read again then, the request ends
         with the error in ``failed``)."""
         params = own_params(params)
-        if params.structured_outputs is not None:  # until the sampler applies the grammar: refuse, never ignore
-            raise InvalidRequestError("SamplingParams.structured_outputs is not supported by this engine yet")
+        if params.structured_outputs is not None:
+            check_supported(params, self.tokenizer, self.spec is not None)
         if lora_request is not None:
             from sparrow.lora.request import LoRARequest
 
@@ -114,6 +118,7 @@ class Engine:
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
+        future = self._grammar_future(params)
         seqs = []
         for i in range(params.n):
             seq = Sequence(rid, i, list(ids), params, self.eos_token_ids, soft_embeds=soft, soft_positions=soft_pos,
@@ -122,13 +127,43 @@ class Engine:
                 seq.generator = make_generator(params.seed, i, self.runner.device)
             if self.tokenizer is not None:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            if future is not None:
+                seq.grammar = SequenceGrammar(future)
             seqs.append(seq)
         outs = [CompletionOutput(i, "", []) for i in range(params.n)]
         self.requests[rid] = (RequestOutput(rid, text, list(ids), outs, metrics=RequestMetrics(time.time()),
                                             lora_request=lora_request), seqs)
         for seq in seqs:
             self.scheduler.add(seq)
+        if future is not None and not future.done():
+            self._compiling[rid] = seqs[0].grammar
         return rid
+
+    def _grammar_future(self, params: SamplingParams):
+        """The compile Future of the request's grammar (None without structured_outputs); the compilers (tokenizer
+        info, worker thread) are made on the first constrained request."""
+        if params.structured_outputs is None:
+            return None
+        if self.grammars is None:
+            self.grammars = GrammarCompilers(self.tokenizer, self.config.model.vocab_size, sorted(self.eos_token_ids))
+        return self.grammars.submit(params.structured_outputs)
+
+    def _check_compiles(self, idle: bool) -> None:
+        """Requests whose grammar compile finished leave ``_compiling``; one whose compile failed ends with its
+        error in ``failed``. ``idle``: the step has nothing to run, so wait (briefly) for a compile."""
+        if idle and self._compiling:
+            wait_any(list(self._compiling.values()))
+        for rid, grammar in list(self._compiling.items()):
+            if not grammar.ready:
+                continue
+            del self._compiling[rid]
+            if grammar.error is not None and rid in self.requests:
+                error = grammar.error
+                if not isinstance(error, SparrowError):
+                    error = InvalidRequestError(f"the structured_outputs grammar failed to compile: {error}")
+                log.warning("request %s failed: %s", rid, error)
+                self.failed[rid] = error
+                self.abort(rid)
 
     def abort(self, request_id: str) -> None:
         """Drop a request, freeing its blocks."""
@@ -162,9 +197,13 @@ class Engine:
         else:
             drafts = (self.spec.propose(self.scheduler.running, len(self.scheduler.waiting))
                       if self.spec is not None else None)
+            if self._compiling:
+                self._check_compiles(idle=False)
             plan = self.scheduler.schedule(drafts)
             self._slot_adapters(plan)
             if not plan.seqs:
+                if self._compiling:
+                    self._check_compiles(idle=True)
                 return []
             result = self.runner.run(plan)
         self.last_step_prefill = any(item.start < item.seq.num_prompt_tokens for item in plan.seqs)
@@ -244,6 +283,7 @@ class Engine:
     def _append(self, seq: Sequence, tid: int, lps) -> None:
         """Append a sampled token to ``seq`` (its K/V row already counted): logprobs, text, stop checks."""
         seq.output_token_ids.append(tid)
+        grammar_ok = seq.grammar is None or seq.grammar.accept(tid)
         if lps is not None:
             seq.logprobs.append({t: Logprob(lp, rank, self._decode_token(t)) for t, (lp, rank) in lps.items()})
         new_text = ""
@@ -251,6 +291,10 @@ class Engine:
             new_text = seq.detokenizer.add(tid)
             seq.text += new_text
         check_stop(seq, tid, new_text, self.config.max_model_len)
+        if seq.finish_reason is None and seq.grammar is not None and (seq.grammar.is_terminated or not grammar_ok):
+            if not grammar_ok:  # only when a ban (min_tokens on EOS) left the mask nothing to allow
+                log.warning("request %s: token %d is outside its grammar; the sequence ends", seq.request_id, tid)
+            seq.finish_reason = "stop"  # the grammar is complete (its stop token accepted)
         if seq.finish_reason is not None and seq.detokenizer is not None and not isinstance(seq.stop_reason, str):
             seq.text += seq.detokenizer.flush()  # text held back for an incomplete character
         if seq.finish_reason is not None:

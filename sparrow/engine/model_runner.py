@@ -11,6 +11,7 @@ import torch
 
 from sparrow.config import TORCH_DTYPES, EngineConfig
 from sparrow.engine.forward_inputs import fed_tokens, forward_batch, pad_rows, step_rows
+from sparrow.engine.grammar import apply_bitmask, constrained_rows
 from sparrow.engine.kv_budget import KVPool, graph_reserve_bytes, plan_kv_pool
 from sparrow.engine.sampler import Sampler, SamplingState, prompt_logprob_rows
 from sparrow.engine.step_plan import StepPlan, StepResult
@@ -138,9 +139,13 @@ class ModelRunner:
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor | None, prompt_lp: dict | None = None) -> StepResult:
         """The sampling stage: logits [R', V] of the plan's sampled rows -> StepResult (argmax on the device when
-        the plan is ``argmax_only``, else the sampler)."""
+        the plan is ``argmax_only``, else the sampler); constrained rows (structured output) get their grammar's
+        token bitmask first (``sparrow.engine.grammar.apply_bitmask``: after the forward pass or graph replay)."""
         if logits is None:
             return StepResult(torch.empty(0, dtype=torch.int64, device=self.device), None, prompt_lp)
+        grammar_rows = constrained_rows(plan)
+        if grammar_rows:
+            apply_bitmask(logits, grammar_rows)
         if plan.argmax_only:
             return StepResult(logits.float().argmax(dim=-1), None, prompt_lp)
         out = self.sampler(logits, self._states(plan))

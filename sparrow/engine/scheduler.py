@@ -4,7 +4,8 @@ prompt and output so far are prefilled again when it is readmitted), and the ove
 
 Each step, running sequences go first (a decode needs one row, or 1 + k' rows to verify k' draft tokens from the
 speculative decoder when they fit the budget and free blocks; an unfinished prefill takes a chunk), then waiting
-sequences are admitted in order while the budget, ``max_num_seqs`` and free blocks allow. LoRA adapter slots
+sequences are admitted in order while the budget, ``max_num_seqs`` and free blocks allow; one whose grammar
+(structured output) is still compiling stays waiting and the ones behind it are admitted. LoRA adapter slots
 (``max_loras`` distinct adapters among the running sequences): a sequence whose adapter finds none free waits, the
 adapter sequences behind it too (in order), and base-model sequences behind it, which take no slot, are admitted
 past it. A waiting sequence that cannot be admitted holds no blocks (the prefix-cache hits it took are given back),
@@ -25,9 +26,10 @@ from sparrow.engine.step_plan import ScheduledSeq, StepPlan
 
 
 def _plain_decode(item: ScheduledSeq) -> bool:
-    """One greedy decode row whose sampling is the argmax (what a queued next step can follow on the device)."""
+    """One greedy decode row whose sampling is the argmax (what a queued next step can follow on the device); a
+    constrained row (structured output) never is: its next mask needs this step's token on the host."""
     seq = item.seq
-    return (item.num_new_tokens == 1 and item.num_sampled == 1 and not item.draft_token_ids
+    return (item.num_new_tokens == 1 and item.num_sampled == 1 and not item.draft_token_ids and seq.grammar is None
             and item.start >= seq.num_prompt_tokens and seq.params.prompt_logprobs is None
             and argmax_only(seq.params, len(seq.output_token_ids)))
 
@@ -112,12 +114,17 @@ class Scheduler:
             out.append(self._item(seq, n))
             budget -= n
         adapters = {s.lora_int_id for s in self.running} - {0}
-        held: list[Sequence] = []  # adapter sequences behind one that found every adapter slot taken
+        held: list[Sequence] = []  # sequences left waiting, in order (grammar compiling, adapter slots taken)
+        lora_held = False  # an adapter sequence found every slot taken: later adapter sequences wait behind it
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if seq.lora_int_id and (held or (seq.lora_int_id not in adapters
-                                             and len(adapters) >= (self.max_loras or 0))):
+            if seq.grammar is not None and not seq.grammar.ready:
+                held.append(self.waiting.popleft())  # its grammar compiles on another thread: the rest go on
+                continue
+            if seq.lora_int_id and (lora_held or (seq.lora_int_id not in adapters
+                                                  and len(adapters) >= (self.max_loras or 0))):
                 held.append(self.waiting.popleft())  # base-model sequences behind it take no slot: they go on
+                lora_held = True
                 continue
             if not seq.block_table:
                 seq.num_cached_prefix_tokens = self.bm.allocate_prefix(seq)

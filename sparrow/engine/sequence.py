@@ -52,6 +52,8 @@ class Sequence:
     """Characters of ``text`` already reported in a RequestOutput (the rest is held back for stop strings)."""
     lora_request: object = None
     """The LoRARequest the sequence runs with (None: the base model)."""
+    grammar: object = None
+    """Its ``sparrow.engine.grammar.SequenceGrammar`` when ``params.structured_outputs`` is set."""
 
     @property
     def lora_int_id(self) -> int:
