@@ -14,6 +14,7 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from sparrow.sampling_params import MAX_LOGPROBS, MAX_TOP_K, SamplingParams
+from sparrow.server.structured import StructuredFields
 
 TokenIds = list[StrictInt]
 """A prompt of token ids: JSON integers only (pydantic's lax int would read true / false / 1.0 as ids)."""
@@ -41,8 +42,6 @@ class StreamOptions(BaseModel):
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "logit_bias": (None, {}), "allowed_token_ids": (None, []), "bad_words": (None, []),
     "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,), "logits_processors": (None, []),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "structured_outputs": (None,), "response_format": (None, {"type": "text"}),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "add_generation_prompt": (None, True), "continue_final_message": (None, False), "chat_template": (None,),
     "chat_template_kwargs": (None, {}), "best_of": (None, 1), "suffix": (None, ""),
@@ -52,8 +51,9 @@ that leave the output unchanged (accepted); any other value is a 400 naming the 
 not declared below (e.g. ``metadata``, ``store``) are ignored."""
 
 
-class _Sampling(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras)."""
+class _Sampling(StructuredFields):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras; the
+    structured-output fields in ``StructuredFields``)."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -90,7 +90,8 @@ class _Sampling(BaseModel):
 
     def _params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams for ``max_tokens`` new tokens (OpenAI's defaults: temperature 1, top_p 1). Raises
-        InvalidRequestError naming the field for a value SamplingParams refuses (e.g. min_tokens > max_tokens)."""
+        InvalidRequestError naming the field for a value SamplingParams refuses (e.g. min_tokens > max_tokens),
+        ApiError 400 for a bad structured-output constraint."""
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k, min_p=self.min_p,
@@ -98,7 +99,8 @@ class _Sampling(BaseModel):
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, max_tokens=max_tokens, min_tokens=self.min_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output)
+            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured_outputs_params())
 
     @property
     def include_usage(self) -> bool:

@@ -110,6 +110,7 @@ def add_generation_routes(app: FastAPI, server) -> None:
     async def completions(body: CompletionRequest, raw: Request):
         lora = server.check_model(body.model)
         check_fields(body)
+        await body.check_structured_outputs()
         if body.stop and server.tokenizer is None:
             raise ApiError(400, "stop: stop strings need a tokenizer, and this model has none (use stop_token_ids)",
                            "stop")
@@ -205,6 +206,7 @@ def add_generation_routes(app: FastAPI, server) -> None:
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         lora = server.check_model(body.model)
         check_fields(body)
+        await body.check_structured_outputs()
         text = await server.chat_prompt(body.messages)
         ids = await server.encode(text)
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -334,7 +334,7 @@ BAD_BODIES = [
     ("completions", {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
     ("completions", {"prompt": "x", "stop_token_ids": [10 ** 9]}, "stop_token_ids"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                          "response_format": {"type": "json_object"}}, "response_format"),
+                          "response_format": {"type": "json_schema"}}, "response_format"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
                           "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False},
