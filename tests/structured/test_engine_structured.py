@@ -186,3 +186,18 @@ def test_refused_without_tokenizer_and_with_speculative_decoding(tiny_eos_model_
                speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1})
     with pytest.raises(InvalidRequestError, match="speculative decoding"):
         spec.generate(["hi"], SamplingParams(structured_outputs=SO(regex="a")))
+
+
+def test_logits_wider_than_the_tokenizer(tmp_path):
+    """A model of 320 logits with the 256-token byte tokenizer: the bitmask is sized to the logits and the 64
+    tokens the tokenizer lacks are never allowed (random samples all valid, all ids < 256)."""
+    from tests.helpers import build_tiny_llama, save_byte_tokenizer
+
+    path = build_tiny_llama(tmp_path / "wide", vocab_size=320)
+    save_byte_tokenizer(path)
+    wide = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16)
+    out = wide.generate(["hi"], SamplingParams(n=4, temperature=1.0, seed=0, max_tokens=20,
+                                               structured_outputs=CONSTRAINTS["regex"]))[0]
+    for comp in out.outputs:
+        assert all(t < 256 for t in comp.token_ids), comp.token_ids
+        assert re.fullmatch(REGEX, comp.text.rstrip("\x02")), comp.text
