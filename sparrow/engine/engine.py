@@ -281,9 +281,18 @@ class Engine:
         return self.tokenizer.decode([tid]) if self.tokenizer is not None else None
 
     def _append(self, seq: Sequence, tid: int, lps) -> None:
-        """Append a sampled token to ``seq`` (its K/V row already counted): logprobs, text, stop checks."""
+        """Append a sampled token to ``seq`` (its K/V row already counted): logprobs, text, stop checks. A token
+        its grammar refuses (only when min_tokens banned the stop token that was all the grammar allowed) is not
+        appended: the sequence ends there with finish_reason "stop"."""
+        if seq.grammar is not None and not seq.grammar.accept(tid):
+            log.warning("request %s: sampled token %d is outside its grammar (min_tokens banned its end?); the "
+                        "sequence ends", seq.request_id, tid)
+            seq.finish_reason = "stop"
+            if seq.detokenizer is not None:
+                seq.text += seq.detokenizer.flush()
+            self._finish(seq)
+            return
         seq.output_token_ids.append(tid)
-        grammar_ok = seq.grammar is None or seq.grammar.accept(tid)
         if lps is not None:
             seq.logprobs.append({t: Logprob(lp, rank, self._decode_token(t)) for t, (lp, rank) in lps.items()})
         new_text = ""
@@ -291,10 +300,8 @@ class Engine:
             new_text = seq.detokenizer.add(tid)
             seq.text += new_text
         check_stop(seq, tid, new_text, self.config.max_model_len)
-        if seq.finish_reason is None and seq.grammar is not None and (seq.grammar.is_terminated or not grammar_ok):
-            if not grammar_ok:  # only when a ban (min_tokens on EOS) left the mask nothing to allow
-                log.warning("request %s: token %d is outside its grammar; the sequence ends", seq.request_id, tid)
-            seq.finish_reason = "stop"  # the grammar is complete (its stop token accepted)
+        if seq.finish_reason is None and seq.grammar is not None and seq.grammar.is_terminated:
+            seq.finish_reason = "stop"  # the grammar is complete (its stop token accepted, ignore_eos or not)
         if seq.finish_reason is not None and seq.detokenizer is not None and not isinstance(seq.stop_reason, str):
             seq.text += seq.detokenizer.flush()  # text held back for an incomplete character
         if seq.finish_reason is not None:

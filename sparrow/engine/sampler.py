@@ -3,7 +3,8 @@
 Shape legend: R = rows of the step (one sequence each), V = vocabulary, S = rows that sample at random,
 K = candidate tokens kept per row after top-k / top-p (sorted by decreasing logit).
 
-Order of operations (vLLM ``SamplingParams`` docs; HF ``generate`` where vLLM is silent):
+Order of operations (vLLM ``SamplingParams`` docs; HF ``generate`` where vLLM is silent), after the model runner
+masked the tokens a structured-output row's grammar forbids (``sparrow.engine.grammar.apply_bitmask``):
   logprobs of the raw logits -> repetition penalty (CTRL, arXiv:1909.05858) -> frequency / presence
   penalties (OpenAI API) -> min_tokens suppression -> greedy argmax, or temperature -> top-k -> top-p
   (nucleus, arXiv:1904.09751) -> min-p (arXiv:2407.01082) -> exponential-race draw argmax(p / q),

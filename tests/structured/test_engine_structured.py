@@ -201,3 +201,24 @@ def test_logits_wider_than_the_tokenizer(tmp_path):
     for comp in out.outputs:
         assert all(t < 256 for t in comp.token_ids), comp.token_ids
         assert re.fullmatch(REGEX, comp.text.rstrip("\x02")), comp.text
+
+
+def test_min_tokens_banning_the_grammars_end_stops_without_a_bad_token(llm):
+    """choice ["ab"] with min_tokens=5: after "ab" the grammar allows only EOS, which min_tokens bans; the token
+    sampled from the fully masked row is not appended and the sequence ends there."""
+    comp = llm.generate(["hi"], SamplingParams(temperature=0, max_tokens=10, min_tokens=5,
+                                               structured_outputs=SO(choice=["ab"])))[0].outputs[0]
+    assert (comp.text, comp.token_ids, comp.finish_reason) == ("ab", [97, 98], "stop")
+
+
+def test_failed_compile_fails_only_that_request(llm, monkeypatch):
+    grammars = llm.engine.grammars
+
+    def broken(key):
+        raise RuntimeError("compiler exploded")
+    monkeypatch.setattr(grammars, "_compile", broken)
+    with pytest.raises(InvalidRequestError, match="failed to compile: compiler exploded"):
+        llm.generate(["hi"], SamplingParams(max_tokens=4, structured_outputs=SO(regex="q{1,4}")))
+    monkeypatch.undo()  # the failed compile left the cache: the same constraint compiles again
+    comp = llm.generate(["hi"], SamplingParams(max_tokens=8, structured_outputs=SO(regex="q{1,4}")))[0].outputs[0]
+    assert re.fullmatch("q{1,4}", comp.text)
