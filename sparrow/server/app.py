@@ -29,6 +29,7 @@ from sparrow.server.engine_client import EngineClient
 from sparrow.server.engine_loop import StreamError, Update, merge_updates
 from sparrow.server.guards import HttpOptions, RequestGuard, prompt_char_limit
 from sparrow.server.lora_routes import add_lora_routes
+from sparrow.server.openapi import install_openapi
 from sparrow.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                      unknown_fields)
 from sparrow.server.routes import add_generation_routes
@@ -341,4 +342,5 @@ def build_app(model: ServedModel, tokenizer, client: EngineClient, api_key: str 
     add_generation_routes(app, server)
     if model.runtime_lora:
         add_lora_routes(app, server)
+    install_openapi(app, closed_bodies=options.reject_unknown_fields)
     return app
