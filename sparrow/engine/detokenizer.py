@@ -13,7 +13,9 @@ the last token is a byte token, and released when the run ends: a character spel
 token later, and the streamed text always equals ``decode`` of all tokens. A skipped special token (e.g.
 ``<bos>`` with skip_special_tokens) does not end a run: it is dropped before the byte decoder, so the bytes on
 both sides of it form one run (transformers' ``decode`` gives U+FFFD for every byte of a run that is not valid
-UTF-8 as a whole, so a character complete inside a run cannot be released before the run ends).
+UTF-8 as a whole, so a character complete inside a run cannot be released before the run ends). The prompt
+tokens decoded for context stop before any byte run or incomplete character at the prompt's end, so output bytes
+never complete a character the prompt began (``decode`` of the output alone renders them as U+FFFD).
 """
 from __future__ import annotations
 
@@ -56,15 +58,16 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        context = list(prompt_token_ids[-PROMPT_CONTEXT:]) if PROMPT_CONTEXT else []
+        self._byte_ids = byte_token_ids(tokenizer)
+        self._renders_empty: dict[int, bool] = _RENDERS_EMPTY.setdefault(tokenizer, {}).setdefault(
+            skip_special_tokens, {})
+        context = self._whole_characters(list(prompt_token_ids[-PROMPT_CONTEXT:]) if PROMPT_CONTEXT else [])
         self._ids: list[int] = context           # context + output ids
         self._prefix = 0                          # window start: first token of the already-emitted text
         self._read = len(context)                 # first token whose text is not yet emitted
         self._prefix_text: str | None = None      # decode(ids[prefix:read]), cached
         self._text = ""
-        self._byte_ids = byte_token_ids(tokenizer)
-        self._in_byte_run = bool(context) and context[-1] in self._byte_ids
-        self._renders_empty: dict[int, bool] = _RENDERS_EMPTY.setdefault(tokenizer, {})
+        self._in_byte_run = False
         self.output_token_ids: list[int] = []
         """Every id passed to ``add``."""
 
@@ -105,8 +108,18 @@ class IncrementalDetokenizer:
         self._in_byte_run = False
         return self._emit(allow_partial=False)
 
+    def _whole_characters(self, context: list[int]) -> list[int]:
+        """``context`` without its tail of byte tokens, skipped special tokens and tokens whose text ends in an
+        incomplete character: the output's first bytes must not join a character begun in the prompt, which
+        ``decode(output_ids)`` renders as U+FFFD."""
+        while context and (context[-1] in self._byte_ids or self._skipped(context[-1])
+                           or self._decode(context).endswith(_REPLACEMENT)):
+            context.pop()
+        return context
+
     def _skipped(self, token_id: int) -> bool:
-        """Whether ``token_id`` renders as nothing on its own (a skipped special token), cached per tokenizer."""
+        """Whether ``token_id`` renders as nothing on its own (a skipped special token), cached per tokenizer and
+        skip_special_tokens."""
         empty = self._renders_empty.get(token_id)
         if empty is None:
             empty = self._renders_empty[token_id] = self._decode([token_id]) == ""

@@ -133,6 +133,41 @@ def test_random_sequences_match_decode(tok, skip):
             assert not p.endswith("\ufffd")
 
 
+def _split_character_ids(tok, rng: random.Random, byte_ids: dict[int, int], specials: list[int]) -> list[int]:
+    """A multi-byte character spelled in byte tokens (byte fallback) or in its byte-level BPE pieces, with
+    special tokens between its bytes; or a special token, a short encoded text, a random id."""
+    r = rng.random()
+    if r < 0.45:
+        ch = chr(rng.choice([rng.randrange(0x80, 0x800), rng.randrange(0x4E00, 0x9FFF), rng.randrange(0x1F300, 0x1FAFF)]))
+        pieces = [byte_ids[b] for b in ch.encode("utf-8")] if byte_ids else tok.encode(ch, add_special_tokens=False)
+        out = []
+        for p in pieces:
+            out.append(p)
+            if rng.random() < 0.5:
+                out += [rng.choice(specials)] * rng.randint(1, 2)
+        return out
+    if r < 0.6:
+        return [rng.choice(specials)]
+    if r < 0.8:
+        return tok.encode(rng.choice(["é", "世", "😀", " ok", "a", "\n"]), add_special_tokens=False)
+    return [rng.randrange(len(tok))]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_specials_between_the_bytes_of_one_character_match_decode(tok, skip):
+    """Skipped special tokens between the byte tokens of one character, and the prompt / output boundary inside
+    a character (the prompt's tail decoded for context must not complete the output's first bytes)."""
+    rng = random.Random(7 + skip)
+    byte_ids = _byte_token_ids(tok)
+    specials = sorted(set(tok.all_special_ids) | set(sorted(tok.added_tokens_decoder)[:50]))
+    for trial in range(300):
+        seq = [t for _ in range(rng.randint(2, 10)) for t in _split_character_ids(tok, rng, byte_ids, specials)]
+        cut = rng.randint(0, len(seq) - 1)
+        prompt, out = seq[:cut], seq[cut:]
+        full, _ = _stream(tok, prompt, out, skip)
+        assert full == _reference(tok, out, skip), (trial, prompt, out)
+
+
 def test_byte_fallback_splits_are_held_back(tok):
     byte_ids = _byte_token_ids(tok)
     if not byte_ids:
