@@ -33,9 +33,10 @@ log = logging.getLogger(__name__)
 
 
 class LoadLoRAAdapterRequest(BaseModel):
-    """vLLM's body of /v1/load_lora_adapter (strict types: a JSON string for a name, true / false for a flag)."""
+    """vLLM's body of /v1/load_lora_adapter (strict types: a JSON string for a name, true / false for a flag;
+    another field is unknown: ``_Server.check_unknown``)."""
 
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, extra="allow")
 
     lora_name: str
     lora_path: str
@@ -44,9 +45,9 @@ class LoadLoRAAdapterRequest(BaseModel):
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
-    """vLLM's body of /v1/unload_lora_adapter (strict types, as the load's)."""
+    """vLLM's body of /v1/unload_lora_adapter (strict types and unknown fields as the load's)."""
 
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, extra="allow")
 
     lora_name: str
     lora_int_id: int | None = None
@@ -74,6 +75,7 @@ def add_lora_routes(app: FastAPI, server) -> None:
 
     @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
     async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        server.check_unknown(body)
         name, path = body.lora_name, body.lora_path
         if not name or not path:
             raise ApiError(400, "Both 'lora_name' and 'lora_path' must be provided.", "lora_name" if not name
@@ -94,6 +96,7 @@ def add_lora_routes(app: FastAPI, server) -> None:
 
     @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        server.check_unknown(body)
         name = body.lora_name
         if not name:
             raise ApiError(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "lora_name")

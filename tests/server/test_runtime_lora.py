@@ -135,6 +135,7 @@ def test_load_list_generate_unload(server, client, folders, peft):
     ({"lora_name": "x"}, 400, "lora_path"),
     ({"lora_name": 5, "lora_path": "{a}"}, 400, "lora_name"),
     ({"lora_name": "x", "lora_path": "{a}", "load_inplace": "yes"}, 400, "load_inplace"),
+    ({"lora_name": "x", "lora_path": "{a}", "lora_pth": "{a}"}, 400, "lora_pth: unknown field"),
 ])
 def test_load_errors(client, folders, body, status, match):
     body = {k: v.format(**folders) if isinstance(v, str) else v for k, v in body.items()}
