@@ -10,8 +10,12 @@ import logging
 import os
 import sys
 
-from sparrow.cli_support import chat_model, default_threads, field_docs, kv_cache_args, line_editing, stats_line
+from sparrow.cli_support import chat_model, field_docs, kv_cache_args, line_editing, stats_line
 from sparrow.errors import SparrowError
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _int_at_least(low: int, high: int | None = None):
@@ -105,9 +109,8 @@ def _add_model_args(p: argparse.ArgumentParser, kv_cache: bool = True) -> None:
                        help="KV cache size in bytes, e.g. 8GiB, 8G (= 8GiB), 512MiB, 8GB (10^9); overrides "
                             "--gpu-memory-utilization; not with --num-kv-blocks (default: off)")
     p.add_argument("--threads", type=_positive_int, default=None,
-                   help="CPU threads of torch's ops (generate, chat: default 1 on a machine with <= 2 cores, else "
-                        "half the cores, whatever OMP_NUM_THREADS says; bench: default torch's, i.e. "
-                        "OMP_NUM_THREADS or the cores)")
+                   help="CPU threads of torch's ops (default 1 on a machine with <= 2 cores, else half the cores, "
+                        "whatever OMP_NUM_THREADS says; the same for LLM())")
     from sparrow.quant import get_quantization, supported_quantization
     from sparrow.quant.registry import checkpoint_quantization
 
@@ -203,7 +206,7 @@ def _llm(args):
         for name in ("sparrow.loader.gguf", "sparrow.tokenizer", "sparrow.default_model"):
             logging.getLogger(name).setLevel(logging.INFO)
         print(f"sparrow: loading {args.model or 'the packaged default model'} "
-              f"({torch.get_num_threads()} CPU threads) ...", file=sys.stderr, flush=True)
+              f"({_plural(torch.get_num_threads(), 'CPU thread')}) ...", file=sys.stderr, flush=True)
     lora = {} if getattr(args, "lora", None) is None else dict(enable_lora=True, max_loras=1,
                                                              max_lora_rank=_lora_rank(args.lora))
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -483,11 +486,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    import torch
+    from sparrow.devices import cpu_threads
 
-    threads, before = getattr(args, "threads", None), torch.get_num_threads()
-    if threads is not None or args.command in ("generate", "chat"):  # bench keeps torch's count unless told
-        torch.set_num_threads(threads or default_threads())
+    with cpu_threads(getattr(args, "threads", None)):  # in-process callers (tests) get their count back
+        return _run(args)
+
+
+def _run(args) -> int:
     try:
         return args.func(args)
     except SparrowError as e:
@@ -501,8 +506,6 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError, AttributeError):  # no descriptor (stdout replaced in-process)
             pass
         return 1
-    finally:
-        torch.set_num_threads(before)  # a caller in this process (tests) keeps its own count
 
 
 if __name__ == "__main__":

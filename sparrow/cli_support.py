@@ -1,5 +1,5 @@
 """Helpers of the command line that need no argparse: CLI help from dataclass field docstrings, the default
-CPU thread count, the statistics line printed after a run, the chat's line editing, the packaged chat model."""
+the statistics line printed after a run, the chat's line editing, the packaged chat model."""
 from __future__ import annotations
 
 import os
@@ -22,17 +22,6 @@ def field_docs(cls) -> dict[str, str]:
                 and isinstance(getattr(b, "value", None), ast.Constant) and isinstance(b.value.value, str):
             docs[a.target.id] = " ".join(b.value.value.split()).replace("%", "%%")
     return docs
-
-
-def default_threads() -> int:
-    """CPU threads for torch's ops in generate and chat when --threads is not given: 1 on a machine with
-    at most 2 cores (one busy core then stalls every step of a 2-thread decode: seconds instead of tens of
-    ms), else half the cores this process may use (room for other load; decode is memory-bound)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return 1 if cores <= 2 else cores // 2
 
 
 def stats_line(out, load_time: float | None) -> str:

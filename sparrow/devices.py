@@ -1,5 +1,9 @@
-"""Device and compute-dtype names: what ``device='auto'`` and ``dtype='auto'`` resolve to, and which names exist."""
+"""Device and compute-dtype names: what ``device='auto'`` and ``dtype='auto'`` resolve to, and which names exist;
+torch's CPU thread count, one rule for every entry point (``default_cpu_threads``)."""
 from __future__ import annotations
+
+import contextlib
+import os
 
 import torch
 
@@ -21,6 +25,51 @@ def resolve_device(device: str) -> str:
     if device != "cpu" and not device.startswith("cuda"):
         raise InvalidRequestError(f"unknown device {device!r} (use 'auto', 'cpu' or 'cuda')")
     return device
+
+
+def default_cpu_threads() -> int:
+    """torch's CPU threads when none is asked for, the same for ``LLM()``, ``generate``, ``chat``, ``serve`` and
+    ``bench``: 1 on a machine with at most 2 cores this process may use (one busy core then stalls every step of
+    a 2-thread decode: seconds instead of tens of ms), else half of them (room for other load; decode is
+    memory-bound). OMP_NUM_THREADS is not read: ``--threads`` / ``set_cpu_threads`` choose another count."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return 1 if cores <= 2 else cores // 2
+
+
+_THREADS_CHOSEN = False  # set_cpu_threads ran: LLM() keeps the count
+
+
+def set_cpu_threads(n: int | None = None) -> int:
+    """Set torch's CPU threads to ``n`` (None: ``default_cpu_threads()``) for this process; later ``LLM()``s keep
+    it. Returns the count set."""
+    global _THREADS_CHOSEN
+    n = n or default_cpu_threads()
+    torch.set_num_threads(n)
+    _THREADS_CHOSEN = True
+    return n
+
+
+def ensure_cpu_threads() -> None:
+    """``LLM()``'s call: the default thread count, unless this process chose one (``set_cpu_threads``, the CLI's
+    ``--threads``, or an earlier ``LLM()``: a ``torch.set_num_threads`` after it is kept)."""
+    if not _THREADS_CHOSEN:
+        set_cpu_threads(None)
+
+
+@contextlib.contextmanager
+def cpu_threads(n: int | None):
+    """``set_cpu_threads(n)`` for the block, then torch's count and the chosen state as they were (the CLI's
+    ``main`` run in-process, e.g. by tests)."""
+    global _THREADS_CHOSEN
+    before, chosen = torch.get_num_threads(), _THREADS_CHOSEN
+    try:
+        yield set_cpu_threads(n)
+    finally:
+        torch.set_num_threads(before)
+        _THREADS_CHOSEN = chosen
 
 
 def cpu_has_native_bf16() -> bool:

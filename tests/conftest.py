@@ -9,6 +9,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from sparrow.devices import set_cpu_threads  # noqa: E402
+
+# the suite keeps torch's own thread count (the machine's cores); LLM()'s default is tested in test_first_run
+set_cpu_threads(torch.get_num_threads())
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -109,11 +109,39 @@ def test_folder_without_tokenizer_files(tiny_model_dir):
 
 
 def test_default_threads(monkeypatch):
-    from sparrow import cli_support
+    from sparrow import devices
 
     for cores, want in ((1, 1), (2, 1), (4, 2), (16, 8)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
-        assert cli_support.default_threads() == want
+        assert devices.default_cpu_threads() == want
+
+
+def test_every_entry_point_uses_the_default_threads(monkeypatch, tiny_model_dir):
+    """LLM() (so serve, whose engine is an LLM) and the CLI's commands (generate, chat, serve, bench) set
+    devices.default_cpu_threads(), unless the process chose a count; --threads chooses one."""
+    import torch
+
+    from sparrow import cli, devices
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)))  # default: 3
+    monkeypatch.setattr(devices, "_THREADS_CHOSEN", False)
+    try:
+        make_llm(tiny_model_dir, max_model_len=32)
+        assert torch.get_num_threads() == 3
+        torch.set_num_threads(2)  # a count set after the first LLM() is kept
+        make_llm(tiny_model_dir, max_model_len=32)
+        assert torch.get_num_threads() == 2
+        seen = []
+        for command in ("generate", "chat", "serve", "bench"):
+            monkeypatch.setattr(cli, f"cmd_{command}", lambda a, c=command: seen.append((c, torch.get_num_threads())))
+        for command in ("generate", "chat", "serve", "bench"):
+            cli.main([command])
+            cli.main([command, "--threads", "5"])
+        assert seen == [(c, n) for c in ("generate", "chat", "serve", "bench") for n in (3, 5)], seen
+        assert torch.get_num_threads() == 2  # main gives the caller's count back
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_metrics_and_statistics_line(tiny_model_dir):
@@ -167,7 +195,7 @@ def test_prompt_from_stdin_and_file_with_flags_after_the_subcommand(tiny_text_mo
     args = ["--model", tiny_text_model_dir, "--max-tokens", "6", "--ignore-eos", "--stop", "zzz"]
     by_stdin = cli("generate", "-", *args, "-v", "--threads", "1", input="hello")
     assert by_stdin.returncode == 0, by_stdin.stderr
-    assert "(1 CPU threads)" in by_stdin.stderr and "sparrow: loaded LlamaForCausalLM" in by_stdin.stderr
+    assert "(1 CPU thread)" in by_stdin.stderr and "sparrow: loaded LlamaForCausalLM" in by_stdin.stderr
     assert re.search(r"peak RSS while loading [1-9]\d* MiB", by_stdin.stderr), by_stdin.stderr
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("hello")

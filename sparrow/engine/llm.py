@@ -9,7 +9,7 @@ from typing import Iterator, Sequence as Seq
 import torch
 
 from sparrow.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-from sparrow.devices import TORCH_DTYPES, peak_memory, reset_peak_memory
+from sparrow.devices import TORCH_DTYPES, ensure_cpu_threads, peak_memory, reset_peak_memory
 from sparrow.engine.engine import Engine
 from sparrow.errors import InvalidRequestError
 from sparrow.outputs import RequestOutput
@@ -130,6 +130,7 @@ class LLM:
         from sparrow.tokenizer import load_tokenizer
 
         start = time.perf_counter()
+        ensure_cpu_threads()  # devices.default_cpu_threads unless the process chose a count
         check_quantization(quantization)  # InvalidRequestError naming the registered formats
         if isinstance(model, torch.nn.Module):
             raise InvalidRequestError("model is a built torch module: use LLM.from_model(model, ...) for it")
@@ -196,6 +197,7 @@ class LLM:
         return llm
 
     def _start(self, config: EngineConfig, model: torch.nn.Module, tokenizer, path: str | None) -> None:
+        ensure_cpu_threads()
         self.tokenizer = tokenizer
         self.engine = Engine(config, model, tokenizer, draft_model=self._load_draft(config))
         self.model_path = path
