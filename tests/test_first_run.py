@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -275,3 +276,14 @@ def test_main_in_process_restores_the_thread_count(tiny_text_model_dir, capsys):
     assert main(["generate", "hi", "--model", str(tiny_text_model_dir), "--device", "cpu", "--max-tokens", "2",
                  "--threads", "3"]) == 0
     assert torch.get_num_threads() == before
+
+
+def test_readme_install_lines_take_the_cpu_torch_and_match_ci():
+    """The README's first two lines install torch's CPU wheel from PyTorch's CPU index (PyPI's torch is the CUDA
+    build) and .ci/run runs the second line exactly; the torch pin is the one the lines name."""
+    root = Path(__file__).resolve().parents[1]
+    lines = (root / "README.md").read_text().split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+    cpu = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && "
+    assert len(lines) == 2 and all(line.startswith(cpu) for line in lines), lines
+    assert lines[0].endswith('sparrow generate "The capital of France is"')
+    assert lines[1] in (root / ".ci" / "run").read_text().splitlines()
