@@ -29,6 +29,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    """Sum of the generated tokens' logprobs (natural log, as ``logprobs`` holds them); None unless the request
+    asked for logprobs (vLLM's)."""
 
 
 @dataclass
@@ -60,3 +63,5 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = None
     lora_request: object = None
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache (vLLM's; of the first completion's prefill)."""

@@ -67,9 +67,13 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
     return ids
 
 
-def apply_chat_template(tokenizer, messages: list[dict]) -> str:
-    """Render a conversation (a list of {'role': str, 'content': str}) with the model's chat template, ending
-    with the assistant turn's opening.
+def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                        continue_final_message: bool = False, chat_template: str | None = None,
+                        chat_template_kwargs: dict | None = None) -> str:
+    """Render a conversation (a list of {'role': str, 'content': str}) with the model's chat template (or
+    ``chat_template``, a Jinja string), ending with the assistant turn's opening (``add_generation_prompt``) or,
+    with ``continue_final_message``, inside the last message (left open, to be continued); ``chat_template_kwargs``
+    are passed to the template (e.g. ``enable_thinking``). vLLM's arguments; both flags at once is an error.
 
     Raises InvalidRequestError when there is no tokenizer or no chat template, for messages that are not
     role-keyed dicts or that the template cannot render, and when the template refuses the conversation (it
@@ -80,14 +84,21 @@ def apply_chat_template(tokenizer, messages: list[dict]) -> str:
 
     if tokenizer is None:
         raise InvalidRequestError("chat needs a tokenizer (this LLM was built without one)")
-    if not getattr(tokenizer, "chat_template", None):
+    if add_generation_prompt and continue_final_message:
+        raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be true (set "
+                                  "add_generation_prompt=False to continue the last message)")
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise InvalidRequestError("chat_template_kwargs must be a dict")
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("this model has no chat template: give it a plain prompt (LLM.generate, the server's "
                                   "/v1/completions, sparrow generate without --chat)")
     if not isinstance(messages, (list, tuple)) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
         raise InvalidRequestError("messages must be a non-empty list of {'role': str, 'content': ...} dicts")
     try:
-        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
+                                             chat_template=chat_template, **(chat_template_kwargs or {}))
     except TemplateSyntaxError as e:
         raise ModelLoadError(f"the model's chat template does not parse: {' '.join(str(e).split())}") from None
     except TemplateError as e:

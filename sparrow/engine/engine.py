@@ -331,9 +331,13 @@ class Engine:
             if seq.params.logprobs is not None:
                 if comp.logprobs is None:
                     comp.logprobs = []
-                comp.logprobs.extend(seq.logprobs[len(comp.logprobs):])
+                start = len(comp.logprobs)
+                comp.logprobs.extend(seq.logprobs[start:])
+                comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + sum(
+                    d[t].logprob for t, d in zip(comp.token_ids[start:], comp.logprobs[start:]))
             comp.finish_reason, comp.stop_reason = seq.finish_reason, seq.stop_reason
         first = seqs[0]
+        out.num_cached_tokens = first.num_cached_prefix_tokens
         if first.params.prompt_logprobs is not None and out.prompt_logprobs is None:
             # rebuilt only after a step wrote prompt rows (_apply clears it then), not on every decode step
             out.prompt_logprobs = [None] + [

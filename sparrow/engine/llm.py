@@ -371,16 +371,21 @@ class LLM:
             self._release(rid)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             lora_request=None) -> list[RequestOutput]:
+             lora_request=None, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate the assistant's reply to a conversation (a list of {'role': str, 'content': str}), or to each
         of a list of conversations, rendered with the model's chat template; one RequestOutput per conversation,
         in order (vLLM's ``LLM.chat``). ``sampling_params`` and ``lora_request`` as ``generate`` takes them (one
-        for all, or one per conversation; LoRARequest or None for the base model). Raises InvalidRequestError when
+        for all, or one per conversation; LoRARequest or None for the base model); ``chat_template``,
+        ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``: vLLM's, as
+        ``sparrow.tokenizer.apply_chat_template`` takes them. Raises InvalidRequestError when
         the model has no template, the messages are malformed or the template refuses them (its own message
         quoted), ModelLoadError when the template itself is broken (``sparrow.tokenizer.apply_chat_template``)."""
         from sparrow.tokenizer import apply_chat_template
 
         batch = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
         conversations = list(messages) if batch else [messages]
-        return self.generate([apply_chat_template(self.tokenizer, c) for c in conversations], sampling_params,
+        kw = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                  chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+        return self.generate([apply_chat_template(self.tokenizer, c, **kw) for c in conversations], sampling_params,
                              lora_request=lora_request)

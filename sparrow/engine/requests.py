@@ -31,14 +31,17 @@ def own_params(params: SamplingParams | None) -> SamplingParams:
 
 def parse_prompt(prompt, tokenizer, hidden_size: int, vocab_size: int, max_model_len: int
                  ) -> tuple[str | None, list[int], torch.Tensor | None, list[int]]:
-    """(text, token ids, soft_embeds [n, H] or None, soft positions) of a text prompt or a dict
-    {'prompt_token_ids': [...], optional 'prompt', 'soft_embeds', 'soft_positions'}. Raises InvalidRequestError
+    """(text, token ids, soft_embeds [n, H] or None, soft positions) of a text prompt, a dict {'prompt': text}
+    (vLLM's TextPrompt) or a dict {'prompt_token_ids': [...], optional 'prompt', 'soft_embeds', 'soft_positions'}. Raises InvalidRequestError
     for an empty prompt, one of max_model_len tokens or more, ids outside the vocabulary, non-integer ids, bad
     soft embeddings, or a text prompt without a tokenizer."""
     soft, pos = None, []
+    if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
+        prompt = prompt["prompt"]  # vLLM's TextPrompt {'prompt': str}
     if isinstance(prompt, dict):
         if "prompt_token_ids" not in prompt:
-            raise InvalidRequestError("a dict prompt needs 'prompt_token_ids'")
+            raise InvalidRequestError("a dict prompt needs 'prompt_token_ids' (vLLM's TokensPrompt) or a string "
+                                      "'prompt' (TextPrompt)")
         try:  # operator.index takes Python and numpy integers, refuses floats, strings and None
             ids = [operator.index(t) for t in prompt["prompt_token_ids"]]
         except TypeError:
