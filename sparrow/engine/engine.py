@@ -135,7 +135,7 @@ class Engine:
                                             lora_request=lora_request), seqs)
         for seq in seqs:
             self.scheduler.add(seq)
-        if future is not None and not future.done():
+        if future is not None:  # until _check_compiles sees it compiled (or ends it if the compile failed)
             self._compiling[rid] = seqs[0].grammar
         return rid
 
@@ -154,7 +154,7 @@ class Engine:
         if idle and self._compiling:
             wait_any(list(self._compiling.values()))
         for rid, grammar in list(self._compiling.items()):
-            if not grammar.ready:
+            if not grammar.done:
                 continue
             del self._compiling[rid]
             if grammar.error is not None and rid in self.requests:

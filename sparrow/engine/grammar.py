@@ -8,7 +8,7 @@ W = ceil(V / 32) int32 words of a bitmask row (xgrammar's layout: bit i of word 
 Where compile happens: ``Engine.add_request`` submits the constraint to ``GrammarCompilers`` (one worker thread:
 the tokenizer info, built once on first use, then xgrammar's ``GrammarCompiler``), which returns a Future; equal
 constraints (``StructuredOutputsParams.cache_key``) share one Future, so a constraint compiles once per engine
-(LRU of ``CACHE_SIZE``). The engine thread never waits for a compile while other requests can run: the scheduler
+(LRU of ``CACHE_SIZE`` grammars and ``CACHE_LIMIT_BYTES``). The engine thread never waits for a compile while other requests can run: the scheduler
 leaves a waiting sequence whose grammar is not ready in the queue and admits the ones behind it; only when a step
 has nothing to run does the engine wait (at most ``IDLE_WAIT_S``) for a compile to finish. Compiling in the HTTP
 front end instead would put it on the event loop's process and would not cover the library (``LLM``).
@@ -34,7 +34,10 @@ from sparrow.structured_outputs import StructuredOutputsParams
 log = logging.getLogger(__name__)
 
 CACHE_SIZE = 256
-"""Compiled grammars kept per engine (least recently used dropped first)."""
+"""Most compiled grammars kept per engine (least recently used dropped first)."""
+CACHE_LIMIT_BYTES = 512 << 20
+"""Most bytes of compiled grammars kept per engine (``CompiledGrammar.memory_size_bytes``; vLLM's default xgrammar
+cache size)."""
 IDLE_WAIT_S = 0.005
 """Longest wait of an engine step with nothing to run for a compile to finish (seconds)."""
 
@@ -59,7 +62,7 @@ class GrammarCompilers:
         if self._compiler is None:
             info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
                                                       stop_token_ids=self._stop)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # cached here, by key
         return self._compiler
 
     def _compile(self, key: tuple):
@@ -82,9 +85,20 @@ class GrammarCompilers:
                 return fut
             fut = self._pool.submit(self._compile, key)
             self._cache[key] = fut
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            self._evict()
             return fut
+
+    def _evict(self) -> None:
+        """Drop the least recently used grammars past CACHE_SIZE or CACHE_LIMIT_BYTES (compiled ones counted; the
+        newest entry stays). Requests holding a dropped grammar keep it."""
+        while len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        sizes = {k: f.result().memory_size_bytes for k, f in self._cache.items()
+                 if f.done() and f.exception() is None}
+        total = sum(sizes.values())
+        while total > CACHE_LIMIT_BYTES and len(self._cache) > 1:
+            key, _ = self._cache.popitem(last=False)
+            total -= sizes.get(key, 0)
 
     def cached(self, so: StructuredOutputsParams) -> bool:
         """Whether ``so``'s grammar is compiled (or compiling) in the cache."""
@@ -106,9 +120,14 @@ class SequenceGrammar:
         self._matcher = None
 
     @property
-    def ready(self) -> bool:
+    def done(self) -> bool:
         """The compile finished (successfully or not)."""
         return self.future.done()
+
+    @property
+    def ready(self) -> bool:
+        """The grammar compiled: the sequence may run (one whose compile failed never does; the engine ends it)."""
+        return self.future.done() and self.future.exception() is None
 
     @property
     def error(self) -> BaseException | None:
@@ -168,7 +187,8 @@ def apply_bitmask(logits: torch.Tensor, rows: list[tuple[int, SequenceGrammar]])
     ``constrained_rows``, each matcher's state the sequence's tokens so far. The bitmask [R', W] int32 is filled
     on the host for the listed rows (``GrammarMatcher.fill_next_token_bitmask``), copied once to the logits'
     device and applied by ``xgrammar.apply_token_bitmask_inplace`` to those rows (forbidden tokens -> -inf); the
-    other rows are untouched."""
+    other rows are untouched. Rows are filled one after the other: 32 rows of SmolLM2's 49,152 tokens take 0.36 ms
+    on the 2-core CPU, xgrammar's BatchGrammarMatcher with 2 threads 1.4 ms."""
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])  # [R', W], all allowed

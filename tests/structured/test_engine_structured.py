@@ -35,6 +35,14 @@ def llm(tiny_eos_model_dir):
                block_size=16)
 
 
+@pytest.fixture
+def grammars(llm):
+    """The engine's GrammarCompilers (made by the engine's first constrained request)."""
+    if llm.engine.grammars is None:
+        llm.generate(["hi"], SamplingParams(max_tokens=2, structured_outputs=SO(choice=["a"])))
+    return llm.engine.grammars
+
+
 def grammar_accepts(tokenizer, ebnf: str, text: str) -> bool:
     """xgrammar's own matcher (compiled here, apart from the engine) accepts ``text`` as a complete sentence."""
     import xgrammar as xgr
@@ -154,11 +162,10 @@ def test_compile_cache_shares_equal_constraints(llm):
     assert not grammars.cached(SO(json=SCHEMA))  # any_whitespace differs: another grammar
 
 
-def test_waiting_compile_does_not_block_other_requests(llm, monkeypatch):
+def test_waiting_compile_does_not_block_other_requests(llm, grammars, monkeypatch):
     """A grammar whose compile is held back: the unconstrained request beside it runs to the end first; then the
     compile is released and the constrained one finishes valid."""
     release = threading.Event()
-    grammars = llm.engine.grammars
     real = grammars._compile
     monkeypatch.setattr(grammars, "_compile", lambda key: (release.wait(30), real(key))[1])
     engine = llm.engine
@@ -211,9 +218,7 @@ def test_min_tokens_banning_the_grammars_end_stops_without_a_bad_token(llm):
     assert (comp.text, comp.token_ids, comp.finish_reason) == ("ab", [97, 98], "stop")
 
 
-def test_failed_compile_fails_only_that_request(llm, monkeypatch):
-    grammars = llm.engine.grammars
-
+def test_failed_compile_fails_only_that_request(llm, grammars, monkeypatch):
     def broken(key):
         raise RuntimeError("compiler exploded")
     monkeypatch.setattr(grammars, "_compile", broken)
@@ -222,3 +227,18 @@ def test_failed_compile_fails_only_that_request(llm, monkeypatch):
     monkeypatch.undo()  # the failed compile left the cache: the same constraint compiles again
     comp = llm.generate(["hi"], SamplingParams(max_tokens=8, structured_outputs=SO(regex="q{1,4}")))[0].outputs[0]
     assert re.fullmatch("q{1,4}", comp.text)
+
+
+def test_compile_cache_is_bounded_by_bytes(llm, grammars, monkeypatch):
+    """With a 1-byte limit only the newest grammar stays cached; requests holding an evicted one still finish."""
+    from sparrow.engine import grammar
+
+    monkeypatch.setattr(grammar, "CACHE_LIMIT_BYTES", 1)
+    a, b = SO(regex="k{1,2}"), SO(regex="m{1,2}")
+    outs = llm.generate(["hi", "hi"], [SamplingParams(max_tokens=6, structured_outputs=so) for so in (a, b)])
+    assert [o.outputs[0].finish_reason for o in outs] == ["stop", "stop"]
+    assert re.fullmatch("k{1,2}", outs[0].outputs[0].text) and re.fullmatch("m{1,2}", outs[1].outputs[0].text)
+    grammars.submit(b).result()
+    grammars.submit(SO(regex="n{1,2}")).result()
+    grammars.submit(SO(regex="p{1,2}"))
+    assert not grammars.cached(a) and not grammars.cached(b) and grammars.cached(SO(regex="p{1,2}"))
