@@ -461,7 +461,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model-shape", default=None, metavar="NAME",
                    help="serve a random-weight model of a named shape instead of --model, without a tokenizer: "
                         "prompts as token ids, answers as token ids (" + ", ".join(SHAPES) + ")")
-    s.add_argument("--seed", type=int, default=0, help="seed of --model-shape's random weights (default 0)")
+    s.add_argument("--seed", type=int, default=0,
+                   help="seed of the sampler's generator that requests without their own seed draw from (vLLM's "
+                        "--seed: a fresh server given the same requests in the same order repeats its samples) and "
+                        "of --model-shape's random weights (default 0)")
     s.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (--lora-modules)")
     s.add_argument("--enable-runtime-lora", action="store_true",
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora; vLLM's "

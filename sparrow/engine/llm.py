@@ -108,7 +108,9 @@ class LLM:
     measured on the first prefill; kv_cache_dtype_skip_layers: layers kept in the model dtype ('sliding_window' and
     / or attention-layer indices; ``sparrow.kv_cache``).
     tokenizer: a transformers tokenizer to use instead of the model's; skip_tokenizer_init=True runs without one.
-    seed: seeds torch's global generator before loading.
+    seed: seeds torch's global generator before loading and the sampler's generator that requests without their
+    own ``SamplingParams.seed`` draw from (vLLM's ``seed``): a fresh LLM with the same seed, given the same
+    requests in the same order, samples the same tokens (on the same device and dtype).
     Raises sparrow errors (ModelNotFoundError, ModelLoadError, UnsupportedArchitectureError,
     InvalidRequestError, ...)."""
 
@@ -154,7 +156,7 @@ class LLM:
         # skip_tokenizer_init (vLLM's name): no tokenizer; prompts must be {'prompt_token_ids': [...]}, no text out
         if tokenizer is None and not skip_tokenizer_init:
             tokenizer = load_tokenizer(path)
-        self._start(config.replace(model=loaded.config), loaded.model, tokenizer, path)
+        self._start(config.replace(model=loaded.config), loaded.model, tokenizer, path, seed)
         self.load_time = time.perf_counter() - start
         self.load_peak_memory = load_peak
 
@@ -196,10 +198,12 @@ class LLM:
         llm._start(built, model, tokenizer, None)
         return llm
 
-    def _start(self, config: EngineConfig, model: torch.nn.Module, tokenizer, path: str | None) -> None:
+    def _start(self, config: EngineConfig, model: torch.nn.Module, tokenizer, path: str | None,
+               seed: int | None = None) -> None:
         ensure_cpu_threads()
         self.tokenizer = tokenizer
         self.engine = Engine(config, model, tokenizer, draft_model=self._load_draft(config))
+        self.engine.runner.sampler.reseed(seed)
         self.model_path = path
         self.load_time: float | None = None
         """Seconds the constructor took (config, weights, tokenizer, KV pool); None for ``from_model``."""

@@ -209,6 +209,11 @@ class Sampler:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
+    def reseed(self, seed: int | None) -> None:
+        """Seed the sampler-wide generator with ``seed`` from the next draw on (None: a random seed)."""
+        self._seed = seed
+        self._generators.clear()
+
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         g = self._generators.get(device)
         if g is None:

@@ -29,7 +29,7 @@ def _build_llm(args):
     if shape is None:
         from sparrow.engine.llm import LLM
 
-        return LLM(args.model, **quant, **engine)
+        return LLM(args.model, seed=args.seed, **quant, **engine)
     if args.model is not None:
         raise InvalidRequestError("give --model or --model-shape, not both")
     from sparrow.model_shapes import random_llm

@@ -84,3 +84,18 @@ def test_fp32_greedy_is_batch_invariant(llm):
     others = [f"another prompt {i} " * (i + 1) for i in range(7)]
     batch = llm.generate(others[:3] + [target] + others[3:], params)
     assert batch[3].prompt == target and batch[3].outputs[0].token_ids == alone
+
+
+def test_llm_seed_repeats_unseeded_sampling(tiny_model_dir):  # noqa: F811
+    """vLLM's LLM(seed=...): requests without their own seed draw from a generator seeded with it, so a fresh
+    LLM with the same seed samples the same tokens; another seed, other tokens."""
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9, 10]}]
+
+    def run(seed):
+        llm = make_llm(tiny_model_dir, max_model_len=32, num_kv_blocks=16, seed=seed)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    first = run(3)
+    assert run(3) == first
+    assert run(4) != first
