@@ -453,6 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
     from sparrow.server.guards import add_http_args
 
     add_http_args(s)
+    from sparrow.server.tool_choice import add_tool_args
+
+    add_tool_args(s)
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model's name(s) in the API: the first is the id responses and /v1/models report, a "
                         "request may give any (default: the model's folder or file name; --model-shape's name)")

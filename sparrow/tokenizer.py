@@ -69,11 +69,13 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                         continue_final_message: bool = False, chat_template: str | None = None,
-                        chat_template_kwargs: dict | None = None) -> str:
-    """Render a conversation (a list of {'role': str, 'content': str}) with the model's chat template (or
-    ``chat_template``, a Jinja string), ending with the assistant turn's opening (``add_generation_prompt``) or,
-    with ``continue_final_message``, inside the last message (left open, to be continued); ``chat_template_kwargs``
-    are passed to the template (e.g. ``enable_thinking``). vLLM's arguments; both flags at once is an error.
+                        chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> str:
+    """Render a conversation (a list of {'role': str, 'content': str}; assistant turns may carry ``tool_calls``,
+    ``tool`` turns a ``tool_call_id``) with the model's chat template (or ``chat_template``, a Jinja string), ending
+    with the assistant turn's opening (``add_generation_prompt``) or, with ``continue_final_message``, inside the
+    last message (left open, to be continued); ``chat_template_kwargs`` are passed to the template (e.g.
+    ``enable_thinking``). vLLM's arguments; both flags at once is an error. ``tools``: OpenAI's tool list, passed
+    as transformers' ``tools=`` (a template that ignores tools renders without them).
 
     Raises InvalidRequestError when there is no tokenizer or no chat template, for messages that are not
     role-keyed dicts or that the template cannot render, and when the template refuses the conversation (it
@@ -96,7 +98,8 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
         raise InvalidRequestError("messages must be a non-empty list of {'role': str, 'content': ...} dicts")
     try:
-        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+        return tokenizer.apply_chat_template(list(messages), tools=tools or None, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message,
                                              chat_template=chat_template, **(chat_template_kwargs or {}))
     except TemplateSyntaxError as e:

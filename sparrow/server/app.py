@@ -69,6 +69,7 @@ _UNION_FORMS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of such lists",
     "stop": "a string or a list of strings",
     "content": "a string or a list of text parts ({\"type\": \"text\", \"text\": ...})",
+    "tool_choice": "\"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
 }
 
 
@@ -182,15 +183,16 @@ class _Server:
         """One token's text; 'token_id:N' without a tokenizer (as logprobs name a token with no text)."""
         return self.tokenizer.decode([tid]) if self.tokenizer is not None else f"token_id:{tid}"
 
-    async def chat_prompt(self, messages, bounded: bool = True) -> str:
-        """The conversation rendered with the chat template, on a worker thread; ``bounded``: as ``encode``."""
+    async def chat_prompt(self, messages, bounded: bool = True, tools: list[dict] | None = None) -> str:
+        """The conversation rendered with the chat template (given ``tools``, as HF's ``tools=``), on a worker
+        thread; ``bounded``: as ``encode``."""
         from sparrow.tokenizer import apply_chat_template
 
         self.need_tokenizer("a chat request (the chat template)", "messages")
-        dicts = [m.as_template_dict() for m in messages]
+        dicts = [m.as_template_dict(i) for i, m in enumerate(messages)]
         if bounded:
             self.check_chars("".join(str(d.get("content") or "") for d in dicts), "messages")
-        return await asyncio.to_thread(apply_chat_template, self.tokenizer, dicts)
+        return await asyncio.to_thread(apply_chat_template, self.tokenizer, dicts, tools=tools)
 
     async def updates(self, queue: asyncio.Queue, streams, raw: Request | None = None):
         """Yield (stream position, Update) until every stream ended; a request's updates that queued up while

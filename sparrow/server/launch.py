@@ -7,6 +7,7 @@ of its own (``sparrow.server.frontend``), a pipe between them. ``sparrow serve``
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import multiprocessing
@@ -15,6 +16,7 @@ import time
 
 from sparrow.errors import InvalidRequestError, SparrowError
 from sparrow.server.served_model import ServedModel
+from sparrow.server.tool_choice import chat_options
 from sparrow.server.engine_loop import EngineLoop, engine_state
 
 log = logging.getLogger("sparrow.server")
@@ -25,12 +27,14 @@ class ServerProcess:
 
     def __init__(self, llm, host: str, port: int, served_model_name, api_key: str | None,
                  startup_timeout: float, warm_up: bool, lora_modules: dict[str, str] | None, background: bool = True,
-                 enable_runtime_lora: bool = False, http_options=None):
+                 enable_runtime_lora: bool = False, http_options=None, chat: dict | None = None):
         self.llm = llm
         if enable_runtime_lora and llm.config.lora is None:
             raise InvalidRequestError("--enable-runtime-lora needs --enable-lora (LLM(..., enable_lora=True))")
         loras = lora_requests(llm, lora_modules or {})
         self.model = ServedModel.of(llm, served_model_name, loras, runtime_lora=enable_runtime_lora)
+        if chat:
+            self.model = dataclasses.replace(self.model, **chat_options(**chat))
         clash = [n for n in self.model.names if n in loras]
         if clash:
             raise InvalidRequestError(f"--lora-modules: the adapter name {clash[0]!r} is the base model's "
@@ -153,7 +157,7 @@ def lora_requests(llm, lora_modules: dict[str, str]) -> dict:
 def start_server(llm, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | list[str] | None = None,
                  api_key: str | None = None, startup_timeout: float = 120.0, warm_up: bool | None = None,
                  lora_modules: dict[str, str] | None = None, background: bool = True,
-                 enable_runtime_lora: bool = False, http_options=None) -> ServerProcess:
+                 enable_runtime_lora: bool = False, http_options=None, chat: dict | None = None) -> ServerProcess:
     """Serve ``llm`` (its engine is the server's from now until ``stop()``: do not call the LLM meanwhile) on
     ``host:port``; returns once the front end listens. ``warm_up``: run ``sparrow.engine.warmup.warm_up`` first
     (None: when the engine runs on CUDA, where kernels compile on first use). ``lora_modules``: name -> PEFT
@@ -166,8 +170,9 @@ def start_server(llm, host: str = "127.0.0.1", port: int = 8000, served_model_na
     or file name (``served_model.model_id``). ``enable_runtime_lora``: serve /v1/load_lora_adapter and
     /v1/unload_lora_adapter (``sparrow.server.lora_routes``; needs ``enable_lora``). ``http_options``: the
     front end's request checks (``sparrow.server.guards.HttpOptions``: body size, allowed hosts, /metrics and the
-    key, unknown fields)."""
+    key, unknown fields). ``chat``: tool calling and reasoning options, ``tool_choice.chat_options``'s
+    arguments (``{"enable_auto_tool_choice": True, "tool_call_parser": "hermes", "reasoning_parser": "qwen3"}``)."""
     if warm_up is None:
         warm_up = llm.config.device.startswith("cuda")
     return ServerProcess(llm, host, port, served_model_name, api_key, startup_timeout, warm_up, lora_modules,
-                         background, enable_runtime_lora, http_options)
+                         background, enable_runtime_lora, http_options, chat)

@@ -43,6 +43,7 @@ def run_server(args) -> int:
     from sparrow.errors import InvalidRequestError
     from sparrow.server.guards import http_options
     from sparrow.server.launch import start_server
+    from sparrow.server.tool_choice import chat_options
 
     if args.lora_modules and not args.enable_lora:
         raise InvalidRequestError("--lora-modules needs --enable-lora")
@@ -52,6 +53,7 @@ def run_server(args) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(name)s: %(message)s")
     options = http_options(args)  # a bad flag fails before the model loads
+    chat = chat_options(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
     llm = _build_llm(args)
     shape = getattr(args, "model_shape", None)
     loras = dict(args.lora_modules or [])
@@ -59,7 +61,7 @@ def run_server(args) -> int:
         raise InvalidRequestError("--lora-modules: each adapter needs a name of its own")
     srv = start_server(llm, host=args.host, port=args.port, served_model_name=args.served_model_name or shape,
                        api_key=args.api_key, lora_modules=loras, background=False,
-                       enable_runtime_lora=args.enable_runtime_lora, http_options=options)
+                       enable_runtime_lora=args.enable_runtime_lora, http_options=options, chat=chat)
     cfg = llm.config
     kv_tokens = llm.engine.block_manager.num_blocks * cfg.cache.block_size
     source = f"random-weight shape {shape}, no tokenizer: token-id prompts" if shape else llm.model_path

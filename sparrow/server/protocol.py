@@ -20,7 +20,7 @@ TokenIds = list[StrictInt]
 """A prompt of token ids: JSON integers only (pydantic's lax int would read true / false / 1.0 as ids)."""
 
 
-IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier", "prompt_cache_key",
                             "safety_identifier", "request_id", "priority", "cache_salt"})
 """OpenAI / vLLM request fields that do not change the output (bookkeeping, routing): accepted and ignored."""
 
@@ -42,7 +42,7 @@ class StreamOptions(BaseModel):
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "logit_bias": (None, {}), "allowed_token_ids": (None, []), "bad_words": (None, []),
     "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,), "logits_processors": (None, []),
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"),
     "add_generation_prompt": (None, True), "continue_final_message": (None, False), "chat_template": (None,),
     "chat_template_kwargs": (None, {}), "best_of": (None, 1), "suffix": (None, ""),
 }
@@ -126,25 +126,100 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+
+    name: str
+    arguments: str
+    """The arguments as a JSON object in a string (OpenAI's form)."""
+
+
+class ToolCall(BaseModel):
+    """A tool call of an earlier assistant message."""
+
+    model_config = _STRICT
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    """An assistant message's tool calls."""
+    tool_call_id: str | None = None
+    """A ``tool`` message's answer to this call."""
 
-    def as_template_dict(self) -> dict:
-        """{'role', 'content': str} for the chat template (text parts joined)."""
+    def as_template_dict(self, index: int = 0) -> dict:
+        """{'role', 'content': str} for the chat template (text parts joined), with ``tool_calls`` (arguments
+        as dicts, as HF templates expect) and ``tool_call_id`` when given. Raises ApiError 400 for tool-call
+        arguments that are not a JSON object."""
+        from sparrow.server.tool_choice import template_arguments
+
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        out = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": template_arguments(
+                    c.function.arguments, f"messages.{index}.tool_calls.{k}.function.arguments")}}
+                for k, c in enumerate(self.tool_calls)]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class ToolFunction(BaseModel):
+    model_config = _STRICT
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict | None = None
+    """The arguments' JSON schema."""
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    """A tool the model may call (OpenAI's ``tools`` item)."""
+
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming the function to call."""
+
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """None: "auto" with tools, else "none" (``sparrow.server.tool_choice``)."""
+    parallel_tool_calls: bool | None = None
+    """False: at most one tool call."""
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False

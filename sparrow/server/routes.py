@@ -21,6 +21,7 @@ from fastapi.responses import StreamingResponse
 from fastapi.sse import format_sse_event
 
 from sparrow.server.protocol import ChatCompletionRequest, CompletionRequest
+from sparrow.server.tool_choice import ChoiceOutput, constrain, plan_tools, stream_choices, whole_choice
 from sparrow.server.serving import ApiError, Choice, LegacyLogprobs, chat_logprobs, check_context, usage
 
 log = logging.getLogger(__name__)
@@ -207,7 +208,8 @@ def add_generation_routes(app: FastAPI, server) -> None:
         lora = server.check_model(body.model)
         check_fields(body)
         await body.check_structured_outputs()
-        text = await server.chat_prompt(body.messages)
+        plan = plan_tools(body, server.model)
+        text = await server.chat_prompt(body.messages, tools=plan.tools)
         ids = await server.encode(text)
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         mt = check_context(len(ids), asked, server.max_model_len, "messages")
@@ -215,6 +217,9 @@ def add_generation_routes(app: FastAPI, server) -> None:
         if body.top_logprobs and not body.logprobs:
             raise ApiError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
         params = body._params(mt, k_top if body.logprobs else None)
+        await constrain(plan, params)
+        outputs = [ChoiceOutput(plan, server.model.reasoning_parser is not None) for _ in range(body.n)] \
+            if plan.tools or server.model.reasoning_parser else None
         queue: asyncio.Queue = asyncio.Queue()
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = [server.loop.add({"prompt_token_ids": ids, "prompt": text}, params, queue, "chat", lora, rid)]
@@ -238,11 +243,9 @@ def add_generation_routes(app: FastAPI, server) -> None:
                                     or ((body.logprobs or body.return_token_ids) and d.token_ids)):
                                 continue  # a token held back (part of a character, or a stop string)
                             lp = chat_logprobs(d.token_ids, d.logprobs, k_top) if body.logprobs else None
-                            choice = {"index": d.index, "delta": {"content": d.text} if d.text else {},
-                                      "logprobs": lp, "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
-                            if body.return_token_ids:
-                                choice["token_ids"] = list(d.token_ids)
-                            yield {**base("chat.completion.chunk", rid, lora), "choices": [choice]}
+                            tids = list(d.token_ids) if body.return_token_ids else None
+                            for choice in stream_choices(outputs, d, lp, tids):
+                                yield {**base("chat.completion.chunk", rid, lora), "choices": [choice]}
 
             final = (lambda: {**base("chat.completion.chunk", rid, lora), "choices": [],
                               "usage": usage(len(ids), generated[0])}) if body.include_usage else None
@@ -253,9 +256,9 @@ def add_generation_routes(app: FastAPI, server) -> None:
             async for _, upd in it:
                 for d in upd.deltas:
                     choices[d.index].add(d)
-        out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+        out = [{"index": c.index, **whole_choice(outputs[c.index] if outputs else None, c),
                 "logprobs": chat_logprobs(c.token_ids, c.logprobs, k_top) if body.logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices]
+                "stop_reason": c.stop_reason} for c in choices]
         extra = {}
         if body.return_token_ids:
             extra["prompt_token_ids"] = ids

@@ -29,6 +29,12 @@ class ServedModel:
     """The other served names: a request's ``model`` may give any of them (vLLM's --served-model-name)."""
     runtime_lora: bool = False
     """Whether /v1/load_lora_adapter and /v1/unload_lora_adapter are served (``sparrow.server.lora_routes``)."""
+    tool_call_parser: str | None = None
+    """``--tool-call-parser``: the ``sparrow.server.tool_parsers`` name reading the model's tool calls."""
+    enable_auto_tool_choice: bool = False
+    """``--enable-auto-tool-choice``: ``tool_choice: "auto"`` lets the model call tools (needs a parser)."""
+    reasoning_parser: str | None = None
+    """``--reasoning-parser``: split ``<think>`` reasoning into ``reasoning_content`` (``server.reasoning``)."""
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -336,7 +336,7 @@ BAD_BODIES = [
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
                           "response_format": {"type": "json_schema"}}, "response_format"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                          "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                          "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto: flags
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False},
      "add_generation_prompt"),
     ("chat/completions", {"messages": []}, "messages"),
