@@ -127,3 +127,16 @@ def test_named_output_streams_as_arguments(tokenizer):
     text, calls = run(ChoiceOutput(plan, reasoning=True), token_pieces(tokenizer, args))
     assert text == {"content": "", "reasoning_content": ""} and calls == {0: {"name": "get_weather",
                                                                               "arguments": args}}
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--tool-call-parser", "qwen"], ["--tool-call-parser", "'qwen'", "'hermes'", "'llama3_json'", "'gemma4'"]),
+    (["--reasoning-parser", "r2"], ["--reasoning-parser", "'qwen3'", "'deepseek_r1'"]),
+    (["--enable-auto-tool-choice"], ["--enable-auto-tool-choice needs --tool-call-parser"]),
+])
+def test_serve_flags_errors(args, needles):
+    """An unknown parser name (the known ones listed) or auto tool choice without a parser: one error line,
+    exit 2, before any model loads."""
+    from tests.helpers import assert_cli_error, run_cli
+
+    assert_cli_error(run_cli("serve", "--model-shape", "tiny", *args, timeout=60), *needles)
