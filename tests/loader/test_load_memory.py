@@ -10,6 +10,7 @@ together as in a real file."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -101,7 +102,8 @@ FORMATS = ("fp8", "int4", "nvfp4")
 def test_on_load_quantization_peaks_under_final_plus_one_layer(checkpoint):
     folder, layer_bytes = checkpoint
     children = [subprocess.Popen([sys.executable, "-c", CHILD, str(folder), q], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True) for q in FORMATS]  # one process a format
+                                 stderr=subprocess.PIPE, text=True, env={**os.environ, "MALLOC_ARENA_MAX": "1"})
+                for q in FORMATS]  # one process a format
     runs = []
     for child in children:
         stdout, stderr = child.communicate(timeout=600)
