@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import sparrow
 from sparrow.errors import SparrowError
 from sparrow.server.engine_client import EngineClient
-from sparrow.server.engine_loop import StreamError, Update, merge_updates
+from sparrow.server.messages import StreamError, Update, merge_updates
 from sparrow.server.guards import HttpOptions, RequestGuard, prompt_char_limit
 from sparrow.server.lora_routes import add_lora_routes
 from sparrow.server.openapi import install_openapi

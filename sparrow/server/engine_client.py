@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass, field
 
 from sparrow.sampling_params import SamplingParams
-from sparrow.server.engine_loop import Admitted, EngineState, StreamError, Update
+from sparrow.server.messages import (AbortRequest, AddRequest, Admitted, Baseline, EngineState, LoadLoRA,
+                                     LoRAAnswer, StepOutputs, StreamError, UnloadLoRA, Update)
 from sparrow.server.metrics import ServerMetrics
 
 
@@ -61,17 +62,23 @@ class EngineClient:
         rid = request_id if request_id is not None else f"{prefix}-{next(self._ids)}"
         s = RequestStream(rid, prompt, params, asyncio.Queue() if queue is None else queue)
         self._live[s.request_id] = s
-        self.conn.send(("add", s.request_id, prompt, params, lora_request))
+        self.conn.send(AddRequest(s.request_id, prompt, params, lora_request))
         return s
 
-    async def lora_update(self, kind: str, *args) -> tuple[int, str]:
-        """Send a runtime LoRA message (``sparrow.server.lora_updates``: kind "load_lora" with a LoRARequest,
-        "unload_lora" with lora_int_id and name) and wait for its answer: (HTTP status, message). Call on the event
-        loop; the engine's reply resolves it (500 when the engine goes away first)."""
-        op = next(self._ids)
+    async def load_lora(self, lora_request) -> tuple[int, str]:
+        """Load a LoRARequest's adapter in the engine (``sparrow.server.lora_updates``) and wait for the answer:
+        (HTTP status, message). Call on the event loop (500 when the engine goes away first)."""
+        return await self._lora_update(LoadLoRA(next(self._ids), lora_request))
+
+    async def unload_lora(self, lora_int_id: int, lora_name: str) -> tuple[int, str]:
+        """Unload an adapter in the engine and wait for the answer, as ``load_lora``."""
+        return await self._lora_update(UnloadLoRA(next(self._ids), lora_int_id, lora_name))
+
+    async def _lora_update(self, msg: LoadLoRA | UnloadLoRA) -> tuple[int, str]:
+        op = msg.op
         future = self._lora_ops[op] = asyncio.get_running_loop().create_future()
         try:
-            self.conn.send((kind, op, *args))
+            self.conn.send(msg)
             return await future
         finally:
             self._lora_ops.pop(op, None)
@@ -89,7 +96,7 @@ class EngineClient:
         """Abort a request (finished or unknown ids are ignored)."""
         if self._live.pop(request_id, None) is not None:
             try:
-                self.conn.send(("abort", request_id))
+                self.conn.send(AbortRequest(request_id))
             except OSError:
                 pass
 
@@ -97,12 +104,12 @@ class EngineClient:
         try:
             while True:
                 msg = self.conn.recv()
-                if msg[0] == "base":
-                    loop.call_soon_threadsafe(self.metrics.set_baseline, msg[1])
-                elif msg[0] == "out":
-                    loop.call_soon_threadsafe(self._dispatch, msg[1], msg[2])
-                elif msg[0] == "lora":
-                    loop.call_soon_threadsafe(self._lora_answer, msg[1], msg[2], msg[3])
+                if isinstance(msg, StepOutputs):
+                    loop.call_soon_threadsafe(self._dispatch, msg.items, msg.state)
+                elif isinstance(msg, Baseline):
+                    loop.call_soon_threadsafe(self.metrics.set_baseline, msg.state)
+                elif isinstance(msg, LoRAAnswer):
+                    loop.call_soon_threadsafe(self._lora_answer, msg.op, msg.status, msg.message)
                 else:
                     break
         except (EOFError, OSError):

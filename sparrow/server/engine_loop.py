@@ -1,87 +1,35 @@
 """The engine side of the server: one thread owns the Engine and steps it; the HTTP front end (another process,
-``sparrow.server.frontend``) talks to it over a pipe.
+``sparrow.server.frontend``) talks to it over a pipe, in the messages of ``sparrow.server.messages``.
 
-The front end sends ``("add", request_id, prompt, params, lora_request)``, ``("abort", request_id)`` and the runtime
-LoRA messages (``sparrow.server.lora_updates``, answered with ``("lora", op, status, message)``); ``EngineLoop.pump``
-reads them on a thread of its own and queues them for the engine thread, which applies them between steps (an
-abort frees the request's KV blocks before the next step). Before the loop starts, ``("base", state)`` gives the
-counts /metrics starts from. After each loop iteration the engine thread sends one
-``("out", items, state)`` message: ``items`` is a list of (request_id, item) in order, where item is
-``Admitted`` (the engine took the request), an ``Update`` (a copy of one step's deltas: the engine's
-RequestOutput objects are updated in place on the next step), a ``StreamError`` (the engine refused the request,
-ended it with its error (``Engine.failed``: its LoRA adapter could not be read again), or a step it was in failed) or None (the request ended); ``state`` is an ``EngineState`` snapshot for
-/metrics. One message per step, whatever the number of requests, keeps the engine process's share of the
-serving cost to one pickle per step; everything per chunk (SSE framing, JSON, HTTP) runs in the front end's
-process, so it never holds the engine's GIL.
+``EngineLoop.pump`` reads the front end's ``AddRequest``, ``AbortRequest`` and runtime LoRA messages
+(``sparrow.server.lora_updates``, each answered with a ``LoRAAnswer``) on a thread of its own and queues them for
+the engine thread, which applies them between steps (an abort frees the request's KV blocks before the next step).
+After each loop iteration the engine thread sends one ``StepOutputs``: its items are (request_id, item) pairs in
+order, where item is ``Admitted`` (the engine took the request), an ``Update`` (a copy of one step's deltas: the
+engine's RequestOutput objects are updated in place on the next step), a ``StreamError`` (the engine refused the
+request, ended it with its error (``Engine.failed``: its LoRA adapter could not be read again), or a step it was
+in failed) or None (the request ended); its ``state`` is an ``EngineState`` snapshot for /metrics. One message per
+step, whatever the number of requests, keeps the engine process's share of the serving cost to one pickle per
+step; everything per chunk (SSE framing, JSON, HTTP) runs in the front end's process, so it never holds the
+engine's GIL.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 from sparrow.errors import SparrowError
-from sparrow.outputs import Logprob, RequestOutput
+from sparrow.outputs import RequestOutput
 from sparrow.sampling_params import SamplingParams
-from sparrow.server.lora_updates import MESSAGES as LORA_MESSAGES, LoRAUpdates
+from sparrow.server.lora_updates import LoRAUpdates
+from sparrow.server.messages import (AbortRequest, AddRequest, Admitted, Delta, EngineState, LoadLoRA,
+                                     StepOutputs, StreamError, UnloadLoRA, Update)
 
 log = logging.getLogger(__name__)
 
 SLOW_STEP_S = 0.5
 """An engine step longer than this is logged (seconds)."""
-
-
-@dataclass
-class Delta:
-    """What one step added to one completion."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-
-
-@dataclass
-class Update:
-    deltas: list[Delta]
-    finished: bool
-    prompt_token_ids: list[int]
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-
-
-@dataclass
-class StreamError:
-    message: str
-    invalid_request: bool
-    """True: the request's fault (a 400); False: the engine failed (a 500, no detail leaks)."""
-
-
-@dataclass
-class Admitted:
-    time: float
-    """time.monotonic() when the engine took the request in (CLOCK_MONOTONIC: one clock for both processes)."""
-
-
-@dataclass
-class EngineState:
-    """The engine's gauges and cumulative counts after a loop iteration (what /metrics shows)."""
-
-    running: int
-    waiting: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    spec: tuple[int, ...] | None
-    """(drafts, draft tokens, accepted tokens, accepted per position...), None without speculation."""
-    step: tuple[str, float] | None = None
-    """The engine step of this iteration: ("prefill" (it computed prompt tokens) or "decode", wall seconds)."""
-    lora: tuple[tuple[str, ...], tuple[str, ...]] | None = None
-    """The LoRA adapter names (``lora_name``) of the running and of the waiting sequences, each name once, in queue
-    order; None: the engine runs without LoRA."""
 
 
 def engine_state(engine, step: tuple[str, float] | None = None) -> EngineState:
@@ -119,26 +67,6 @@ def watch_kernel_variants(seen: list[str]):
     return undo
 
 
-def merge_updates(a: Update, b: Update) -> Update:
-    """One Update carrying ``a``'s then ``b``'s deltas (two steps of one request, coalesced when the front end
-    reads them together): per completion index, text and tokens concatenated, the later finish reason."""
-    by_index = {d.index: Delta(d.index, d.text, list(d.token_ids), None if d.logprobs is None else list(d.logprobs),
-                               d.finish_reason, d.stop_reason) for d in a.deltas}
-    for d in b.deltas:
-        m = by_index.get(d.index)
-        if m is None:
-            by_index[d.index] = d
-            continue
-        m.text += d.text
-        m.token_ids += d.token_ids
-        if d.logprobs is not None:
-            m.logprobs = (m.logprobs or []) + d.logprobs
-        if d.finish_reason is not None:
-            m.finish_reason, m.stop_reason = d.finish_reason, d.stop_reason
-    return Update(list(by_index.values()), b.finished, b.prompt_token_ids,
-                  b.prompt_logprobs if b.prompt_logprobs is not None else a.prompt_logprobs)
-
-
 def _snapshot(out: RequestOutput) -> Update:
     deltas = []
     for c in out.outputs:
@@ -148,11 +76,11 @@ def _snapshot(out: RequestOutput) -> Update:
     # the prompt's logprobs travel once, with the request's first tokens (a streamed echo puts them first)
     first = bool(out.outputs) and all(c.token_ids and len(c.token_ids) == len(c.delta_token_ids)
                                       for c in out.outputs)
-    return Update(deltas, out.finished, out.prompt_token_ids, out.prompt_logprobs if first else None)
+    return Update(deltas, out.finished, out.prompt_logprobs if first else None)
 
 
 class EngineLoop:
-    """Runs ``engine`` on a daemon thread; ``send(message)`` carries each iteration's ("out", items, state) to
+    """Runs ``engine`` on a daemon thread; ``send(message)`` carries each iteration's ``StepOutputs`` to
     the front end (called on the engine thread; it must be safe to call from there)."""
 
     def __init__(self, engine, send):
@@ -209,11 +137,11 @@ class EngineLoop:
                 msg = recv()
             except (EOFError, OSError):
                 break
-            if msg[0] == "add":
-                self.add(msg[1], msg[2], msg[3], msg[4])
-            elif msg[0] == "abort":
-                self.abort(msg[1])
-            elif msg[0] in LORA_MESSAGES:
+            if isinstance(msg, AddRequest):
+                self.add(msg.request_id, msg.prompt, msg.params, msg.lora_request)
+            elif isinstance(msg, AbortRequest):
+                self.abort(msg.request_id)
+            elif isinstance(msg, (LoadLoRA, UnloadLoRA)):
                 self.lora.submit(msg)
         with self._cond:
             self._aborts.extend(self._live)
@@ -254,7 +182,7 @@ class EngineLoop:
                 return
             answers = self.lora.drain(self._live, items, StreamError)
             try:
-                self._send(("out", items, engine_state(engine, step)))
+                self._send(StepOutputs(items, engine_state(engine, step)))
                 for answer in answers:
                     self._send(answer)
             except (OSError, EOFError):  # the front end is gone: pump() aborts the rest

@@ -20,6 +20,7 @@ def run_frontend(conn, model, tokenizer, host: str, port: int, api_key: str | No
 
     from sparrow.server.app import build_app
     from sparrow.server.engine_client import EngineClient
+    from sparrow.server.messages import FrontendReady
     from sparrow.server.metrics import ServerMetrics
 
     import signal
@@ -34,7 +35,7 @@ def run_frontend(conn, model, tokenizer, host: str, port: int, api_key: str | No
         async def startup(self, sockets=None):
             await super().startup(sockets)
             if self.started:
-                conn.send(("ready",))
+                conn.send(FrontendReady())
 
         def install_signal_handlers(self):  # Ctrl-C reaches the engine process, which stops this one
             pass

@@ -18,6 +18,7 @@ from sparrow.errors import InvalidRequestError, SparrowError
 from sparrow.server.served_model import ServedModel
 from sparrow.server.tool_choice import chat_options
 from sparrow.server.engine_loop import EngineLoop, engine_state
+from sparrow.server.messages import Baseline, FrontendReady, StopFrontend
 
 log = logging.getLogger("sparrow.server")
 
@@ -69,10 +70,10 @@ class ServerProcess:
             self._proc.join(5)
             raise SparrowError(f"the HTTP front end could not listen on {host}:{port} (is the port in use?); "
                                f"it exited with code {self._proc.exitcode}") from None
-        if msg != ("ready",):
+        if not isinstance(msg, FrontendReady):
             raise SparrowError(f"the HTTP front end sent {msg!r} instead of ready")
         self.loop = EngineLoop(llm.engine, self._send)
-        self._send(("base", engine_state(llm.engine)))  # /metrics counts from here (not the warm-up's steps)
+        self._send(Baseline(engine_state(llm.engine)))  # /metrics counts from here (not the warm-up's steps)
         if background:
             self.loop.start()
         self._pump = threading.Thread(target=self.loop.pump, args=(self._conn.recv,), name="sparrow-engine-pump",
@@ -102,7 +103,7 @@ class ServerProcess:
         """Stop the front end (it exits its serve loop), then the engine loop (pending requests are left in the
         engine, aborted by the pump when the pipe closes)."""
         try:
-            self._send(("stop",))
+            self._send(StopFrontend())
         except OSError:
             pass
         self._proc.join(10)

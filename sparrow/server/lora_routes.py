@@ -62,13 +62,13 @@ def add_lora_routes(app: FastAPI, server) -> None:
     retiring: set[asyncio.Task] = set()
 
     async def load(request: LoRARequest) -> tuple[int, str]:
-        status, message = await server.loop.lora_update("load_lora", request)
+        status, message = await server.loop.load_lora(request)
         if status == 200:  # here, not in the handler: a client gone meanwhile still leaves the adapter served
             old = loras.get(request.lora_name)
             loras[request.lora_name] = request
             log.info("LoRA adapter %r loaded from %s", request.lora_name, request.lora_path)
             if old is not None:  # load_inplace: the old id goes once its requests are done
-                task = asyncio.ensure_future(server.loop.lora_update("unload_lora", old.lora_int_id, old.lora_name))
+                task = asyncio.ensure_future(server.loop.unload_lora(old.lora_int_id, old.lora_name))
                 retiring.add(task)
                 task.add_done_callback(retiring.discard)
         return status, message
@@ -104,7 +104,7 @@ def add_lora_routes(app: FastAPI, server) -> None:
         if request is None or body.lora_int_id not in (None, request.lora_int_id):
             raise ApiError(404, f"The lora adapter {name!r} cannot be found.", "lora_name")
         del loras[name]  # no new request names it from now on
-        status, message = await asyncio.shield(server.loop.lora_update("unload_lora", request.lora_int_id, name))
+        status, message = await asyncio.shield(server.loop.unload_lora(request.lora_int_id, name))
         if status != 200:
             raise ApiError(status, message)
         return PlainTextResponse(" ".join(filter(None, [f"Success: LoRA adapter '{name}' removed successfully.",

@@ -1,9 +1,9 @@
 """Runtime LoRA in the engine process: the adapters ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` add
 and remove while the server runs (the front end's side: ``sparrow.server.lora_routes``).
 
-Messages from the front end (``EngineLoop.pump``): ``("load_lora", op, LoRARequest)`` and
-``("unload_lora", op, lora_int_id, lora_name)``; each is answered once with ``("lora", op, status, message)``
-(status 200, or the HTTP status of the error: 400, 404 for a path with no adapter, 500).
+Messages from the front end (``EngineLoop.pump``): ``LoadLoRA`` and ``UnloadLoRA``; each is answered once with a
+``LoRAAnswer`` (``sparrow.server.messages``; status 200, or the HTTP status of the error: 400, 404 for a path
+with no adapter, 500).
 
 - A load reads and checks the adapter on a thread of its own (``LoRAManager.read``: safetensors, mapping onto the
   model, the slot buffers' widths), so neither the event loop nor the engine's steps wait for the file; the engine
@@ -25,11 +25,10 @@ from dataclasses import dataclass
 
 from sparrow import switches
 from sparrow.errors import LoRAAdapterError, LoRAAdapterNotFoundError
+from sparrow.server.messages import LoadLoRA, LoRAAnswer, UnloadLoRA
 
 log = logging.getLogger(__name__)
 
-MESSAGES = ("load_lora", "unload_lora")
-"""The front end's message kinds handled here."""
 
 
 @dataclass
@@ -58,13 +57,14 @@ class LoRAUpdates:
         self.retired: set[int] = set()
         """lora_int_ids being unloaded or unloaded: requests naming them are refused."""
 
-    def submit(self, msg: tuple) -> None:
-        """Queue a front-end message (kind in MESSAGES); a load's read starts now, on a thread of its own."""
-        if msg[0] == "load_lora":
-            threading.Thread(target=self._read, args=(msg[1], msg[2]), name="sparrow-lora-read", daemon=True).start()
+    def submit(self, msg: LoadLoRA | UnloadLoRA) -> None:
+        """Queue a front-end message; a load's read starts now, on a thread of its own."""
+        if isinstance(msg, LoadLoRA):
+            threading.Thread(target=self._read, args=(msg.op, msg.lora_request), name="sparrow-lora-read",
+                             daemon=True).start()
             return
         with self._cond:
-            self._ready.append(("unload", msg[1], msg[2], msg[3]))
+            self._ready.append(("unload", msg.op, msg.lora_int_id, msg.lora_name))
             self._cond.notify()
 
     def _read(self, op: int, request) -> None:
@@ -108,17 +108,17 @@ class LoRAUpdates:
                         self.manager.install(adapter)
                     except LoRAAdapterError as e:
                         status, message = 400, str(e)
-                self._send(("lora", op, status, message))
+                self._send(LoRAAnswer(op, status, message))
             else:
                 _, op, lid, name = item
                 self.retired.add(lid)
                 self._unloads.append(_Unload(op, lid, name, time.monotonic() + switches.LORA_UNLOAD_TIMEOUT_S))
 
-    def drain(self, live: set[str], items: list, error_type) -> list[tuple]:
+    def drain(self, live: set[str], items: list, error_type) -> list[LoRAAnswer]:
         """Finish the unloads whose adapter no request runs now; past an unload's deadline, end its requests first
         (each gets ``error_type(message, True)`` in ``items`` and leaves ``live``). Returns the answers, to send
         after ``items`` (the front end sees the requests end before the unload's answer)."""
-        answers: list[tuple] = []
+        answers: list[LoRAAnswer] = []
         if not self._unloads:
             return answers
         now, left = time.monotonic(), []
@@ -140,6 +140,6 @@ class LoRAUpdates:
             ended = (f"{len(users)} request(s) still running it after {switches.LORA_UNLOAD_TIMEOUT_S:g} s were "
                      "ended." if users else "")
             log.info("LoRA adapter %r unloaded, its slot free. %s", u.name, ended)
-            answers.append(("lora", u.op, 200, ended))
+            answers.append(LoRAAnswer(u.op, 200, ended))
         self._unloads = left
         return answers

@@ -190,14 +190,15 @@ def test_the_server_loop_reports_the_error_to_its_request(one_slot, folders, mon
     adapter is refused on arrival) and the others their outputs."""
     import threading
 
-    from sparrow.server.engine_loop import EngineLoop, StreamError, Update
+    from sparrow.server.engine_loop import EngineLoop
+    from sparrow.server.messages import LoadLoRA, LoRAAnswer, StepOutputs, StreamError, UnloadLoRA, Update
 
     llm, lost, want = one_slot
     _move_after_reading(monkeypatch, Path(lost.lora_path), trigger=2)
     items, ended = [], threading.Event()
 
     def send(msg):
-        items.extend(msg[1])
+        items.extend(msg.items)
         if sum(1 for _, item in items if item is None or isinstance(item, StreamError)) == 3:
             ended.set()
 

@@ -8,7 +8,7 @@ import pytest
 
 from sparrow.errors import SparrowError
 from sparrow.outputs import Logprob
-from sparrow.server.engine_loop import Delta, Update, merge_updates
+from sparrow.server.messages import Delta, Update, merge_updates
 
 
 def _lp(tid: int, v: float) -> dict[int, Logprob]:
@@ -16,9 +16,9 @@ def _lp(tid: int, v: float) -> dict[int, Logprob]:
 
 
 def test_merge_updates_concatenates_each_completion():
-    a = Update([Delta(0, "He", [1], [_lp(1, -0.1)], None, None), Delta(1, "", [], [], None, None)], False, [7, 8])
+    a = Update([Delta(0, "He", [1], [_lp(1, -0.1)], None, None), Delta(1, "", [], [], None, None)], False)
     b = Update([Delta(0, "llo", [2, 3], [_lp(2, -0.2), _lp(3, -0.3)], "stop", 3),
-                Delta(1, "x", [4], [_lp(4, -0.4)], "length", None)], True, [7, 8], [None, _lp(8, -1.0)])
+                Delta(1, "x", [4], [_lp(4, -0.4)], "length", None)], True, [None, _lp(8, -1.0)])
     m = merge_updates(a, b)
     d0, d1 = sorted(m.deltas, key=lambda d: d.index)
     assert (d0.text, d0.token_ids, [next(iter(x)) for x in d0.logprobs]) == ("Hello", [1, 2, 3], [1, 2, 3])

@@ -271,7 +271,8 @@ def test_engine_refuses_a_request_reaching_it_after_the_unload(folders):
     the unload but reaches the engine after it ends with an error (it does not read the folder again); the unload's
     answer follows the end of the request that ran the adapter."""
     from sparrow import LoRARequest, SamplingParams
-    from sparrow.server.engine_loop import EngineLoop, StreamError, Update
+    from sparrow.server.engine_loop import EngineLoop
+    from sparrow.server.messages import LoadLoRA, LoRAAnswer, StepOutputs, StreamError, UnloadLoRA, Update
 
     llm = make_llm(folders["base"], max_model_len=128, enable_lora=True, max_loras=1, max_lora_rank=8)
     sent: list = []
@@ -287,23 +288,23 @@ def test_engine_refuses_a_request_reaching_it_after_the_unload(folders):
     try:
         req = LoRARequest("a", 5, str(folders["a"]))
         params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-        loop.lora.submit(("load_lora", 1, req))
-        wait(lambda: ("lora", 1, 200, "") in sent, "the load")
+        loop.lora.submit(LoadLoRA(1, req))
+        wait(lambda: LoRAAnswer(1, 200, "") in sent, "the load")
         loop.add("r1", {"prompt_token_ids": PROMPT}, params, req)
-        loop.lora.submit(("unload_lora", 2, 5, "a"))
+        loop.lora.submit(UnloadLoRA(2, 5, "a"))
         wait(lambda: 5 in loop.lora.retired, "the unload to start")
         loop.add("r2", {"prompt_token_ids": PROMPT}, params, req)
-        wait(lambda: ("lora", 2, 200, "") in sent, "the unload")
+        wait(lambda: LoRAAnswer(2, 200, "") in sent, "the unload")
     finally:
         loop.stop()
-    items = [(i, item) for i, m in enumerate(sent) if m[0] == "out" for item in m[1]]
+    items = [(i, item) for i, m in enumerate(sent) if isinstance(m, StepOutputs) for item in m.items]
     (r2,) = [item for _, (rid, item) in items if rid == "r2"]
     assert isinstance(r2, StreamError) and r2.invalid_request and "its LoRA adapter was unloaded" in r2.message
     tokens = sum(len(d.token_ids) for _, (rid, u) in items if rid == "r1" and isinstance(u, Update)
                  for d in u.deltas)
     assert tokens == 40
     end = [i for i, (rid, item) in items if rid == "r1" and item is None]
-    assert end and end[0] < sent.index(("lora", 2, 200, ""))
+    assert end and end[0] < sent.index(LoRAAnswer(2, 200, ""))
     assert llm.engine.runner.lora.folders == {} and llm.engine.runner.lora.slots == {}
 
 
