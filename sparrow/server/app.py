@@ -267,6 +267,21 @@ def build_app(model: ServedModel, tokenizer, client: EngineClient, api_key: str 
     app = FastAPI(title="sparrow", version=sparrow.__version__, lifespan=lifespan, redirect_slashes=False)
     app.state.server = server
 
+    _add_error_handlers(app)
+    app.add_middleware(RequestGuard, api_key=api_key, options=options)
+    _add_info_routes(app, server)
+    _add_token_routes(app, server)
+    add_generation_routes(app, server)
+    if model.runtime_lora:
+        add_lora_routes(app, server)
+    install_openapi(app, closed_bodies=options.reject_unknown_fields)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error answered in OpenAI's shape (``ApiError.body``): 400 for a refused request (a SparrowError, a
+    validation error), the HTTP status of routing errors (404, 405 with its Allow), 500 with no detail."""
+
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
         return JSONResponse(exc.body(), status_code=exc.status)
@@ -292,7 +307,10 @@ def build_app(model: ServedModel, tokenizer, client: EngineClient, api_key: str 
         log.exception("internal error on %s", request.url.path)
         return JSONResponse(ApiError(500, "internal server error").body(), status_code=500)
 
-    app.add_middleware(RequestGuard, api_key=api_key, options=options)
+
+def _add_info_routes(app: FastAPI, server: "_Server") -> None:
+    """/health (empty 200), /version, /metrics (Prometheus text) and /v1/models."""
+    model = server.model
 
     @app.get("/health")
     async def health():
@@ -315,6 +333,10 @@ def build_app(model: ServedModel, tokenizer, client: EngineClient, api_key: str 
         adapters = [{"id": name, **base, "root": lora.lora_path, "parent": server.model_name}
                     for name, lora in model.loras.items()]
         return {"object": "list", "data": [*names, *adapters]}
+
+
+def _add_token_routes(app: FastAPI, server: "_Server") -> None:
+    """/tokenize and /detokenize (vLLM's bodies)."""
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -340,9 +362,3 @@ def build_app(model: ServedModel, tokenizer, client: EngineClient, api_key: str 
         if any(not 0 <= t < vocab for t in body.tokens):
             raise ApiError(400, f"tokens: ids must be in [0, {vocab})", "tokens")
         return {"prompt": server.tokenizer.decode(body.tokens)}
-
-    add_generation_routes(app, server)
-    if model.runtime_lora:
-        add_lora_routes(app, server)
-    install_openapi(app, closed_bodies=options.reject_unknown_fields)
-    return app

@@ -15,6 +15,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -68,15 +69,43 @@ class _AbortingStream(StreamingResponse):
                 self._loop.abort(rid)
 
 
-def add_generation_routes(app: FastAPI, server) -> None:
-    """Register the two generation routes on ``app``; ``server``: the app's shared state (app._Server)."""
+@dataclass
+class _CompletionRun:
+    """A /v1/completions request on its way through the engine: its prompts, streams and output options."""
 
-    def base(kind: str, rid: str, lora) -> dict:
+    body: CompletionRequest
+    lora: object
+    rid: str
+    prompts: list[dict]
+    streams: list
+    queue: asyncio.Queue
+    drop: bool
+    """max_tokens 0 (echo): one token is sampled for the prompt's logprobs and not returned."""
+    want_ids: bool
+    """Choices carry prompt_token_ids and token_ids (asked, or a model without a tokenizer)."""
+
+    @property
+    def n_prompt(self) -> int:
+        return sum(len(p["prompt_token_ids"]) for p in self.prompts)
+
+
+class GenerationRoutes:
+    """The two generation routes; ``server``: the app's shared state (app._Server)."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def register(self, app: FastAPI) -> None:
+        app.post("/v1/completions")(self.completions)
+        app.post("/v1/chat/completions")(self.chat_completions)
+
+    def base(self, kind: str, rid: str, lora) -> dict:
         """A response's (or chunk's) common fields; ``model``: the adapter's name under ``lora`` (a LoRARequest),
         else the base model's."""
-        model = lora.lora_name if lora is not None else server.model_name
+        model = lora.lora_name if lora is not None else self.server.model_name
         return {"id": rid, "object": kind, "created": int(time.time()), "model": model}
 
+    @staticmethod
     async def sse(events, final_usage):
         """Frame an async iterator of chunk dicts as SSE, then the usage chunk (when asked) and [DONE]; an error
         becomes an error event before [DONE] (the status line is sent already)."""
@@ -93,12 +122,13 @@ def add_generation_routes(app: FastAPI, server) -> None:
             yield _sse(ApiError(500, "internal server error").body())
         yield _sse("[DONE]")
 
-    def stream_response(events, final_usage, streams) -> StreamingResponse:
-        return _AbortingStream(sse(events, final_usage), [s.request_id for s in streams], server.loop)
+    def stream_response(self, events, final_usage, streams) -> StreamingResponse:
+        return _AbortingStream(self.sse(events, final_usage), [s.request_id for s in streams], self.server.loop)
 
-    def check_fields(body) -> None:
+    def check_fields(self, body) -> None:
         """400 for an unknown field, a field this server does not implement, or stop_token_ids outside the
         vocabulary."""
+        server = self.server
         server.check_unknown(body)
         refused = body.unsupported()
         if refused is not None:
@@ -107,10 +137,22 @@ def add_generation_routes(app: FastAPI, server) -> None:
         if body.stop_token_ids and any(not 0 <= t < vocab for t in body.stop_token_ids):
             raise ApiError(400, f"stop_token_ids: ids must be in [0, {vocab})", "stop_token_ids")
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request):
+    # ------------------------------------------------------------------------------------------ completions
+
+    async def completions(self, body: CompletionRequest, raw: Request):
+        run = await self._start_completion(body)
+        if body.stream:
+            generated = [0]
+            final = (lambda: {**self.base("text_completion", run.rid, run.lora), "choices": [], "usage": usage(
+                run.n_prompt, generated[0])}) if body.include_usage else None
+            return self.stream_response(self._completion_events(run, generated), final, run.streams)
+        return await self._whole_completion(run, raw)
+
+    async def _start_completion(self, body: CompletionRequest) -> _CompletionRun:
+        """Check the request, build its engine prompts and SamplingParams, and add them to the engine loop."""
+        server = self.server
         lora = server.check_model(body.model)
-        check_fields(body)
+        self.check_fields(body)
         await body.check_structured_outputs()
         if body.stop and server.tokenizer is None:
             raise ApiError(400, "stop: stop strings need a tokenizer, and this model has none (use stop_token_ids)",
@@ -124,58 +166,55 @@ def add_generation_routes(app: FastAPI, server) -> None:
         for p in prompts:
             mt = check_context(len(p["prompt_token_ids"]), body.max_tokens, server.max_model_len, "prompt")
             params.append(body._params(max(mt, 1), body.logprobs, body.logprobs if echo_lp else None))
-        drop = body.max_tokens == 0  # one token sampled for the prompt's logprobs, not returned
-        want_ids = body.return_token_ids or server.tokenizer is None  # no tokenizer: the ids are the answer
         queue: asyncio.Queue = asyncio.Queue()
-        rid, n = f"cmpl-{uuid.uuid4().hex}", body.n
+        rid = f"cmpl-{uuid.uuid4().hex}"
         streams = [server.loop.add(p, sp, queue, "cmpl", lora, rid if len(prompts) == 1 else f"{rid}-{k}")
                    for k, (p, sp) in enumerate(zip(prompts, params))]
-        n_prompt = sum(len(p["prompt_token_ids"]) for p in prompts)
+        return _CompletionRun(body, lora, rid, prompts, streams, queue, drop=body.max_tokens == 0,
+                              want_ids=body.return_token_ids or server.tokenizer is None)
 
-        def legacy(k):
-            return LegacyLogprobs(body.logprobs, server.decode_token) if body.logprobs is not None else None
+    def _legacy(self, body: CompletionRequest) -> LegacyLogprobs | None:
+        return LegacyLogprobs(body.logprobs, self.server.decode_token) if body.logprobs is not None else None
 
-        if body.stream:
-            lps = [legacy(k) for k in range(len(prompts) * n)]
-            generated = [0]
+    async def _completion_events(self, run: _CompletionRun, generated: list[int]):
+        """The chunk dicts of a streamed completion (``generated[0]`` counts the tokens sent)."""
+        body, n, prompts = run.body, run.body.n, run.prompts
+        lps = [self._legacy(body) for _ in range(len(prompts) * n)]
+        started, ids_started = set(), set()
+        async with contextlib.aclosing(self.server.updates(run.queue, run.streams)) as it:
+            async for k, upd in it:
+                for d in upd.deltas:
+                    idx = k * n + d.index
+                    text, tids = ("", []) if run.drop else (d.text, d.token_ids)
+                    if body.echo and idx not in started:
+                        text = prompts[k]["prompt"] + text
+                        if lps[idx] is not None:  # the prompt's logprobs first (the first one null)
+                            p_ids = prompts[k]["prompt_token_ids"]
+                            for t, dd in zip(p_ids, upd.prompt_logprobs or [None] * len(p_ids)):
+                                lps[idx].add(t, dd)
+                    started.add(idx)
+                    generated[0] += len(tids)
+                    lp = None
+                    if lps[idx] is not None:
+                        for t, dd in zip(tids, d.logprobs or []):
+                            lps[idx].add(t, dd)
+                        lp = lps[idx].take()
+                    if text or d.finish_reason is not None or ((lp is not None or run.want_ids) and tids):
+                        choice = {"index": idx, "text": text, "logprobs": lp,
+                                  "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+                        if run.want_ids:
+                            if idx not in ids_started:
+                                choice["prompt_token_ids"] = prompts[k]["prompt_token_ids"]
+                                ids_started.add(idx)
+                            choice["token_ids"] = list(tids)
+                        yield {**self.base("text_completion", run.rid, run.lora), "choices": [choice],
+                               "usage": None}
 
-            async def events():
-                started, ids_started = set(), set()
-                async with contextlib.aclosing(server.updates(queue, streams)) as it:
-                    async for k, upd in it:
-                        for d in upd.deltas:
-                            idx = k * n + d.index
-                            text, tids = ("", []) if drop else (d.text, d.token_ids)
-                            if body.echo and idx not in started:
-                                text = prompts[k]["prompt"] + text
-                                if lps[idx] is not None:  # the prompt's logprobs first (the first one null)
-                                    p_ids = prompts[k]["prompt_token_ids"]
-                                    for t, dd in zip(p_ids, upd.prompt_logprobs or [None] * len(p_ids)):
-                                        lps[idx].add(t, dd)
-                            started.add(idx)
-                            generated[0] += len(tids)
-                            lp = None
-                            if lps[idx] is not None:
-                                for t, dd in zip(tids, d.logprobs or []):
-                                    lps[idx].add(t, dd)
-                                lp = lps[idx].take()
-                            if text or d.finish_reason is not None or ((lp is not None or want_ids) and tids):
-                                choice = {"index": idx, "text": text, "logprobs": lp,
-                                          "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
-                                if want_ids:
-                                    if idx not in ids_started:
-                                        choice["prompt_token_ids"] = prompts[k]["prompt_token_ids"]
-                                        ids_started.add(idx)
-                                    choice["token_ids"] = list(tids)
-                                yield {**base("text_completion", rid, lora), "choices": [choice], "usage": None}
-
-            final = (lambda: {**base("text_completion", rid, lora), "choices": [], "usage": usage(
-                n_prompt, generated[0])}) if body.include_usage else None
-            return stream_response(events(), final, streams)
-
-        choices = [Choice(i) for i in range(len(prompts) * n)]
+    async def _whole_completion(self, run: _CompletionRun, raw: Request) -> dict:
+        body, n = run.body, run.body.n
+        choices = [Choice(i) for i in range(len(run.prompts) * n)]
         prompt_lps: dict[int, list] = {}
-        async with contextlib.aclosing(server.updates(queue, streams, raw)) as it:
+        async with contextlib.aclosing(self.server.updates(run.queue, run.streams, raw)) as it:
             async for k, upd in it:
                 for d in upd.deltas:
                     choices[k * n + d.index].add(d)
@@ -184,10 +223,10 @@ def add_generation_routes(app: FastAPI, server) -> None:
         out, generated = [], 0
         for idx, c in enumerate(choices):
             k = idx // n
-            p = prompts[k]
-            tids, text, glps = (([], "", []) if drop else (c.token_ids, c.text, c.logprobs))
+            p = run.prompts[k]
+            tids, text, glps = (([], "", []) if run.drop else (c.token_ids, c.text, c.logprobs))
             generated += len(tids)
-            lp = legacy(k)
+            lp = self._legacy(body)
             if body.echo:
                 if lp is not None:
                     pl = prompt_lps.get(k) or [None] * len(p["prompt_token_ids"])
@@ -199,14 +238,17 @@ def add_generation_routes(app: FastAPI, server) -> None:
                     lp.add(t, dd)
             out.append({"index": idx, "text": text, "logprobs": lp.body() if lp is not None else None,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-            if want_ids:
+            if run.want_ids:
                 out[-1].update(prompt_token_ids=p["prompt_token_ids"], token_ids=list(tids))
-        return {**base("text_completion", rid, lora), "choices": out, "usage": usage(n_prompt, generated)}
+        return {**self.base("text_completion", run.rid, run.lora), "choices": out,
+                "usage": usage(run.n_prompt, generated)}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+    # ------------------------------------------------------------------------------------- chat completions
+
+    async def chat_completions(self, body: ChatCompletionRequest, raw: Request):
+        server = self.server
         lora = server.check_model(body.model)
-        check_fields(body)
+        self.check_fields(body)
         await body.check_structured_outputs()
         plan = plan_tools(body, server.model)
         text = await server.chat_prompt(body.messages, tools=plan.tools)
@@ -223,36 +265,41 @@ def add_generation_routes(app: FastAPI, server) -> None:
         queue: asyncio.Queue = asyncio.Queue()
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = [server.loop.add({"prompt_token_ids": ids, "prompt": text}, params, queue, "chat", lora, rid)]
-
         if body.stream:
             generated = [0]
-
-            async def events():
-                for i in range(body.n):
-                    chunk = {**base("chat.completion.chunk", rid, lora), "choices": [{
-                        "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                        "finish_reason": None}]}
-                    if body.return_token_ids and i == 0:
-                        chunk["prompt_token_ids"] = ids
-                    yield chunk
-                async with contextlib.aclosing(server.updates(queue, streams)) as it:
-                    async for _, upd in it:
-                        for d in upd.deltas:
-                            generated[0] += len(d.token_ids)
-                            if not (d.text or d.finish_reason is not None
-                                    or ((body.logprobs or body.return_token_ids) and d.token_ids)):
-                                continue  # a token held back (part of a character, or a stop string)
-                            lp = chat_logprobs(d.token_ids, d.logprobs, k_top) if body.logprobs else None
-                            tids = list(d.token_ids) if body.return_token_ids else None
-                            for choice in stream_choices(outputs, d, lp, tids):
-                                yield {**base("chat.completion.chunk", rid, lora), "choices": [choice]}
-
-            final = (lambda: {**base("chat.completion.chunk", rid, lora), "choices": [],
+            final = (lambda: {**self.base("chat.completion.chunk", rid, lora), "choices": [],
                               "usage": usage(len(ids), generated[0])}) if body.include_usage else None
-            return stream_response(events(), final, streams)
+            events = self._chat_events(body, lora, rid, ids, outputs, queue, streams, generated)
+            return self.stream_response(events, final, streams)
+        return await self._whole_chat(body, lora, rid, ids, outputs, queue, streams, raw)
 
+    async def _chat_events(self, body, lora, rid: str, ids: list[int], outputs, queue, streams, generated: list[int]):
+        """The chunk dicts of a streamed chat completion: the role chunks, then the deltas (``generated[0]``
+        counts the tokens)."""
+        k_top = body.top_logprobs or 0
+        for i in range(body.n):
+            chunk = {**self.base("chat.completion.chunk", rid, lora), "choices": [{
+                "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}]}
+            if body.return_token_ids and i == 0:
+                chunk["prompt_token_ids"] = ids
+            yield chunk
+        async with contextlib.aclosing(self.server.updates(queue, streams)) as it:
+            async for _, upd in it:
+                for d in upd.deltas:
+                    generated[0] += len(d.token_ids)
+                    if not (d.text or d.finish_reason is not None
+                            or ((body.logprobs or body.return_token_ids) and d.token_ids)):
+                        continue  # a token held back (part of a character, or a stop string)
+                    lp = chat_logprobs(d.token_ids, d.logprobs, k_top) if body.logprobs else None
+                    tids = list(d.token_ids) if body.return_token_ids else None
+                    for choice in stream_choices(outputs, d, lp, tids):
+                        yield {**self.base("chat.completion.chunk", rid, lora), "choices": [choice]}
+
+    async def _whole_chat(self, body, lora, rid: str, ids: list[int], outputs, queue, streams, raw: Request) -> dict:
+        k_top = body.top_logprobs or 0
         choices = [Choice(i) for i in range(body.n)]
-        async with contextlib.aclosing(server.updates(queue, streams, raw)) as it:
+        async with contextlib.aclosing(self.server.updates(queue, streams, raw)) as it:
             async for _, upd in it:
                 for d in upd.deltas:
                     choices[d.index].add(d)
@@ -264,5 +311,10 @@ def add_generation_routes(app: FastAPI, server) -> None:
             extra["prompt_token_ids"] = ids
             for o, c in zip(out, choices):
                 o["token_ids"] = list(c.token_ids)
-        return {**base("chat.completion", rid, lora), "choices": out, **extra,
+        return {**self.base("chat.completion", rid, lora), "choices": out, **extra,
                 "usage": usage(len(ids), sum(len(c.token_ids) for c in choices))}
+
+
+def add_generation_routes(app: FastAPI, server) -> None:
+    """Register the two generation routes on ``app``; ``server``: the app's shared state (app._Server)."""
+    GenerationRoutes(server).register(app)
