@@ -9,9 +9,8 @@ tensors (FP8: finite scales, no NaN bytes). A whole-tensor
 load (shard id None) completes a parameter whatever its shards (e.g. transformers 5's fused 3-D
 ``experts.gate_up_proj`` fills the stacked experts in one go).
 
-Stacked experts (``bind_expert_loaders``): ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] are filled
-in place, one expert slice per checkpoint tensor as the tensors stream by (shard id (e, block): rows
-block*I:(block+1)*I of expert e), or whole from a fused 3-D tensor; no second stacked copy is ever built.
+The parameters' own loaders (the default whole-tensor copy, stacked experts filled per expert slice) are the
+weight formats': ``sparrow.quant.weight_loaders``.
 """
 from __future__ import annotations
 
@@ -23,6 +22,7 @@ from torch import nn
 
 from sparrow.devices import release_freed_host_memory
 from sparrow.errors import ModelLoadError
+from sparrow.quant.weight_loaders import default_weight_loader
 
 log = logging.getLogger(__name__)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -31,34 +31,6 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 def _packed(t: torch.Tensor) -> bool:
     """A tensor in a quantized storage dtype (float8, or integer codes) that no cast to a float dtype reads."""
     return t.dtype in _FP8_DTYPES or not (t.is_floating_point() or t.is_complex())
-
-
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id, name: str) -> None:
-    """Copy a whole tensor into ``param`` (cast to its dtype); ModelLoadError on a shape mismatch."""
-    if tuple(loaded.shape) != tuple(param.shape):
-        raise ModelLoadError(f"tensor {name!r} has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
-    param.data.copy_(loaded)
-
-
-def _expert_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id, name: str) -> None:
-    if shard_id is None:
-        return default_weight_loader(param, loaded, None, name)
-    expert, block = shard_id
-    if expert >= param.shape[0]:
-        raise ModelLoadError(f"tensor {name!r} names expert {expert}, but the model has {param.shape[0]} experts")
-    rows = param.shape[1] // param.expert_blocks
-    target = param.data[expert].narrow(0, block * rows, rows)
-    if tuple(loaded.shape) != tuple(target.shape):
-        raise ModelLoadError(f"tensor {name!r} has shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
-    target.copy_(loaded)
-
-
-def bind_expert_loaders(param: nn.Parameter, blocks: int) -> None:
-    """Make a stacked expert parameter [E, blocks * rows, cols] loadable from per-expert tensors (shard id
-    (expert, block), each [rows, cols]) or from one fused [E, blocks * rows, cols] tensor (shard id None)."""
-    param.weight_loader = _expert_loader
-    param.expert_blocks = blocks
-    param.expected_shards = [(e, b) for e in range(param.shape[0]) for b in range(blocks)]
 
 
 def expected_shards(param: nn.Parameter) -> list:

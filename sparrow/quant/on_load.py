@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from sparrow.devices import release_freed_host_memory
-from sparrow.loader.weights import _expert_loader, bind_expert_loaders
+from sparrow.quant.weight_loaders import bind_expert_loaders, expert_loader
 
 _STACKED = ("gate_up_proj", "down_proj")
 
@@ -62,7 +62,7 @@ def _staging_loader(layer: nn.Module, pname: str, device: torch.device, method):
             raise ModelLoadError(f"tensor {name!r} arrives after {layer.prefix!r} was complete and quantized (the "
                                  "checkpoint holds it twice)")
         _materialize(layer, device)
-        _expert_loader(layer._parameters[pname], loaded, shard_id, name)
+        expert_loader(layer._parameters[pname], loaded, shard_id, name)
         if shard_id is None:
             pending[pname].clear()
         else:

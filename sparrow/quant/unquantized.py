@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparrow.kernels.moe_ref import fused_moe_grouped_ref, fused_moe_per_pair_ref
-from sparrow.loader.weights import bind_expert_loaders
 from sparrow.quant.base import FusedMoEMethodBase, LinearMethodBase, QuantizationConfig
+from sparrow.quant.weight_loaders import bind_expert_loaders
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
@@ -26,7 +26,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
 def stacked_expert_param(layer: nn.Module, rows: int, cols: int, blocks: int, dtype: torch.dtype) -> nn.Parameter:
     """An uninitialized stacked expert parameter [E, rows, cols] of ``dtype``, loadable from per-expert tensors
-    [rows / blocks, cols] (shard id (expert, block)) or one fused tensor (``loader.weights.bind_expert_loaders``)."""
+    [rows / blocks, cols] (shard id (expert, block)) or one fused tensor (``weight_loaders.bind_expert_loaders``)."""
     param = nn.Parameter(torch.empty(layer.num_experts, rows, cols, dtype=dtype), requires_grad=False)
     bind_expert_loaders(param, blocks)
     return param
