@@ -1,14 +1,30 @@
 """LM head: hidden [S, H] -> logits [S, V] in fp32, with Gemma's optional final soft-cap
 (logits = cap * tanh(logits / cap)). The product is the model's LM head method (``CausalLM.lm_head_method``):
 ``UnquantizedLMHeadMethod`` (``F.linear`` on the model-dtype LM weight, tied or not) unless
-``quantize_lm_head`` gave the model a format's method (``sparrow.quant``)."""
+``quantize_lm_head`` gave the model a ``QuantizedLMHeadMethod`` on a format's linear method
+(``QuantizationConfig.get_lm_head_linear_method``)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparrow.quant.base import LinearMethodBase, LMHeadMethodBase
+from sparrow.layers.linear import Linear
+from sparrow.quant.base import LinearMethodBase
+
+
+class LMHeadMethodBase:
+    """How a ``CausalLM`` turns hidden [S, H] into logits [S, V] (fp32 or the compute dtype; the logits
+    processor casts to fp32). Methods take the model: the LM weight may be the tied embedding."""
+
+    def create_weights(self, model: nn.Module, dtype: torch.dtype) -> None:
+        pass
+
+    def process_weights_after_loading(self, model: nn.Module) -> None:
+        pass
+
+    def apply(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
 
 class UnquantizedLMHeadMethod(LMHeadMethodBase):
@@ -27,8 +43,6 @@ class QuantizedLMHeadMethod(LMHeadMethodBase):
         self.linear_method = linear_method
 
     def process_weights_after_loading(self, model: nn.Module) -> None:
-        from sparrow.layers.linear import Linear
-
         w = model.lm_weight
         with torch.device(w.device):
             head = Linear(w.shape[1], w.shape[0], dtype=w.dtype, quant_method=self.linear_method)

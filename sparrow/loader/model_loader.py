@@ -18,6 +18,7 @@ import torch
 
 from sparrow.config import ModelConfig
 from sparrow.errors import InvalidRequestError, ModelLoadError, ModelNotFoundError
+from sparrow.layers.logits import QuantizedLMHeadMethod
 from sparrow.loader.weights import load_weights
 from sparrow.models.registry import get_model_class
 
@@ -193,14 +194,14 @@ def check_quantize_lm_head(quantize_lm_head: bool, quant_config):
 
     if not quantize_lm_head:
         return None
-    method = (quant_config if quant_config is not None else UNQUANTIZED).get_lm_head_method()
-    if method is None:
+    linear_method = (quant_config if quant_config is not None else UNQUANTIZED).get_lm_head_linear_method()
+    if linear_method is None:
         formats = lm_head_formats()
         titles = " or ".join(f.title for f in formats) or "quantized"
         how = " or ".join(f"quantization={f.name!r} (--quantization {f.name})" for f in formats)
         raise InvalidRequestError(f"quantize_lm_head needs {titles} linear layers: pass {how or 'a quantization'} "
                                   f"or load an {titles} checkpoint")
-    return method
+    return QuantizedLMHeadMethod(linear_method)
 
 
 def finish_loading(model: torch.nn.Module, quant_config, quantize_lm_head: bool = False) -> None:

@@ -121,8 +121,8 @@ class CausalLM(nn.Module):
         return self.logits_processor(self.lm_head_method.apply(self, hidden))
 
     def quantize_lm_head(self, method) -> None:
-        """Compute the logits with ``method`` (a format's LM head method, ``QuantizationConfig.get_lm_head_method``)
-        from now on; it builds what it needs from the loaded LM weight (``process_weights_after_loading``)."""
+        """Compute the logits with ``method`` (``layers.logits.QuantizedLMHeadMethod`` on a format's
+        ``get_lm_head_linear_method``) from now on; it builds what it needs from the loaded LM weight (``process_weights_after_loading``)."""
         method.process_weights_after_loading(self)
         self.lm_head_method = method
 

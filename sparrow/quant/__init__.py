@@ -1,6 +1,6 @@
 """Weight formats (design.md 4): one module per format with its pack / unpack / dequantize torch reference and
 its method objects, registered by name (``registry``); ``base`` says what a format gives."""
-from sparrow.quant.base import FusedMoEMethodBase, LinearMethodBase, LMHeadMethodBase, QuantizationConfig
+from sparrow.quant.base import FusedMoEMethodBase, LinearMethodBase, QuantizationConfig
 from sparrow.quant.scope import bind_quant_config, current_quant_config, quant_config_scope
 from sparrow.quant.unquantized import UNQUANTIZED, UnquantizedConfig
 from sparrow.quant.registry import (
@@ -13,7 +13,7 @@ from sparrow.quant.registry import (
 )
 
 __all__ = [
-    "UNQUANTIZED", "FusedMoEMethodBase", "LinearMethodBase", "LMHeadMethodBase", "QuantizationConfig",
+    "UNQUANTIZED", "FusedMoEMethodBase", "LinearMethodBase", "QuantizationConfig",
     "UnquantizedConfig", "bind_quant_config", "current_quant_config",
     "quant_config_scope", "check_quantization", "config_for_quantization", "config_from_hf", "get_quantization",
     "register_quantization", "supported_quantization",

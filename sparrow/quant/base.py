@@ -107,20 +107,6 @@ class FusedMoEMethodBase:
         raise NotImplementedError
 
 
-class LMHeadMethodBase:
-    """How a ``CausalLM`` turns hidden [S, H] into logits [S, V] (fp32 or the compute dtype; the logits
-    processor casts to fp32). Methods take the model: the LM weight may be the tied embedding."""
-
-    def create_weights(self, model: nn.Module, dtype: torch.dtype) -> None:
-        pass
-
-    def process_weights_after_loading(self, model: nn.Module) -> None:
-        pass
-
-    def apply(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-
 class QuantizationConfig:
     """A weight format and its per-model settings. Subclasses register themselves with
     ``sparrow.quant.registry.register_quantization`` under ``name``, the checkpoint's
@@ -185,9 +171,10 @@ class QuantizationConfig:
         """The method of the FusedMoE named ``prefix`` (None: not known yet)."""
         raise NotImplementedError
 
-    def get_lm_head_method(self) -> LMHeadMethodBase | None:
-        """The LM head method of ``quantize_lm_head=True``; None where the format has none (the loader then names
-        the formats that have one)."""
+    def get_lm_head_linear_method(self) -> LinearMethodBase | None:
+        """The linear method of the LM head under ``quantize_lm_head=True``: the loaded LM weight is copied into a
+        ``Linear`` of this method (``sparrow.layers.logits.QuantizedLMHeadMethod``); None where the format has
+        none (the loader then names the formats that have one)."""
         return None
 
     def get_method(self, kind: str, prefix: str | None):

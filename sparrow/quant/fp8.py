@@ -45,7 +45,6 @@ import torch
 from torch import nn
 
 from sparrow.errors import ModelLoadError
-from sparrow.layers.logits import QuantizedLMHeadMethod
 from sparrow.quant.base import LinearMethodBase, QuantizationConfig
 from sparrow.quant.fp8_moe import Fp8MoEMethod, check_fp8_tensor
 from sparrow.quant.unquantized import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
@@ -165,9 +164,7 @@ class Fp8Config(QuantizationConfig):
         gate_up_proj, and renamed ones (Mixtral's block_sparse_moe is sparrow's mlp); ``model.resolve_weight``
         maps each name as it maps the checkpoint's tensors. Raises ModelLoadError when the names leave only
         some projections of a packed layer unquantized: its shards share one weight format."""
-        from sparrow.layers.linear import Linear
-
-        linears = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+        linears = [(name, m) for name, m in model.named_modules() if getattr(m, "quant_kind", None) == "linear"]
         extra, packed = [], {}
         for frag in self.ignored_layers:
             resolved = model.resolve_weight(f"{frag}.weight") if frag else None
@@ -208,12 +205,12 @@ class Fp8Config(QuantizationConfig):
             return UnquantizedFusedMoEMethod()
         return Fp8MoEMethod(self.from_checkpoint)
 
-    def get_lm_head_method(self) -> QuantizedLMHeadMethod:
+    def get_lm_head_linear_method(self) -> "Fp8LinearMethod":
         """An FP8 copy of the LM weight (``Fp8LinearMethod``: 128 x 128 blocks, activations quantized per
         128-group, the kernels of the other FP8 linears) instead of the model-dtype weight: half the bytes of
         the largest matrix read every decode step (Gemma 4: V 262,144 x H 2,816), at the cost of FP8 rounding
         in the logits."""
-        return QuantizedLMHeadMethod(Fp8LinearMethod(from_checkpoint=False))
+        return Fp8LinearMethod(from_checkpoint=False)
 
 
 class Fp8LinearMethod(LinearMethodBase):

@@ -126,8 +126,9 @@ def config_from_hf(qc) -> QuantizationConfig:
 
 
 def lm_head_formats() -> tuple[type[QuantizationConfig], ...]:
-    """The formats with a quantized LM head (``get_lm_head_method`` of their own)."""
-    return tuple(f for f in formats() if f.get_lm_head_method is not QuantizationConfig.get_lm_head_method)
+    """The formats with a quantized LM head (``get_lm_head_linear_method`` of their own)."""
+    return tuple(f for f in formats()
+                 if f.get_lm_head_linear_method is not QuantizationConfig.get_lm_head_linear_method)
 
 
 def describe_checkpoint_tensor(name: str) -> tuple[str, str] | None:

@@ -137,8 +137,8 @@ class Int8TestConfig(QuantizationConfig):
     def get_moe_method(self, prefix):
         return Int8MoEMethod(self.from_checkpoint)
 
-    def get_lm_head_method(self):
-        return QuantizedLMHeadMethod(Int8LinearMethod(from_checkpoint=False))
+    def get_lm_head_linear_method(self):
+        return Int8LinearMethod(from_checkpoint=False)
 
 
 @pytest.fixture(scope="module", autouse=True)
