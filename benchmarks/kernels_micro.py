@@ -591,7 +591,7 @@ def _lora_case(shape, rows: int, device: str = "cuda", draws: int = 16):
     random per row, and the layers' accumulate flag (expert gate_up writes a fresh fp32 delta). Calls rotate over
     ``draws`` (slots, expert ids) draws and over buffer copies larger than the L2 cache, so weights come from HBM."""
     from sparrow.kernels.lora import lora_delta, lora_index
-    from sparrow.lora.weights import LoRABuffers
+    from sparrow.layers.lora_buffers import LoRABuffers
 
     name, k, sizes, width, experts, layout = shape
     n, dev = sum(sizes), torch.device(device)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from sparrow.errors import ModelLoadError
+from sparrow.layers.lora_buffers import add_linear_delta
 from sparrow.quant.base import LinearMethodBase, set_layer_method
 from sparrow.quant.scope import current_quant_config
 
@@ -28,7 +29,7 @@ class Linear(nn.Module):
 
     quant_kind = "linear"
     lora = None
-    """The adapter slots' buffers (``sparrow.lora.weights.LoRABuffers``) when LoRA is enabled."""
+    """The adapter slots' buffers (``sparrow.layers.lora_buffers.LoRABuffers``) when LoRA is enabled."""
 
     def __init__(
         self,
@@ -82,7 +83,5 @@ class Linear(nn.Module):
         the activation dtype whatever the weight format."""
         y = self.quant_method.apply(self, x)
         if self.lora is not None and batch is not None and batch.adapter_ids is not None:
-            from sparrow.lora.weights import add_linear_delta
-
             y = add_linear_delta(self.lora, x, y, batch.adapter_ids)
         return y

@@ -47,7 +47,7 @@ class FusedMoE(nn.Module):
 
     quant_kind = "moe"
     lora = None
-    """The adapter slots' expert buffers (``sparrow.lora.weights.ExpertLoRA``) when LoRA is enabled."""
+    """The adapter slots' expert buffers (``sparrow.layers.lora_buffers.ExpertLoRA``) when LoRA is enabled."""
 
     def __init__(
         self,

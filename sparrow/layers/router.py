@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparrow.kernels.router import SCORING_FUNCS, score_logits, select_experts, weigh_experts
+from sparrow.layers.lora_buffers import add_linear_delta
 
 
 class Router(nn.Module):
@@ -78,15 +79,13 @@ class Router(nn.Module):
         return router_logits(x, self.weight)
 
     lora = None
-    """The adapter slots' buffers (``sparrow.lora.weights.LoRABuffers``, a delta [E] per row on the logits)."""
+    """The adapter slots' buffers (``layers.lora_buffers.LoRABuffers``, a delta [E] per row on the logits)."""
 
     def forward(self, x: torch.Tensor, batch=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``batch``: the step's ForwardBatch; rows with an adapter add its router delta to the fp32 logits
         before the scoring and top-k (PEFT's ``target_parameters`` on ``mlp.gate.weight``)."""
         logits = self.logits(x)
         if self.lora is not None and batch is not None and batch.adapter_ids is not None:
-            from sparrow.lora.weights import add_linear_delta
-
             logits = add_linear_delta(self.lora, x, logits, batch.adapter_ids)
         return _selector(x)(
             logits, self.top_k, self.scoring, self.renormalize, self.e_score_correction_bias,

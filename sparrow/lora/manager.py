@@ -34,7 +34,7 @@ import torch
 from sparrow.errors import LoRAAdapterError
 from sparrow.lora.adapter import Adapter, load_adapter
 from sparrow.lora.request import LoRARequest
-from sparrow.lora.weights import ExpertLoRA, LoRABuffers
+from sparrow.layers.lora_buffers import ExpertLoRA, LoRABuffers
 
 log = logging.getLogger(__name__)
 

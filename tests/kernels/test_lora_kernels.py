@@ -18,7 +18,7 @@ from sparrow.kernels.lora import lora_delta_ref, lora_delta_triton, lora_expand_
 from sparrow.kernels.moe import fused_moe_triton
 from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config
 from sparrow.kernels.moe_ref import fused_moe_grouped_ref, fused_moe_per_pair_ref, gate_up_act
-from sparrow.lora.weights import ExpertLoRA, LoRABuffers
+from sparrow.layers.lora_buffers import ExpertLoRA, LoRABuffers
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}

@@ -87,7 +87,7 @@ def test_host_copies_in_the_buffer_dtype_fill_slots_as_fp32_factors_did(tmp_path
     slot written from them holds bit for bit what a copy of the fp32 factors (scaling folded in) into the bf16
     buffers gives: A, B, ranks and segment columns of every module."""
     from sparrow.lora.adapter import load_adapter
-    from sparrow.lora.weights import LoRABuffers
+    from sparrow.layers.lora_buffers import LoRABuffers
     from tests.lora._adapters import DENSE_TARGETS, EXPERT_PARAMS, ROUTER_PARAMS
 
     base = base_model("qwen2_moe", tmp_path / "base")

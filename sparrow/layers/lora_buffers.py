@@ -1,4 +1,5 @@
-"""The adapter slots' device buffers of one module, and the delta that module adds for rows of many adapters.
+"""The adapter slots' device buffers of one module, and the delta that module adds for rows of many adapters
+(multi-LoRA, ``sparrow.lora``: the manager fills these buffers; ``Linear``, ``Router`` and ``FusedMoE`` add the delta).
 
 Shapes: R = rows of the step, K = in features, N = out features, S = slots (``max_loras``), W = rank width
 (``max_lora_rank`` x the PEFT modules packed into the sparrow module: 3 for ``qkv_proj``, 2 for a dense
