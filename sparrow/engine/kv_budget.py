@@ -7,9 +7,9 @@ CUDA-graph padding rows write to); every figure here counts it.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
+from sparrow.config.values import parse_size  # noqa: F401  (re-exported: the CLI reads --kv-cache-memory with it)
 from sparrow.errors import InsufficientMemoryError, InvalidRequestError
 
 GIB = 1 << 30
@@ -17,32 +17,6 @@ GIB = 1 << 30
 GRAPH_FIXED_BYTES = 8 << 20
 """Memory a captured CUDA graph holds besides its logits (static activations of its batch, kernel workspaces):
 an estimate per graph, for the reserve taken off the KV budget."""
-
-_UNITS = {"": 1, "k": 1 << 10, "ki": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mi": 1 << 20, "mib": 1 << 20,
-          "g": 1 << 30, "gi": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "ti": 1 << 40, "tib": 1 << 40,
-          "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
-
-
-def parse_size(value: int | str, name: str = "kv_cache_memory") -> int:
-    """Bytes from an int or a string: '8GiB', '8G', '8Gi', '512MiB', '1.5GiB' (K / M / G / T with or without
-    'i' / 'iB': powers of 1024; 'kB' / 'MB' / 'GB' / 'TB': powers of 1000; any case), or plain digits.
-    Raises InvalidRequestError naming ``name`` and the value for anything else or a size below 1 byte."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise InvalidRequestError(f"{name}={value!r} must be a number of bytes (an int, or a string like '8GiB')")
-    if isinstance(value, int):
-        n = value
-    else:
-        m = _SIZE.fullmatch(value)
-        unit = _UNITS.get(m[2].lower()) if m else None
-        if unit is None:
-            raise InvalidRequestError(f"{name}={value!r} is not a size: give bytes, or a number with a unit "
-                                      "(K, M, G, T, KiB, MiB, GiB, TiB, kB, MB, GB, TB), e.g. '8GiB'")
-        n = int(float(m[1]) * unit)
-    if n < 1:
-        raise InvalidRequestError(f"{name}={value!r} must be at least 1 byte")
-    return n
-
 
 def graph_reserve_bytes(buckets: list[int], query_lens: tuple[int, ...], vocab_size: int) -> int:
     """Estimated device memory of the CUDA graphs of (bucket, q) for every bucket and q: each keeps its fp32

@@ -19,49 +19,16 @@ dtype: "sliding_window" (every sliding-window layer) and / or attention-layer in
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import torch
 
+from sparrow.config.values import KV_CACHE_DTYPES, check_kv_cache_dtype, parse_skip_layers  # noqa: F401  (re-exported)
 from sparrow.errors import InvalidRequestError
 from sparrow.kernels.paged_attention import FP8_KV_DTYPE, FP8_KV_MAX, write_kv
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-"""Accepted ``kv_cache_dtype`` values (vLLM's names): "auto" = the model dtype; "fp8" = "fp8_e4m3"."""
-SKIP_LAYER_KINDS = ("sliding_window",)
-"""Layer kinds ``kv_cache_dtype_skip_layers`` names besides layer indices."""
 SCALE_EPS = 1e-8
 """Smallest measured scale (an all-zero layer would otherwise get scale 0)."""
-
-
-def check_kv_cache_dtype(kv_cache_dtype) -> str:
-    """``kv_cache_dtype`` if it is one of KV_CACHE_DTYPES; raises InvalidRequestError naming it otherwise."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise InvalidRequestError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported (supported: "
-                                  f"{', '.join(KV_CACHE_DTYPES)})")
-    return kv_cache_dtype
-
-
-def parse_skip_layers(skip) -> tuple:
-    """``kv_cache_dtype_skip_layers`` as a tuple of "sliding_window" and non-negative ints: from an iterable of
-    those (digit strings taken as ints) or one comma-separated string ("sliding_window,0,3"). Raises
-    InvalidRequestError naming a bad entry."""
-    if skip is None:
-        return ()
-    if isinstance(skip, str):
-        skip = [s.strip() for s in skip.split(",") if s.strip()]
-    if not isinstance(skip, Iterable):
-        raise InvalidRequestError(f"kv_cache_dtype_skip_layers={skip!r} must be a list of layer indices and / or "
-                                  f"{', '.join(map(repr, SKIP_LAYER_KINDS))}")
-    out = []
-    for s in skip:
-        if isinstance(s, str) and s.strip().isdigit():
-            s = int(s)
-        if isinstance(s, bool) or not (s in SKIP_LAYER_KINDS or (isinstance(s, int) and s >= 0)):
-            raise InvalidRequestError(f"kv_cache_dtype_skip_layers entry {s!r} is neither a layer index (int >= 0) "
-                                      f"nor one of {', '.join(map(repr, SKIP_LAYER_KINDS))}")
-        out.append(s)
-    return tuple(dict.fromkeys(out))
 
 
 def layer_kv_dtype(model_dtype: torch.dtype, kv_cache_dtype: str, index: int, sliding_window: int | None,

@@ -1,5 +1,5 @@
-"""GGUF checkpoints: metadata mapped to an HF config dict, and tensors renamed and reshaped to HF conventions,
-in one place.
+"""GGUF checkpoints: tensors renamed and reshaped to HF conventions, in one place (the metadata's mapping onto
+HF config fields is ``sparrow.config.gguf.hf_config_from_gguf``).
 
 Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md, read with the ``gguf`` package
 (memory-mapped). GGUF conventions that differ from HF, undone here:
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from sparrow.cache import cache_dir, file_key
-from sparrow.errors import ModelLoadError, UnsupportedArchitectureError
+from sparrow.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -43,125 +43,6 @@ _LAYER_NAMES = {
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-
-
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "mistral": "MistralForCausalLM",
-}
-"""GGUF ``general.architecture`` -> the HF architecture name sparrow builds for it."""
-
-GEMMA3_27B_BLOCKS = 62
-"""Block count of Gemma 3 27B, the one Gemma 3 size whose query_pre_attn_scalar is not its head_dim."""
-
-
-def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: set[str] | None = None) -> dict[str, Any]:
-    """An HF ``config.json``-style dict for GGUF ``metadata`` ({key: python value}, as ``GGUFCheckpoint``
-    reads it), for ``ModelConfig.from_hf``.
-
-    Read from the metadata (``{arch}.`` keys, gguf.md's names): embedding_length, block_count,
-    attention.head_count, attention.head_count_kv (default: head_count), attention.key_length (default:
-    embedding_length / head_count, llama.cpp's n_embd_head_k), feed_forward_length,
-    attention.layer_norm_rms_epsilon (default 1e-6), context_length (default 4096), rope.freq_base
-    (default 10000), vocab_size (default: the tokenizer's token count), tokenizer.ggml.bos/eos_token_id.
-
-    Fields the metadata does not carry, one rule each (llama.cpp's ``llama_model::load_hparams`` is the
-    reference loader):
-    - tie_word_embeddings: the file has no ``output.weight`` (llama.cpp then reuses ``token_embd``); left to
-      from_hf's default when ``tensor_names`` is None.
-    - hidden_act: gelu_pytorch_tanh for gemma3 (GeGLU), silu for the others.
-    - attention_bias (q/k/v biases): qwen2 only; a bias tensor in another architecture's file is then an
-      unused tensor, which the weight loader refuses.
-    - attention scale: gemma3's query_pre_attn_scalar is hidden_size / num_attention_heads for the 27B
-      (62 blocks: 5376 / 32 = 168, head_dim 128) and head_dim for every other size (270M, 1B, 4B, 12B:
-      256), as llama.cpp keys it on the 27B and gemma_pytorch's configs set it; the others use head_dim ** -0.5.
-    - gemma3 sliding attention: every 6th layer is full attention (sliding_window_pattern 6) and sliding
-      layers use rope theta 10000 without scaling (rope_local_base_freq); the window itself is
-      attention.sliding_window, required (512 for 270M / 1B, 1024 for 4B and up: no default fits all).
-    - mistral: attention.sliding_window, when present, applies to every layer (HF's Mistral); absent, full
-      attention. The other architectures ignore the key (HF's Llama / Qwen2 / Qwen3 default to full attention).
-    - rope scaling: rope.scaling.type 'linear' (with rope.scaling.factor) maps to HF's linear rope_scaling;
-      absent or 'none' is unscaled; another type (yarn, ...) is refused. Llama 3's frequency bands are not
-      metadata but the ``rope_freqs.weight`` tensor, which the model loader applies.
-    - rotary dims: rope.dimension_count, when present, must equal head_dim (partial rotary is refused).
-    - value head dim: attention.value_length, when present, must equal head_dim.
-
-    Raises UnsupportedArchitectureError for an architecture outside GGUF_ARCHITECTURES, ModelLoadError for
-    missing shape keys, a numeric key that is not a positive number, or refused values (each named)."""
-    arch = metadata.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise UnsupportedArchitectureError(
-            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}")
-
-    def m(key: str, default: Any = None) -> Any:
-        return metadata.get(f"{arch}.{key}", default)
-
-    def num(key: str, default: Any = None, kind: type = int) -> Any:
-        """``{arch}.key`` as ``kind``; ModelLoadError naming the key for a value that is not a number >= 1
-        (a float key: > 0)."""
-        v = m(key, default)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)) \
-                or (v < 1 if kind is int else not v > 0):
-            raise ModelLoadError(f"GGUF metadata has {arch}.{key}={v!r}; it must be a "
-                                 f"{'positive integer' if kind is int else 'positive number'}")
-        return kind(v)
-
-    if any(m(k) is None for k in ("embedding_length", "attention.head_count", "block_count")):
-        raise ModelLoadError(f"GGUF metadata lacks the {arch} shape keys (embedding_length, attention.head_count, "
-                             "block_count)")
-    hidden, n_heads, n_layers = num("embedding_length"), num("attention.head_count"), num("block_count")
-    vocab = ((num("vocab_size") if m("vocab_size") is not None else None)
-             or metadata.get("tokenizer.ggml.tokens.length")
-             or len(metadata.get("tokenizer.ggml.tokens", [])) or None)
-    if vocab is None:
-        raise ModelLoadError("GGUF metadata gives no vocab size (no vocab_size, no tokenizer.ggml.tokens)")
-    head_dim = num("attention.key_length", hidden // n_heads)
-    for key in ("attention.value_length", "rope.dimension_count"):
-        if m(key) is not None and num(key) != head_dim:
-            raise ModelLoadError(f"GGUF metadata has {arch}.{key}={m(key)} for head_dim {head_dim}; sparrow "
-                                 "needs them equal")
-    cfg: dict[str, Any] = {
-        "architectures": [GGUF_ARCHITECTURES[arch]],
-        "model_type": {"gemma3": "gemma3_text"}.get(arch, arch),
-        "hidden_size": hidden,
-        "intermediate_size": num("feed_forward_length", 1) if m("feed_forward_length") else 0,
-        "num_hidden_layers": n_layers,
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": num("attention.head_count_kv", n_heads),
-        "head_dim": head_dim,
-        "rms_norm_eps": num("attention.layer_norm_rms_epsilon", 1e-6, float),
-        "max_position_embeddings": num("context_length", 4096),
-        "vocab_size": int(vocab),
-        "rope_theta": num("rope.freq_base", 10000.0, float),
-        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
-        "hidden_act": "gelu_pytorch_tanh" if arch == "gemma3" else "silu",
-        "attention_bias": arch == "qwen2",
-    }
-    if tensor_names is not None:
-        cfg["tie_word_embeddings"] = "output.weight" not in tensor_names
-    if arch == "gemma3":
-        if m("attention.sliding_window") is None:
-            raise ModelLoadError("GGUF metadata lacks gemma3.attention.sliding_window (Gemma 3's window differs "
-                                 "by size)")
-        cfg.update(
-            query_pre_attn_scalar=hidden // n_heads if n_layers == GEMMA3_27B_BLOCKS else head_dim,
-            sliding_window=num("attention.sliding_window"),
-            sliding_window_pattern=6,
-            rope_local_base_freq=10000.0,
-        )
-    elif arch == "mistral" and m("attention.sliding_window") is not None:
-        cfg["sliding_window"] = num("attention.sliding_window")
-    scaling = m("rope.scaling.type")
-    if scaling == "linear":
-        cfg["rope_scaling"] = {"rope_type": "linear", "factor": num("rope.scaling.factor", 1.0, float)}
-    elif scaling not in (None, "none"):
-        raise ModelLoadError(f"GGUF metadata has {arch}.rope.scaling.type={scaling!r}; sparrow supports 'linear' "
-                             "and 'none'")
-    return cfg
 
 
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}

@@ -1,57 +1,21 @@
-"""HF architecture name -> sparrow model class (style.md 4)."""
+"""HF architecture name -> sparrow model class (style.md 4). The name table is
+``sparrow.config.architectures.ARCHITECTURES`` (``ModelConfig.from_hf`` resolves names against it); this module
+imports the class a name maps to."""
 from __future__ import annotations
 
 import importlib
 
+from sparrow.config.architectures import ARCHITECTURES, register, resolve_architecture, supported_architectures
 from sparrow.errors import UnsupportedArchitectureError
 
-# architecture -> (module, class)
-_MODELS: dict[str, tuple[str, str]] = {
-    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
-    "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
-    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
-    "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForCausalLM"),
-    "Gemma4ForCausalLM": ("gemma4", "Gemma4ForCausalLM"),
-    "Gemma4ForConditionalGeneration": ("gemma4", "Gemma4ForCausalLM"),
-    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
-    "Qwen2MoeForCausalLM": ("qwen3_moe", "Qwen2MoeForCausalLM"),
-    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
-    "MiniMaxM2ForCausalLM": ("minimax_m2", "MiniMaxM2ForCausalLM"),
-}
-
-
-def supported_architectures() -> list[str]:
-    """Every HF architecture name sparrow can run."""
-    return sorted(_MODELS)
-
-
-def register(architecture: str, module: str, cls: str) -> None:
-    """Add an architecture (module is relative to sparrow.models)."""
-    _MODELS[architecture] = (module, cls)
-
-
-def resolve_architecture(cfg: dict) -> str:
-    """The first supported name in cfg['architectures']; UnsupportedArchitectureError naming it otherwise."""
-    archs = cfg.get("architectures") or []
-    if isinstance(archs, str) or not all(isinstance(a, str) for a in archs):
-        raise UnsupportedArchitectureError(f"config has architectures={archs!r}; it must be a list of names, e.g. "
-                                           f"[\"LlamaForCausalLM\"]")
-    for a in archs:
-        if a in _MODELS:
-            return a
-    name = ", ".join(archs) if archs else f"model_type={cfg.get('model_type')!r} (no 'architectures' field)"
-    raise UnsupportedArchitectureError(
-        f"unsupported architecture {name}; supported: {', '.join(supported_architectures())}"
-    )
+__all__ = ["get_model_class", "register", "resolve_architecture", "supported_architectures"]
 
 
 def get_model_class(architecture: str):
     """The nn.Module class for an HF architecture name."""
-    if architecture not in _MODELS:
+    if architecture not in ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"unsupported architecture {architecture}; supported: {', '.join(supported_architectures())}"
         )
-    module, cls = _MODELS[architecture]
+    module, cls = ARCHITECTURES[architecture]
     return getattr(importlib.import_module(f"sparrow.models.{module}"), cls)

@@ -1,4 +1,4 @@
-"""GGUF metadata -> ModelConfig (``sparrow.loader.gguf.hf_config_from_gguf``) against HF's config.json values.
+"""GGUF metadata -> ModelConfig (``sparrow.config.gguf.hf_config_from_gguf``) against HF's config.json values.
 
 The oracle: each model's published HF config values, written out below, normalized by ``ModelConfig.from_hf``.
 The metadata side is what llama.cpp's convert_hf_to_gguf.py writes for that config (gguf.md key names):
@@ -11,7 +11,7 @@ import pytest
 
 from sparrow.config import ModelConfig
 from sparrow.errors import ModelLoadError, UnsupportedArchitectureError
-from sparrow.loader.gguf import hf_config_from_gguf
+from sparrow.config.gguf import hf_config_from_gguf
 
 # HF config.json (text_config) values. The Gemma 3 4B / 12B files leave head_dim and query_pre_attn_scalar
 # at Gemma3TextConfig's default, 256; the 27B sets head_dim 128 and query_pre_attn_scalar 168 (5376 / 32).

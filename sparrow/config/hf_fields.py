@@ -1,6 +1,6 @@
-"""Readers of architecture-specific HF ``config.json`` fields for ``ModelConfig.from_hf``: Gemma 4's per-layer
-shapes and the Gemma 4 features sparrow refuses, and the MoE fields of every routed family (plain values, so
-this module needs nothing from sparrow.config)."""
+"""Readers of architecture-specific HF ``config.json`` fields for ``ModelConfig.from_hf``: the type and range
+check of every field it reads, Gemma 4's per-layer shapes and the Gemma 4 features sparrow refuses, and the MoE
+fields of every routed family (plain values, so this module needs nothing from ``config.model``)."""
 from __future__ import annotations
 
 from sparrow.errors import ModelLoadError
