@@ -7,7 +7,7 @@ import os
 
 
 def field_docs(cls) -> dict[str, str]:
-    """{field: its one-line docstring} of a dataclass, read from its source (style.md 3: CLI help comes from
+    """{field: its one-line docstring} of a dataclass, read from its source (the CLI help comes from
     the fields' docstrings); {} when the source is not available."""
     import ast
     import inspect

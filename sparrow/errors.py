@@ -1,4 +1,4 @@
-"""Exceptions raised to users. Every message names the thing that is wrong (style.md 13)."""
+"""Exceptions raised to users. Every message names the thing that is wrong."""
 
 
 class SparrowError(Exception):

@@ -62,7 +62,7 @@ def _qwen3_moe(hidden, layers, heads, kv, head_dim, vocab, dense, experts, top_k
 
 
 SHAPES: dict[str, dict] = {
-    # design.md §2: the flagship
+    # the flagship
     "gemma4-26b-a4b": _gemma4(hidden=2816, layers=30, heads=16, kv=8, head_dim=256, global_kv=2, global_head_dim=512,
                               window=1024, vocab=262_144, dense=2112, experts=128, top_k=8, expert_width=704),
     "qwen3-30b-a3b": _qwen3_moe(hidden=2048, layers=48, heads=32, kv=4, head_dim=128, vocab=151_936, dense=6144,

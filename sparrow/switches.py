@@ -1,4 +1,4 @@
-"""Runtime switches: every environment variable sparrow reads, with its type, default and meaning (style.md 16).
+"""Runtime switches: every environment variable sparrow reads, with its type, default and meaning.
 
 Each is read once, when this module is first imported; the code reads ``sparrow.switches.NAME`` where it
 decides, so a test sets one with ``monkeypatch.setattr(sparrow.switches, "NAME", value)``. ``SWITCHES`` lists

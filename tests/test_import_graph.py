@@ -1,4 +1,5 @@
-"""The module import graph of sparrow/ has no cycle (house rule; design §6: kernels/ never imports layers/).
+"""The module import graph of sparrow/ has no cycle (``docs/architecture.md``, "Packages and layers": kernels/ never
+imports layers/).
 
 The graph is read from the source with ``ast``, not by importing: every ``import`` / ``from ... import`` in a
 module counts, at module level or inside a function (a function-level import is still a dependency, only a

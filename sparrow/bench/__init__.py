@@ -1,5 +1,5 @@
 """``sparrow bench``: prefill and decode speed of sparrow and of HF transformers on the same weights, in one
-run, against the memory-bandwidth bound (design.md §5).
+run, against the memory-bandwidth bound.
 
 For each (batch B, prompt length P) one greedy run of N new tokens per sequence is timed per step (sparrow:
 engine steps; transformers: a streamer in ``generate``). TTFT = time until every sequence has its first

@@ -1,4 +1,4 @@
-"""Frozen configuration dataclasses, normalized once (style.md 3).
+"""Frozen configuration dataclasses, normalized once.
 
 - ``model``: ``ModelConfig`` / ``LayerSpec``, from HF config.json (``from_hf``) or GGUF metadata (``from_gguf``);
   ``hf_fields``, ``gguf`` and ``architectures`` are its readers and the table of supported architectures;

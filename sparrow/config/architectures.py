@@ -1,5 +1,5 @@
-"""The HF architecture names sparrow runs: each maps to the ``sparrow.models`` module and class that builds it
-(style.md 4). ``ModelConfig.from_hf`` resolves a config's ``architectures`` against this table; the model
+"""The HF architecture names sparrow runs: each maps to the ``sparrow.models`` module and class that builds it.
+``ModelConfig.from_hf`` resolves a config's ``architectures`` against this table; the model
 registry (``sparrow.models.registry.get_model_class``) imports the class it names. The table is data, kept in
 the config package so that normalizing a config needs no model code."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``ModelConfig``: a decoder model's shape and numerics, normalized once (style.md 3).
+"""``ModelConfig``: a decoder model's shape and numerics, normalized once.
 
 ``ModelConfig.from_hf`` turns an HF ``config.json`` dict (any supported architecture, transformers 4 or 5
 field names) into explicit fields (its field checks and family readers: ``config.hf_fields``); ``from_gguf``

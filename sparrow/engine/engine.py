@@ -1,4 +1,5 @@
-"""The engine facade: add_request / step / has_unfinished_requests / abort (style.md 2).
+"""The engine facade: add_request / step / has_unfinished_requests / abort
+(``docs/architecture.md``, "The step pipeline").
 
 Each step runs one StepPlan: the scheduler plans it (rows, sampled rows, blocks), the engine puts its LoRA adapters
 into device slots (a request whose adapter can no longer be read ends with its error), the model runner runs it

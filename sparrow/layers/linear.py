@@ -1,10 +1,11 @@
-"""Linear layers whose weight format is a quantization method object (style.md 6).
+"""Linear layers whose weight format is a quantization method object
+(``docs/architecture.md``, "The quant-method contract").
 
 Shapes: R = rows, K = in_features, N = out_features. Weights are stored [N, K] as in nn.Linear / HF.
 A packed linear (``qkv_proj``, ``gate_up_proj``) concatenates several checkpoint tensors along N; the
 loader fills each shard through ``weight_loader(param, tensor, shard_id, name)``.
 
-Choosing the weight format (design.md 4): model code builds every Linear without naming a format; a Linear
+Choosing the weight format: model code builds every Linear without naming a format; a Linear
 built inside ``sparrow.quant.quant_config_scope(cfg)`` takes ``cfg.get_linear_method(None)`` and
 ``sparrow.quant.bind_quant_config`` later gives it the method for its name (see ``sparrow.quant.base``).
 Routers (``nn.Linear``), norms, embeddings and the LM head are not ``Linear`` and stay in the model dtype.

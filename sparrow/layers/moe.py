@@ -1,4 +1,4 @@
-"""The MoE layer: routed experts stored stacked, a shared expert, and their composition (design §3).
+"""The MoE layer: routed experts stored stacked, a shared expert, and their composition.
 
 Shapes: R = rows, H = hidden, E = experts, K = top-k (experts per row), I = expert width,
 P = R * K (row, expert) pairs.
@@ -11,9 +11,10 @@ On the GPU the experts run ``sparrow.kernels.moe.fused_moe`` (Triton); on CPU it
 ``sparrow.kernels.moe_ref``: the grouped path (P > ``pair_threshold``, prefill) or the per-pair path
 (P <= threshold, decode / speculative verify), matmuls in x's dtype, fp32 weighted reduce.
 
-Weight formats: the layer's ``quant_method`` (style.md 6) creates the expert parameters, finishes them after
-loading and computes the layer; ``sparrow.quant.unquantized.UnquantizedFusedMoEMethod`` holds them in the model dtype and runs
-the Triton kernels or the torch paths above; quantized formats live in ``sparrow.quant`` (FP8:
+Weight formats: the layer's ``quant_method`` (``docs/architecture.md``, "The quant-method contract") creates the
+expert parameters, finishes them after loading and computes the layer;
+``sparrow.quant.unquantized.UnquantizedFusedMoEMethod`` holds them in the model dtype and runs the Triton kernels or
+the torch paths above; quantized formats live in ``sparrow.quant`` (FP8:
 ``sparrow.quant.fp8_moe``). A FusedMoE built inside ``sparrow.quant.quant_config_scope`` takes the config's
 method, as a ``Linear`` does.
 """

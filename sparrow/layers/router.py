@@ -1,4 +1,4 @@
-"""MoE routers: the router modules of every scoring function of design §3 (the router stays unquantized).
+"""MoE routers: the router modules of every scoring function (the router stays unquantized).
 
 Shapes: R = rows, H = hidden, E = experts, K = top-k (experts per row), G = expert groups, V = vocab.
 

@@ -1,6 +1,6 @@
 """Build a model from a path: a ``.gguf`` file or an HF folder (config.json + safetensors).
 
-Quantization (design.md 4): the weight format comes from the registry (``sparrow.quant.registry``): an HF
+Quantization: the weight format comes from the registry (``sparrow.quant.registry``): an HF
 folder whose config.json has ``quantization_config`` (or that keeps it in ModelOpt's hf_quant_config.json,
 AutoGPTQ's quantize_config.json or AutoAWQ's quant_config.json) loads in the format its ``quant_method`` names;
 ``quantization=<name>`` quantizes a float checkpoint while it loads. Either way the model is built inside

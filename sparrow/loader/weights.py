@@ -4,7 +4,7 @@ The model maps each checkpoint name to (parameter name, shard id) with ``resolve
 projections, stacked experts); the parameter's ``weight_loader(param, tensor, shard_id, name)`` copies it.
 Loading fails loudly, naming the tensor, on unused checkpoint tensors (a quantized format's scale named as
 such, ``describe``), misshaped tensors, a packed (float8 / integer)
-tensor for a float parameter, and parameters left unfilled (style.md 5); a format's own loaders check its
+tensor for a float parameter, and parameters left unfilled; a format's own loaders check its
 tensors (FP8: finite scales, no NaN bytes). A whole-tensor
 load (shard id None) completes a parameter whatever its shards (e.g. transformers 5's fused 3-D
 ``experts.gate_up_proj`` fills the stacked experts in one go).

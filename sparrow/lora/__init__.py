@@ -1,4 +1,4 @@
-"""Multi-LoRA (design §11): PEFT adapters applied per row of a batch that mixes adapters and the base model.
+"""Multi-LoRA: PEFT adapters applied per row of a batch that mixes adapters and the base model.
 
 - ``request``: LoRARequest (vLLM's name), the adapter a request runs with;
 - ``adapter``: reading and validating a PEFT folder, its tensors mapped onto sparrow's modules;

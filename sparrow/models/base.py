@@ -1,8 +1,9 @@
 """The causal-LM skeleton every architecture shares: embedding -> decoder layers -> final norm -> LM head.
 
 A model file supplies its decoder layer class; this module holds the rest and the weight-name table
-(style.md 5): checkpoint names stay HF's, packed projections are declared in ``packed_modules``, per-expert
-tensors (``experts.N.gate_proj.<suffix>`` / Mixtral's ``w1``/``w3``/``w2``) map onto the stacked
+(``docs/architecture.md``, "Adding a model family"): checkpoint names stay HF's, packed projections are
+declared in ``packed_modules``, per-expert tensors (``experts.N.gate_proj.<suffix>`` / Mixtral's
+``w1``/``w3``/``w2``) map onto the stacked
 ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I] by ``EXPERT_TENSORS`` (a fused 3-D
 checkpoint tensor of the same name loads whole), and ``renames`` maps older module names. Which suffixes an
 expert layer takes (``weight``, a format's scales) and the parameters they fill come from the layer's weight

@@ -1,5 +1,5 @@
 """Gemma 4 text decoder (reference: transformers' Gemma4ForCausalLM / the text part of
-Gemma4ForConditionalGeneration), the MoE layout of 26B-A4B (design §2).
+Gemma4ForConditionalGeneration), the MoE layout of 26B-A4B.
 
 Per layer (x the residual stream [R, H]):
     h   = x + post_attention_layernorm(attn(input_layernorm(x)))
@@ -8,7 +8,7 @@ Per layer (x the residual stream [R, H]):
     out = (h + post_feedforward_layernorm(d + m)) * layer_scalar
 (without ``enable_moe_block``: out = (h + post_feedforward_layernorm(mlp(...))) * layer_scalar).
 Each chain of norms between two matmuls is one kernel (Gemma4DecoderLayer.forward).
-Decode overlap (design §2): while a CUDA graph is being captured, the dense branch d runs on a second CUDA
+Decode overlap: while a CUDA graph is being captured, the dense branch d runs on a second CUDA
 stream, concurrent with router + experts on the capturing stream, and joins before the sum; the graph
 keeps the fork/join, so every replay overlaps them. Eager steps (prefill) run the branches in order.
 ``SPARROW_DUAL_STREAM=0`` (``sparrow.switches.DUAL_STREAM``) turns the overlap off (read when the LLM captures

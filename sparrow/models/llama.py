@@ -1,7 +1,7 @@
 """Llama-family decoders: Llama 2/3, SmolLM, Mistral (dense), Qwen2 (qkv bias), Qwen3 (q/k norm), and the
 pre-norm MoE families built on the same layer (qwen3_moe.py, mixtral.py, minimax_m2.py): the feed-forward
 block is a routed MoE on MoE layers (``make_mlp``). The differences are config flags read by the shared
-blocks (style.md 14)."""
+blocks."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""HF architecture name -> sparrow model class (style.md 4). The name table is
+"""HF architecture name -> sparrow model class. The name table is
 ``sparrow.config.architectures.ARCHITECTURES`` (``ModelConfig.from_hf`` resolves names against it); this module
 imports the class a name maps to."""
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Weight formats (design.md 4): one module per format with its pack / unpack / dequantize torch reference and
-its method objects, registered by name (``registry``); ``base`` says what a format gives."""
+"""Weight formats (``docs/architecture.md``, "Adding a format"): one module per format with its pack / unpack /
+dequantize torch reference and its method objects, registered by name (``registry``); ``base`` says what a format
+gives."""
 from sparrow.quant.base import FusedMoEMethodBase, LinearMethodBase, QuantizationConfig
 from sparrow.quant.scope import bind_quant_config, current_quant_config, quant_config_scope
 from sparrow.quant.unquantized import UNQUANTIZED, UnquantizedConfig

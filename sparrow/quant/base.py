@@ -1,9 +1,9 @@
-"""What a weight format is (design.md 4, style.md 6 / 18): a ``QuantizationConfig`` (one per model) that gives
-a method object for each dense ``Linear``, each routed-expert layer (``FusedMoE``) and the LM head. A method
-owns its layer's weight parameters: ``create_weights`` allocates them (with their checkpoint loaders),
-``process_weights_after_loading`` finishes them once every tensor is in (on-load quantization, kernel
-layouts), ``apply`` computes the layer. Model code calls the layer; the layer calls its method; nothing
-outside ``sparrow.quant`` names a format. The unquantized path is a method object too (``UnquantizedConfig``).
+"""What a weight format is (``docs/architecture.md``, "The quant-method contract"): a ``QuantizationConfig`` (one
+per model) that gives a method object for each dense ``Linear``, each routed-expert layer (``FusedMoE``) and the LM
+head. A method owns its layer's weight parameters: ``create_weights`` allocates them (with their checkpoint
+loaders), ``process_weights_after_loading`` finishes them once every tensor is in (on-load quantization, kernel
+layouts), ``apply`` computes the layer. Model code calls the layer; the layer calls its method; nothing outside
+``sparrow.quant`` names a format. The unquantized path is a method object too (``UnquantizedConfig``).
 
 Choosing the methods: the loader builds the model inside ``with quant_config_scope(cfg):``; each Linear /
 FusedMoE created there takes ``cfg.get_method(kind, None)``. A layer does not know its own name while it is

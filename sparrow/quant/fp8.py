@@ -1,4 +1,4 @@
-"""FP8 W8A8 (design.md 4): e4m3 weights with fp32 scales, activations quantized per 128-column row group.
+"""FP8 W8A8: e4m3 weights with fp32 scales, activations quantized per 128-column row group.
 
 Shapes: R = rows, N = out features, K = in features, NB = ceil(N / 128), KB = ceil(K / 128).
 
@@ -14,7 +14,7 @@ even e4m3. Round trip: |w - dequant(q)| <= 2^-4 * |w| for |w| >= 2^-6 * scale (3
 gives ``Fp8LinearMethod`` to each quantized Linear (``UnquantizedLinearMethod`` to routers and ignored
 layers), ``sparrow.quant.fp8_moe.Fp8MoEMethod`` to the routed experts and, for ``quantize_lm_head``, an LM
 head computed by an on-load ``Fp8LinearMethod`` copy of the LM weight. ``Fp8LinearMethod`` is the method
-object on a Linear (style.md 6):
+object on a Linear:
 - checkpoint mode (FP8 checkpoint): parameters ``weight`` e4m3 [N, K] and ``weight_scale_inv`` fp32
   [NB, KB], each loaded shard by shard for packed layers; a shard must start on a 128-row boundary
   (else its scale rows would mix two checkpoint tensors) or loading raises ModelLoadError;

@@ -1,5 +1,5 @@
 """FP8 routed experts (``FusedMoE``): e4m3 stacked weights with fp32 128 x 128 block scales, the method object of
-``sparrow.quant.fp8.Fp8Config`` for the experts (style.md 6).
+``sparrow.quant.fp8.Fp8Config`` for the experts.
 
 Shapes: E = experts, H = hidden, I = expert width, R = rows, K = top-k.
 

@@ -1,4 +1,4 @@
-"""int4 W4A16 (design.md 4): 4-bit integer weights, one scale (and optionally a zero point) per group of 32 / 64
+"""int4 W4A16: 4-bit integer weights, one scale (and optionally a zero point) per group of 32 / 64
 / 128 input columns, activations unquantized.
 
 Shapes: R = rows, N = out features, K = in features, G = ceil(K / group).

@@ -1,4 +1,4 @@
-"""NVFP4 weights (design.md 4): e2m1 values packed two per byte, an e4m3 scale per 16 elements of a row, an fp32
+"""NVFP4 weights: e2m1 values packed two per byte, an e4m3 scale per 16 elements of a row, an fp32
 global scale per checkpoint tensor (the formulas: ``sparrow.kernels.nvfp4``). Activations stay in the model
 dtype (W4A16); checkpoints' static activation scales (``input_scale`` / ``input_global_scale``, for the FP4
 activations of Blackwell's W4A4) are loaded and not used.

@@ -1,4 +1,4 @@
-"""NVFP4 routed experts (``FusedMoE``), the expert method of ``sparrow.quant.nvfp4.Nvfp4Config`` (style.md 6).
+"""NVFP4 routed experts (``FusedMoE``), the expert method of ``sparrow.quant.nvfp4.Nvfp4Config``.
 
 Shapes: E = experts, H = hidden, I = expert width (H and I multiples of 16), R = rows, K = top-k.
 

@@ -22,7 +22,7 @@ from sparrow.kernels.router import (
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROWS = [1, 2, 3, 16, 17, 64, 65]
 
-# name -> (kwargs of select_experts beyond top_k, needs bias): one per family of design §3
+# name -> (kwargs of select_experts beyond top_k, needs bias): one per routing family
 FAMILIES = {
     "mixtral": dict(scoring="softmax", renormalize=True),
     "qwen_no_norm": dict(scoring="softmax", renormalize=False),
