@@ -62,14 +62,14 @@ def _float(name: str, default: float, doc: str, minimum: float = 0.0) -> float:
 OVERLAP: bool = _bool(
     "SPARROW_OVERLAP", True,
     "queue the next greedy decode step before reading this one's tokens (the scheduler's queue_next plans)")
-"""H200, gemma4-26b-a4b FP8: 382.5 / 6,409.9 tok/s at batch 1 / 64 with it, 337.2 / 5,839.1 without
-(benchmarks/README.md)."""
+"""The GPU runs step k + 1 while the host applies step k; off, every plan runs one at a time (its A/B:
+benchmarks/README.md, "Switches")."""
 
 PDL: bool = _bool(
     "SPARROW_PDL", True,
     "launch the decode-path Triton kernels with programmatic dependent launch on Hopper (sparrow.kernels.use_pdl)")
-"""H200, gemma4-26b-a4b bf16 decode with CUDA graphs: 309.4 / 1,032.8 tok/s at batch 1 / 8 with it,
-294.7 / 961.4 without (benchmarks/README.md)."""
+"""A kernel is launched while the one before still runs and waits in the kernel for its inputs, so launch latency
+and loads that do not depend on them overlap the previous kernel (its A/B: benchmarks/README.md, "Switches")."""
 
 DUAL_STREAM: bool = _bool(
     "SPARROW_DUAL_STREAM", True,

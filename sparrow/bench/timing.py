@@ -209,7 +209,7 @@ def measure(runner, s: Settings, batch: int, prompt_len: int, vocab: int, fp: Fo
     sparrow's warm-up generates as many tokens as a timed run, so the timed runs meet no step composition the
     warm-up did not: with 2 warm-up tokens, 8 x 2048 prompts at an 8192-token step budget finished their
     prefill in a 7-row step (the MoE's small path) where the timed run's step had 11 rows (grouped path, a
-    kernel variant not yet compiled), and the first timed TTFT was 1.2 s longer than the second on the H200.
+    kernel variant not yet compiled), so the first timed TTFT included that compile.
     transformers (no shape-specialized kernels) warms up with 2 tokens."""
     n = s.decode_tokens
     runner.run(random_prompts(batch, prompt_len, vocab, gen), n if isinstance(runner, SparrowRunner) else 2)

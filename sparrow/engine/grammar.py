@@ -187,8 +187,8 @@ def apply_bitmask(logits: torch.Tensor, rows: list[tuple[int, SequenceGrammar]])
     ``constrained_rows``, each matcher's state the sequence's tokens so far. The bitmask [R', W] int32 is filled
     on the host for the listed rows (``GrammarMatcher.fill_next_token_bitmask``), copied once to the logits'
     device and applied by ``xgrammar.apply_token_bitmask_inplace`` to those rows (forbidden tokens -> -inf); the
-    other rows are untouched. Rows are filled one after the other: 32 rows of SmolLM2's 49,152 tokens take 0.36 ms
-    on the 2-core CPU, xgrammar's BatchGrammarMatcher with 2 threads 1.4 ms."""
+    other rows are untouched. Rows are filled one after the other, which on a small CPU is faster than xgrammar's
+    threaded BatchGrammarMatcher."""
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])  # [R', W], all allowed

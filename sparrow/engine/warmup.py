@@ -4,15 +4,15 @@ Triton compiles a kernel variant the first time it runs: per tile config (chosen
 the FP8 GEMM's and the MoE grouped path's) and per specialization of its integer arguments (a row count of 1, a
 multiple of 16, or neither). Decode steps of every batch bucket are compiled when their CUDA graphs are captured;
 prefill steps and steps mixing prefill chunks with decode rows are not, and their row counts depend on how
-requests happen to arrive. Measured on the H200 (gemma4-26b-a4b FP8, ``benchmarks/serve.py`` at 64 streams): six
-steps of 0.9 to 7 s each, one per new composition, during the first minutes of load.
+requests happen to arrive. Without a warm-up a loaded server stalls for seconds on each new composition during its
+first minutes of load.
 
 ``warm_up`` runs prefill steps of a ladder of token counts (powers of two up to the step's token budget, each
 also one more: the two specializations) alone and then beside a ladder of decoding sequences (1, 2, 3, 4, 5, 8,
 9, ... up to max_num_seqs - 1), with random token ids, and frees everything. A step larger than the longest
-prompt max_model_len allows is made of several prompts, as a loaded server's steps are (the H200 run at
-max_model_len 193 warmed only steps of up to 191 tokens, and its 2,048-token steps of 16 prompts stalled 0.7 to
-3.8 s each). Kernels whose integer arguments vary with the step (row, pair and sequence counts) are marked
+prompt max_model_len allows is made of several prompts, as a loaded server's steps are (with a short
+max_model_len, single-prompt steps would leave the loaded server's large steps of many prompts uncompiled).
+Kernels whose integer arguments vary with the step (row, pair and sequence counts) are marked
 ``do_not_specialize``, so what is left to compile is one variant per tile config. Compiled kernels are cached on
 disk by Triton, so a restarted server warms up in seconds.
 """

@@ -61,11 +61,10 @@ from sparrow.kernels.fp8 import (
 SCALED_MM_MIN_ROWS = 65
 """Rows from which FP8 linears run cuBLAS's block-scaled GEMM where it is available (see the module doc) ..."""
 SCALED_MM_MIN_ROWS_WIDE = 17
-"""... and from which weights of at least SCALED_MM_WIDE elements do. H200, us a call at 17 / 32 / 64 rows
-(``kernels_micro.py fp8_linears``), cuBLAS (its quantizer included) against the W8A16 GEMV: 2816 x 8192
-14.1 / 14.1 / 13.2 against 15.8 / 15.6 / 28.9; 4096 x 2816 16.6 / 16.7 / 16.8 against 12.3 / 12.3 / 13.4;
-2816 x 4224 13.4 / 13.2 / 13.5 against 10.7 / 12.2 / 13.1. From 128 rows cuBLAS beats the Triton fp8_gemm
-5-8x (16,384 x 2816 x 8192: 714 against 5,923 us)."""
+"""... and from which weights of at least SCALED_MM_WIDE elements do: from 17 rows cuBLAS (its quantizer
+included) is faster than the W8A16 GEMV on a wide weight (gemma4's 2816 x 8192) and slower on the narrower ones up
+to 64 rows; from 128 rows it beats the Triton fp8_gemm on every shape (``kernels_micro.py fp8_linears``; the
+figures: benchmarks/README.md, "FP8 linears")."""
 SCALED_MM_WIDE = 1 << 24
 
 

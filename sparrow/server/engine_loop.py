@@ -104,9 +104,8 @@ class EngineLoop:
 
     def run(self) -> None:
         """Run the loop on the calling thread until ``stop()`` (from another thread or a signal handler) or the
-        front end is gone. On the main thread the engine's steps run as fast as in-process ones: measured on
-        the CPU (Gemma 3 270M shape, 128-token prompts), a step on another thread took 1.3-1.45x as long (torch
-        gives each thread its own OpenMP pool)."""
+        front end is gone. On the main thread the engine's steps run as fast as in-process ones; on another thread a
+        CPU step is slower (torch gives each thread its own OpenMP pool)."""
         self._run()
 
     def stop(self) -> None:

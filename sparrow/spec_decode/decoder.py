@@ -9,22 +9,21 @@ misses.
 Overlap: a step the engine queues ahead (behind the one running) cannot carry drafts, since its sequences'
 last tokens are not on the host yet. It does so when ``paused``: every sequence is backing off, or (n-gram)
 finds no draft on its tokens so far, so that text the proposer cannot match runs at plain decoding's overlapped
-speed without a back-off (on the H200, Gemma 3 270M at batch 1: 1.21 ms a step that waited to propose against
-0.87 ms overlapped).
+speed without a back-off (a step that waits to propose costs more than an overlapped one).
 
 Back-off, per step: a verify step costs more than a decode step (more rows, and the engine cannot queue the
 next step behind it), and every sequence of the step pays it, drafted or not. The decoder times the steps the
 engine runs (``observe_step``: the wall time between the ends of consecutive steps, per rows-per-sequence q) and
 keeps each sequence's recent acceptance rate; a step whose B decoding sequences hold drafts d_i verifies them
-only when the tokens it expects to gain pay for its cost (t measured per q and per power-of-two bucket of B: on
-the H200, Gemma 3 270M's q = 5 step was 1.5x its q = 1 step at batch 1 and 4.6x at batch 8):
+only when the tokens it expects to gain pay for its cost (t measured per q and per power-of-two bucket of B, since
+the relative cost of a verify step grows with the batch):
 
     sum_i rate_i * len(d_i)  >=  (t(q) / t(1) - 1) * B,     q = 1 + max len(d_i)
 
 With switches.SPEC_CLOSED_BATCH and no request waiting for a slot, the batch ends with its sequences with the
 most tokens left, so each of them (within k of the longest) must draft and gain the cost alone:
-rate_i * len(d_i) >= t(q) / t(1) - 1 (the free prompts of spec_decode.py at batch 8 ran 0.87-0.91x plain
-decoding with the sum: tokens gained by sequences that end early shortened nothing).
+rate_i * len(d_i) >= t(q) / t(1) - 1 (with the sum, tokens gained by sequences that end early shorten nothing
+unless a waiting request takes their slot).
 Otherwise its drafts are dropped and proposing pauses for 4, 8 .. 32 steps (doubling while it keeps losing),
 which the engine overlaps; after the longest pause one verify step runs regardless, so costs and rates stay
 measured.
@@ -34,8 +33,8 @@ decode step draws one, so the per-step rule, which rests on measured times, woul
 timing. A seeded sequence's drafts therefore always verify (its own back-off, which rests on its tokens, still
 applies), also while the batch's drafting is paused; outside such a pause, a step that carries them carries the
 other sequences' drafts too. The same seed then gives the same tokens run after run, as vLLM's seeded sampling
-does. (On the H200, Gemma 3 270M with n-gram drafts at batch 8 verified a few sequences' drafts in most
-steps: 3.3 ms a step against 1.0 for overlapped decode steps, 0.55x the tok/s of plain decoding.)
+does. (A batch whose seeded sequences draft therefore verifies in most steps, and every sequence of the batch
+pays the verify step's cost.)
 """
 from __future__ import annotations
 
