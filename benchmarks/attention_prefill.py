@@ -62,7 +62,7 @@ def sdpa_call(seqs: int, length: int, hq: int, hkv: int, d: int, window: int | N
 
 
 def bench(seqs: int, length: int, config: dict | None = None, kinds=KINDS) -> dict:
-    from sparrow.kernels.attention import paged_prefill_attention
+    from sparrow.kernels.attention.attention import paged_prefill_attention
 
     out = {}
     for name, (hq, hkv, d, window) in kinds.items():

@@ -19,7 +19,7 @@
     python benchmarks/kernels_micro.py tune_router_logits        (its tiles and H splits above 16 rows)
     python benchmarks/kernels_micro.py lora                      (multi-LoRA lora_delta at decode shapes, 8 rank-16
                                                                   adapters; % = of the bytes that must be read)
-    python benchmarks/kernels_micro.py tune_lora                 (sweep sparrow.kernels.lora's tile constants;
+    python benchmarks/kernels_micro.py tune_lora                 (sweep sparrow.kernels.lora.lora's tile constants;
                                                                   prints a ROW_TILES table per row count too)
 
 Each line: kernel, shape, time per call (CUDA-graph replay, so launch overhead is excluded), bytes moved
@@ -61,7 +61,7 @@ def _report(name: str, shape: str, fn, nbytes: int, peak: float) -> None:
 
 
 def bench_norm(peak: float) -> None:
-    from sparrow.kernels.norm import rms_norm_ref, rms_norm_triton
+    from sparrow.kernels.norm_rope.norm import rms_norm_ref, rms_norm_triton
 
     for hidden in (2816, 5376):
         w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
@@ -79,7 +79,7 @@ def bench_norm(peak: float) -> None:
 
 
 def bench_act(peak: float) -> None:
-    from sparrow.kernels.act import gelu_tanh_and_mul_ref, gelu_tanh_and_mul_triton, silu_and_mul_triton
+    from sparrow.kernels.activation.act import gelu_tanh_and_mul_ref, gelu_tanh_and_mul_triton, silu_and_mul_triton
 
     for inter in (704, 2112):
         for rows in (1, 64, 4096):
@@ -94,9 +94,9 @@ def bench_act(peak: float) -> None:
 def bench_gemv(peak: float) -> None:
     import torch.nn.functional as F
 
-    from sparrow.kernels.fp8 import quantize_fp8_block_ref
-    from sparrow.kernels.fp8_gemm import fp8_gemm_triton
-    from sparrow.kernels.gemv import gemv_fp8_triton, gemv_triton
+    from sparrow.kernels.gemm.fp8 import quantize_fp8_block_ref
+    from sparrow.kernels.gemm.fp8_gemm import fp8_gemm_triton
+    from sparrow.kernels.gemm.gemv import gemv_fp8_triton, gemv_triton
 
     # (K, N): qkv of a sliding layer, o_proj, dense gate_up, dense down, LM head.
     for k, n in GEMV_SHAPES:
@@ -146,8 +146,8 @@ def tune_gemv(peak: float, dtypes=(False, True)) -> None:
 
     import torch.nn.functional as F
 
-    from sparrow.kernels.fp8 import quantize_fp8_block_ref
-    from sparrow.kernels.gemv import GemvConfig, forced_config, gemv_fp8_triton, gemv_triton
+    from sparrow.kernels.gemm.fp8 import quantize_fp8_block_ref
+    from sparrow.kernels.gemm.gemv import GemvConfig, forced_config, gemv_fp8_triton, gemv_triton
 
     splits = (1, 2, 4, 8)
     dot = [GemvConfig(bn, bk, split_k=sk) for bn, bk, sk in itertools.product((32, 64), (256, 512), splits)]
@@ -178,8 +178,8 @@ INT4_SHAPES = ((4096, 2816), (2816, 4096), (8192, 2816))
 def _w4_weights(n: int, k: int):
     """(bf16 w [N, K], int4 next-copy fn -> (packed, scale, None, 128), NVFP4 next-copy fn -> (codes, scale, g),
     int4 bytes, NVFP4 bytes)."""
-    from sparrow.kernels.int4 import quantize_int4_ref
-    from sparrow.kernels.nvfp4 import quantize_nvfp4_ref
+    from sparrow.kernels.gemm.int4 import quantize_int4_ref
+    from sparrow.kernels.gemm.nvfp4 import quantize_nvfp4_ref
 
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
     packed, scale, _ = quantize_int4_ref(w, 128, True, torch.bfloat16)
@@ -196,11 +196,11 @@ def bench_int4(peak: float) -> None:
     (W8A8 GEMV at <= 16 rows, fp8_gemm above) at 1, 2, 5, 8, 16 and 2,048 rows. Each line's % is the achieved
     fraction of the bytes bound (weights + scales + x + y at the measured copy bandwidth); the 2,048-row lines add
     TFLOP/s (the GEMMs are compute-bound there)."""
-    from sparrow.kernels.fp8 import quantize_fp8_block_ref
-    from sparrow.kernels.fp8_gemm import fp8_gemm_triton
-    from sparrow.kernels.gemv import gemv_w8a8_triton
-    from sparrow.kernels.int4 import int4_linear_triton
-    from sparrow.kernels.nvfp4_linear import nvfp4_linear_triton
+    from sparrow.kernels.gemm.fp8 import quantize_fp8_block_ref
+    from sparrow.kernels.gemm.fp8_gemm import fp8_gemm_triton
+    from sparrow.kernels.gemm.gemv import gemv_w8a8_triton
+    from sparrow.kernels.gemm.int4 import int4_linear_triton
+    from sparrow.kernels.gemm.nvfp4_linear import nvfp4_linear_triton
 
     for n, k in INT4_SHAPES:
         w, int4_next, nvfp4_next, int4_bytes, nvfp4_bytes = _w4_weights(n, k)
@@ -230,10 +230,10 @@ def w4_prefill(peak: float) -> None:
     dequantize step alone last. Fill DEQUANT_MIN_ROWS with the first row count where the dequantize path wins."""
     import torch.nn.functional as F
 
-    from sparrow.kernels import int4 as int4_mod
-    from sparrow.kernels.fp8 import quantize_fp8_block_ref
-    from sparrow.kernels.nvfp4_linear import nvfp4_linear_triton
-    from sparrow.kernels.scaled_mm import fp8_scaled_mm, scaled_mm_supported
+    from sparrow.kernels.gemm import int4 as int4_mod
+    from sparrow.kernels.gemm.fp8 import quantize_fp8_block_ref
+    from sparrow.kernels.gemm.nvfp4_linear import nvfp4_linear_triton
+    from sparrow.kernels.gemm.scaled_mm import fp8_scaled_mm, scaled_mm_supported
 
     shipped = int4_mod.DEQUANT_MIN_ROWS
     print("w4 prefill    rows     N     K | int4 kernel  int4 dequant | nvfp4 kernel  nvfp4 dequant | FP8 scaled_mm  "
@@ -271,7 +271,7 @@ def tune_int4(peak: float) -> None:
     per INT4_SHAPES shape; print the best few, to fill INT4_CONFIGS' GEMV entry."""
     import itertools
 
-    from sparrow.kernels.int4 import Int4Config, forced_config, int4_linear_triton
+    from sparrow.kernels.gemm.int4 import Int4Config, forced_config, int4_linear_triton
 
     configs = [Int4Config(16, bn, bk, split_k=sk, swap_ab=True)
                for bn, bk, sk in itertools.product((64, 128), (128, 256), (0, 1, 2, 4))]
@@ -300,9 +300,9 @@ def tune_w4_fma(peak: float) -> None:
     import json
     import os
 
-    from sparrow.kernels import int4
-    from sparrow.kernels.int4 import Int4Config, forced_config, int4_linear_triton, pick_config
-    from sparrow.kernels.nvfp4_linear import nvfp4_linear_triton
+    from sparrow.kernels.gemm import int4
+    from sparrow.kernels.gemm.int4 import Int4Config, forced_config, int4_linear_triton, pick_config
+    from sparrow.kernels.gemm.nvfp4_linear import nvfp4_linear_triton
 
     device = torch.cuda.get_device_name()
     weights = {(n, k): _w4_weights(n, k) for n, k in INT4_SHAPES}
@@ -352,8 +352,8 @@ def tune_fp8_gemm(peak: float) -> None:
     """Sweep Fp8GemmConfig (tiles, split-K) at decode-sized M = 64; print the best few per shape."""
     import itertools
 
-    from sparrow.kernels.fp8 import quantize_fp8_block_ref
-    from sparrow.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm_triton, forced_config
+    from sparrow.kernels.gemm.fp8 import quantize_fp8_block_ref
+    from sparrow.kernels.gemm.fp8_gemm import Fp8GemmConfig, fp8_gemm_triton, forced_config
 
     configs = [Fp8GemmConfig(block_m=bm, block_n=bn, group_m=8, num_warps=4, num_stages=stages, split_k=split)
                for bm, bn, split, stages in itertools.product((32, 64), (32, 64, 128), (1, 2, 4, 8), (3, 4))]
@@ -375,9 +375,9 @@ def tune_fp8_rows(peak: float) -> None:
 
     import torch.nn.functional as F
 
-    from sparrow.kernels import gemv
-    from sparrow.kernels.fp8 import quantize_fp8_block_ref
-    from sparrow.kernels.fp8_gemm import fp8_gemm_triton
+    from sparrow.kernels.gemm import gemv
+    from sparrow.kernels.gemm.fp8 import quantize_fp8_block_ref
+    from sparrow.kernels.gemm.fp8_gemm import fp8_gemm_triton
 
     configs = [gemv.GemvConfig(bn, bk, num_warps=warps, split_k=sk) for bn, bk, sk, warps
                in itertools.product((32, 64), (128, 256), (0, 1), (4,))]
@@ -412,9 +412,9 @@ def tune_w8a8(peak: float) -> None:
 
     import torch.nn.functional as F
 
-    from sparrow.kernels import gemv
-    from sparrow.kernels.fp8 import quantize_fp8_block_ref
-    from sparrow.kernels.fp8_gemm import fp8_gemm_triton
+    from sparrow.kernels.gemm import gemv
+    from sparrow.kernels.gemm.fp8 import quantize_fp8_block_ref
+    from sparrow.kernels.gemm.fp8_gemm import fp8_gemm_triton
 
     swap = [gemv.GemvConfig(bn, bk, num_stages=st, swap_ab=True, split_k=sk) for bn, bk, st, sk
             in itertools.product((64, 128), (128, 256, 512), (3, 4), (0,))]
@@ -444,8 +444,8 @@ def tune_w8a8_launch(peak: float) -> None:
     import dataclasses
     import itertools
 
-    from sparrow.kernels import gemv
-    from sparrow.kernels.fp8 import quantize_fp8_block_ref
+    from sparrow.kernels.gemm import gemv
+    from sparrow.kernels.gemm.fp8 import quantize_fp8_block_ref
 
     shipped = gemv.W8A8_GEMV_CONFIGS[-1][1]
     for (k, n), rows in itertools.product(((2816, 8192), (4096, 2816), (2112, 2816), (2816, 4224)), (1, 8)):
@@ -470,7 +470,7 @@ def tune_w8a8_launch(peak: float) -> None:
 
 def _for_cublas(wq: torch.Tensor, ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 weight, its scales in cuBLAS's layout) from a block-quantized weight."""
-    from sparrow.kernels.scaled_mm import scaled_mm_weight_scale
+    from sparrow.kernels.gemm.scaled_mm import scaled_mm_weight_scale
 
     return wq, scaled_mm_weight_scale(ws)
 
@@ -490,10 +490,10 @@ def fp8_linears(peak: float) -> None:
     (not a multiple of 128) with ceil-sized scales."""
     import torch.nn.functional as F
 
-    from sparrow.kernels import gemv
-    from sparrow.kernels.fp8 import quantize_fp8_block_ref
-    from sparrow.kernels.fp8_gemm import fp8_gemm_ref, fp8_gemm_triton
-    from sparrow.kernels.scaled_mm import fp8_scaled_mm, quantize_fp8_per_group, scaled_mm_supported
+    from sparrow.kernels.gemm import gemv
+    from sparrow.kernels.gemm.fp8 import quantize_fp8_block_ref
+    from sparrow.kernels.gemm.fp8_gemm import fp8_gemm_ref, fp8_gemm_triton
+    from sparrow.kernels.gemm.scaled_mm import fp8_scaled_mm, quantize_fp8_per_group, scaled_mm_supported
 
     if not scaled_mm_supported(torch.device("cuda")):
         print(f"fp8_linears: cuBLAS block-scaled FP8 GEMM not available (torch {torch.__version__}, CUDA "
@@ -541,7 +541,7 @@ def bench_router_logits(peak: float) -> None:
     """Gemma 4's router logits (bf16 x [R, 2816], fp32 folded weight [128, 2816], the scale-free RMSNorm
     folded in) by row count: the Triton kernel (the layers use it up to MAX_LOGIT_ROWS) against the twin
     (torch: cast, norm, cuBLAS fp32 matmul), us a call."""
-    from sparrow.kernels.router import MAX_LOGIT_ROWS, router_logits_ref, router_logits_triton
+    from sparrow.kernels.moe.router import MAX_LOGIT_ROWS, router_logits_ref, router_logits_triton
 
     w = torch.randn(128, 2816, device="cuda") / 2816**0.5
     for rows in (1, 8, 16, 17, 32, 64, 128, 256, 1024):
@@ -560,7 +560,7 @@ def tune_router_logits(peak: float) -> None:
     over programs or not) against torch's matmul and the table's entry, us a call; the best three per row count."""
     import itertools
 
-    from sparrow.kernels.router import LogitsConfig, forced_logits_config, router_logits_ref, router_logits_triton
+    from sparrow.kernels.moe.router import LogitsConfig, forced_logits_config, router_logits_ref, router_logits_triton
 
     tiles = [(br, be, bh, 4) for br, be, bh in itertools.product((16, 32), (4, 8, 16), (32, 64, 128))
              if br * bh * (be + 1) <= 12288]
@@ -590,7 +590,7 @@ def _lora_case(shape, rows: int, device: str = "cuda", draws: int = 16):
     rows: rows over 8 adapters (row i: slot (i + j) mod 8 in draw j; 1 row: one adapter), experts: top-8 of 128
     random per row, and the layers' accumulate flag (expert gate_up writes a fresh fp32 delta). Calls rotate over
     ``draws`` (slots, expert ids) draws and over buffer copies larger than the L2 cache, so weights come from HBM."""
-    from sparrow.kernels.lora import lora_delta, lora_index
+    from sparrow.kernels.lora.lora import lora_delta, lora_index
     from sparrow.layers.lora_buffers import LoRABuffers
 
     name, k, sizes, width, experts, layout = shape
@@ -659,11 +659,11 @@ LORA_EXPAND_SWEEP = [dict(EXPAND_BLOCK_N=bn, EXPAND_TILE=t, EXPAND_WARPS=w) for 
 
 
 def tune_lora(peak: float) -> None:
-    """Sweep sparrow.kernels.lora's tile constants over LORA_SHAPES x rows 1 / 8 / 64 (``ROW_TILES`` off): the
+    """Sweep sparrow.kernels.lora.lora's tile constants over LORA_SHAPES x rows 1 / 8 / 64 (``ROW_TILES`` off): the
     shrink's, then the expand's with the best shrink; per case the best setting, the setting of least total time
     over all cases (the constants), with its total against the defaults', and a ``ROW_TILES`` table: per launch
     row count P (rows, or rows x top-k pairs) the shrink and the expand settings of least total over its cases."""
-    from sparrow.kernels import lora as lk
+    from sparrow.kernels.lora import lora as lk
 
     names = [k for d in (LORA_SHRINK_SWEEP[0], LORA_EXPAND_SWEEP[0]) for k in d]
     default = {k: getattr(lk, k) for k in names}

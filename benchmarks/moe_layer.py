@@ -57,7 +57,7 @@ def _fp8_kind(dtype: str) -> tuple[bool, str | None]:
 
 def make_layer(dtype: str, seed: int = 0):
     """The experts' keyword arguments of the dtype's launcher (``_launchers``)."""
-    from sparrow.kernels.fp8 import quantize_fp8_block_ref
+    from sparrow.kernels.gemm.fp8 import quantize_fp8_block_ref
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
@@ -65,12 +65,12 @@ def make_layer(dtype: str, seed: int = 0):
     if dtype == "bf16":
         return dict(gate_up_proj=w13, down_proj=w2)
     if dtype == "int4":
-        from sparrow.kernels.int4 import quantize_int4_ref
+        from sparrow.kernels.gemm.int4 import quantize_int4_ref
 
         (p13, s13, _), (p2, s2, _) = (quantize_int4_ref(w, 128, True, torch.bfloat16) for w in (w13, w2))
         return dict(w13=p13, w13_scale=s13, w13_zero=None, w2=p2, w2_scale=s2, w2_zero=None, group=128)
     if dtype == "nvfp4":
-        from sparrow.kernels.nvfp4 import quantize_nvfp4_ref
+        from sparrow.kernels.gemm.nvfp4 import quantize_nvfp4_ref
 
         out = {}
         for name, w, blocks in (("w13", w13, 2), ("w2", w2, 1)):
@@ -102,14 +102,14 @@ def make_routings(rows: int, seed: int = 0):
 def _launchers(dtype: str):
     """(Triton launcher, torch twin) of the dtype's experts, both called with make_layer's keywords."""
     if dtype == "int4":
-        from sparrow.kernels.int4_moe import int4_fused_moe_ref, int4_fused_moe_triton
+        from sparrow.kernels.moe.int4_moe import int4_fused_moe_ref, int4_fused_moe_triton
 
         return int4_fused_moe_triton, int4_fused_moe_ref
     if dtype == "nvfp4":
-        from sparrow.kernels.nvfp4_moe import nvfp4_fused_moe_ref, nvfp4_fused_moe_triton
+        from sparrow.kernels.moe.nvfp4_moe import nvfp4_fused_moe_ref, nvfp4_fused_moe_triton
 
         return nvfp4_fused_moe_triton, nvfp4_fused_moe_ref
-    from sparrow.kernels.moe import fused_moe_ref, fused_moe_triton
+    from sparrow.kernels.moe.moe import fused_moe_ref, fused_moe_triton
 
     return fused_moe_triton, fused_moe_ref
 
@@ -163,7 +163,7 @@ def bench_one(rows: int, dtype: str, layer, peak: float, with_torch: bool = Fals
 def fma_tiles(rows: int, kind: str) -> list:
     """The 4-bit small path's FMA tiles (``Tile.fma_rows``): (BLOCK_N, warps) x BLOCK_K (int4: 128, one group of
     make_layer's; NVFP4 also 256) x split-K (0: automatic), one pair at a time (and two above one row)."""
-    from sparrow.kernels.moe_configs import Tile
+    from sparrow.kernels.moe.moe_configs import Tile
 
     ks = (128,) if kind == "int4" else (128, 256)
     return [Tile(n, k, w, 3, split, fma_rows=fr)
@@ -183,8 +183,8 @@ def tune(rows_list, dtype: str, layer, out_dir: pathlib.Path, verbose: bool = Fa
     the tiles (as both GEMMs) and writes nothing. Writes the data file ``pick_config`` reads for this shape and
     device."""
     fp8, kind = _fp8_kind(dtype)
-    from sparrow.kernels import moe_configs
-    from sparrow.kernels.moe_configs import MoeConfig, Tile, forced_config
+    from sparrow.kernels.moe import moe_configs
+    from sparrow.kernels.moe.moe_configs import MoeConfig, Tile, forced_config
 
     table, path = {}, None
     for rows in rows_list:
@@ -276,7 +276,7 @@ def prefill_candidates(fp8: bool):
     """The short list ``--quick`` times at prefill sizes (grouped path): wide plain tiles for the compute-bound
     GEMMs and the swapped ones the coordinate search chose at 1,024 / 4,096 rows; for FP8 each with and
     without ``a_fp8``."""
-    from sparrow.kernels.moe_configs import MoeConfig, Tile
+    from sparrow.kernels.moe.moe_configs import MoeConfig, Tile
 
     k = 128 if fp8 else 64
     base = [MoeConfig(32, Tile(64, k, 4, 3, swap_ab=True), Tile(128, k, 4, 3, swap_ab=True)),
@@ -293,8 +293,8 @@ def prefill_candidates(fp8: bool):
 def tune_quick(rows_list, dtype: str, layer, out_dir: pathlib.Path) -> pathlib.Path:
     """Time the table's current entry and ``prefill_candidates`` at each row count (a few compiles instead of
     the coordinate search's hundred: minutes on a fresh machine) and write the fastest into the data file."""
-    from sparrow.kernels import moe_configs
-    from sparrow.kernels.moe_configs import forced_config
+    from sparrow.kernels.moe import moe_configs
+    from sparrow.kernels.moe.moe_configs import forced_config
 
     fp8, kind = _fp8_kind(dtype)
     if kind:
@@ -329,7 +329,7 @@ def tune_quick(rows_list, dtype: str, layer, out_dir: pathlib.Path) -> pathlib.P
 def write_table(table: dict, dtype: str, out_dir: pathlib.Path, device_name: str, torch_version: str) -> pathlib.Path:
     """Write (or rewrite) the data file ``pick_config`` reads for this shape, expert dtype and device. Entries of
     the existing file for row counts not in ``table`` are kept; meta ``tuned_rows`` lists the entries a sweep chose."""
-    from sparrow.kernels import moe_configs
+    from sparrow.kernels.moe import moe_configs
 
     fp8, kind = _fp8_kind(dtype)
     path = out_dir / moe_configs.config_file(E, H, I, fp8, device_name, kind).name
@@ -374,7 +374,7 @@ def main(argv=None) -> list[dict]:
     set_shape(args.shape)
     if not torch.cuda.is_available():
         raise SystemExit("moe_layer.py needs a CUDA GPU")
-    from sparrow.kernels.moe_configs import CONFIG_DIR
+    from sparrow.kernels.moe.moe_configs import CONFIG_DIR
 
     if sweep_shard():  # compiling only: 16 experts keep each process small (the same kernel variants as E)
         global E
@@ -400,7 +400,7 @@ def main(argv=None) -> list[dict]:
             results.append(r)
             _print_row(r, args.torch)
             if args.w4_dequant and dtype in ("int4", "nvfp4") and rows * K > 64:
-                from sparrow.kernels import int4_moe
+                from sparrow.kernels.moe import int4_moe
 
                 shipped, int4_moe.DEQUANT_MIN_ROWS = int4_moe.DEQUANT_MIN_ROWS, 0
                 r = dict(bench_one(rows, dtype, layer, peak, args.torch), path="dequant")

@@ -151,9 +151,9 @@ def report(label: str, fn, args, kw, elements_per_iter: int, dump: pathlib.Path 
 
 
 def dense_variants(fmt: str, rows: int, n: int, k: int, configs, dump) -> None:
-    from sparrow.kernels import _int4_jit, int4
-    from sparrow.kernels.int4 import forced_config, quantize_int4_ref
-    from sparrow.kernels.nvfp4 import quantize_nvfp4_ref
+    from sparrow.kernels.gemm import _int4_jit, int4
+    from sparrow.kernels.gemm.int4 import forced_config, quantize_int4_ref
+    from sparrow.kernels.gemm.nvfp4 import quantize_nvfp4_ref
 
     w = torch.randn(n, k) / k ** 0.5
     x = torch.randn(rows, k).bfloat16()
@@ -178,10 +178,11 @@ def dense_variants(fmt: str, rows: int, n: int, k: int, configs, dump) -> None:
 
 
 def moe_variants(fmt: str, rows: int, tiles, dump) -> None:
-    from sparrow.kernels import _int4_jit, int4_moe
-    from sparrow.kernels.int4 import quantize_int4_ref
-    from sparrow.kernels.moe_configs import MoeConfig, forced_config
-    from sparrow.kernels.nvfp4 import quantize_nvfp4_ref
+    from sparrow.kernels.gemm import _int4_jit
+    from sparrow.kernels.moe import int4_moe
+    from sparrow.kernels.gemm.int4 import quantize_int4_ref
+    from sparrow.kernels.moe.moe_configs import MoeConfig, forced_config
+    from sparrow.kernels.gemm.nvfp4 import quantize_nvfp4_ref
 
     e, h, i, top_k = 4, 2816, 704, 2  # fewer experts than gemma4's 128: the same kernel variants
     x = torch.randn(rows, h).bfloat16()
@@ -221,8 +222,8 @@ def main(argv=None) -> None:
     p.add_argument("--dump", type=pathlib.Path, help="write each variant's SASS into this folder")
     p.add_argument("--smoke", action="store_true", help="one small int4 FMA and one MMA variant only (seconds)")
     args = p.parse_args(argv)
-    from sparrow.kernels.int4 import Int4Config, pick_config
-    from sparrow.kernels.moe_configs import Tile, default_w4_config
+    from sparrow.kernels.gemm.int4 import Int4Config, pick_config
+    from sparrow.kernels.moe.moe_configs import Tile, default_w4_config
 
     import triton
 

@@ -25,8 +25,8 @@ tokens: the same positions every step, as after a verify step whose drafts were 
   share experts).
 
 Kernels (``--kernel-rows``, default 1 2 3 4 5 8; ``--no-kernels`` skips them): the modules of the model's
-first layer as the engine calls them (FP8: the W8A8 GEMV up to 16 rows, sparrow/kernels/gemv.py; the MoE
-experts' small path up to 64 (row, expert) pairs, sparrow/kernels/moe.py, with ``reduce=False`` as Gemma 4
+first layer as the engine calls them (FP8: the W8A8 GEMV up to 16 rows, sparrow/kernels/gemm/gemv.py; the MoE
+experts' small path up to 64 (row, expert) pairs, sparrow/kernels/moe/moe.py, with ``reduce=False`` as Gemma 4
 calls them). Each call goes to the next layer of the same shape (and the experts to the next of 16 random
 routings), so weights come from HBM, not L2; on CUDA timed by ``gpu_timing.time_s`` (CUDA-graph replay, as
 kernels_micro.py and moe_layer.py time theirs). Bytes: the module's weights (the experts: those the routing

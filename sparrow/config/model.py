@@ -13,7 +13,7 @@ from sparrow.config.architectures import resolve_architecture
 from sparrow.config.gguf import hf_config_from_gguf
 from sparrow.config.hf_fields import check_fields, check_gemma4, gemma4_layer_shape, moe_fields
 from sparrow.errors import ModelLoadError
-from sparrow.kernels.act import ACTIVATIONS
+from sparrow.kernels.activation.act import ACTIVATIONS
 
 
 def _rope_for(cfg: dict, layer_type: str | None) -> dict:

@@ -57,7 +57,7 @@ def interpreting() -> bool:
 
 def use_pdl(x: torch.Tensor) -> bool:
     """Whether a kernel on x's device launches with programmatic dependent launch (``launch_pdl=True`` and its
-    ``pdl_enter`` prologue, sparrow/kernels/_pdl_jit.py): the PDL switch is on, x is a CUDA tensor of a device of
+    ``pdl_enter`` prologue, sparrow/kernels/common/_pdl_jit.py): the PDL switch is on, x is a CUDA tensor of a device of
     compute capability >= 9.0 (Hopper), and Triton is not the interpreter. ``switches.PDL`` (``SPARROW_PDL``)."""
     if not (switches.PDL and x.is_cuda) or interpreting():
         return False

@@ -6,7 +6,7 @@ write there), B = block size, Hkv = KV heads of the layer, D / Dv = its K / V he
 layers, 512 on full ones), R = rows of a step.
 
 Layout (per layer): k [N + 1, B, Hkv, D], v [N + 1, B, Hkv, Dv]; token t of a sequence sits at slot
-``block * B + offset`` (``sparrow.kernels.paged_attention``).
+``block * B + offset`` (``sparrow.kernels.attention.paged_attention``).
 
 Storage dtypes (vLLM's ``kv_cache_dtype`` names): "auto" stores K / V in the model dtype; "fp8" and "fp8_e4m3"
 store e4m3 (``torch.float8_e4m3fn``) with one fp32 scale per layer for K and one for V: a write stores
@@ -25,7 +25,7 @@ import torch
 
 from sparrow.config.values import KV_CACHE_DTYPES, check_kv_cache_dtype, parse_skip_layers  # noqa: F401  (re-exported)
 from sparrow.errors import InvalidRequestError
-from sparrow.kernels.paged_attention import FP8_KV_DTYPE, FP8_KV_MAX, write_kv
+from sparrow.kernels.attention.paged_attention import FP8_KV_DTYPE, FP8_KV_MAX, write_kv
 
 SCALE_EPS = 1e-8
 """Smallest measured scale (an all-zero layer would otherwise get scale 0)."""

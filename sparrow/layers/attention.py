@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from sparrow.kernels import use_triton
-from sparrow.kernels.paged_attention import paged_attention_ref
+from sparrow.kernels.attention.paged_attention import paged_attention_ref
 from sparrow.layers.forward_batch import ForwardBatch
 
 
@@ -37,7 +37,7 @@ class Attention(nn.Module):
         """Attention over the cache alone: this step's K/V must already be written at ``batch.slot_mapping``."""
         c = self.kv_cache
         if use_triton(q):  # the Triton dispatcher: split-K decode or varlen prefill kernel
-            from sparrow.kernels.attention import paged_attention as fn
+            from sparrow.kernels.attention.attention import paged_attention as fn
         else:
             fn = paged_attention_ref
         return fn(q, c.k, c.v, batch.block_tables, batch.seq_lens, batch.query_start_loc,
@@ -53,7 +53,7 @@ class SelfAttention(nn.Module):
     projection), ``attention_k_eq_v`` (Gemma 4 full layers: no v_proj, V = the raw K projection), Gemma 4's
     scale-free v_norm, per-layer head dim / KV heads / window / rope / rotary dim from ``config.layers``.
     On the Triton path the per-head q/k norms, v_norm, RoPE and the K/V cache write are one kernel
-    (``sparrow.kernels.rope.qk_norm_rope_kv_write``), except on the step that measures FP8 KV scales
+    (``sparrow.kernels.norm_rope.rope.qk_norm_rope_kv_write``), except on the step that measures FP8 KV scales
     (calculate_kv_scales: the cache measures K after norm and RoPE, then writes); MiniMax-M2's whole-projection
     norms stay separate."""
 
@@ -114,7 +114,7 @@ class SelfAttention(nn.Module):
     def _fused_norm_rope_write(self, q, k, v, batch: ForwardBatch) -> torch.Tensor:
         """Triton path: per-head q/k norm, RoPE, v-norm and the K/V cache write in one kernel, then attention.
         v is None on K=V layers (the kernel takes V from the raw k)."""
-        from sparrow.kernels.rope import qk_norm_rope_kv_write
+        from sparrow.kernels.norm_rope.rope import qk_norm_rope_kv_write
 
         c = self.attn.kv_cache
         norm = self.q_norm

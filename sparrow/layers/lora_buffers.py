@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from sparrow.kernels.lora import MAX_SEGMENTS, lora_delta, lora_index
+from sparrow.kernels.lora.lora import MAX_SEGMENTS, lora_delta, lora_index
 
 
 class LoRABuffers:
@@ -66,7 +66,7 @@ class LoRABuffers:
         self.seg_cols[slot] = torch.tensor(cols, dtype=torch.int32)
 
     def add(self, x: torch.Tensor, out: torch.Tensor, slots: torch.Tensor, **kw) -> torch.Tensor:
-        """out[p] (+)= B[w(p)]^T @ (A[w(p)] @ x[..]) in place (``sparrow.kernels.lora.lora_delta`` with the
+        """out[p] (+)= B[w(p)]^T @ (A[w(p)] @ x[..]) in place (``sparrow.kernels.lora.lora.lora_delta`` with the
         buffers' segments, whose keywords ``kw`` are); returns out."""
         return lora_delta(x, self.a, self.b, slots, self.ranks, out, out_sizes=self.out_sizes,
                           seg_cols=self.seg_cols, **kw)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sparrow.kernels.act import ACTIVATIONS, act_and_mul
+from sparrow.kernels.activation.act import ACTIVATIONS, act_and_mul
 from sparrow.layers.linear import Linear
 from sparrow.errors import ModelLoadError
 

@@ -7,8 +7,8 @@ Expert weights, stacked from load time in transformers 5's fused layout (``mlp.e
 ``experts.``): ``gate_up_proj`` [E, 2I, H] (rows :I the gate, rows I: the up projection) and
 ``down_proj`` [E, H, I]; expert e computes ``down_proj[e] @ act(gate_up_proj[e] @ x)``.
 
-On the GPU the experts run ``sparrow.kernels.moe.fused_moe`` (Triton); on CPU its torch twins of
-``sparrow.kernels.moe_ref``: the grouped path (P > ``pair_threshold``, prefill) or the per-pair path
+On the GPU the experts run ``sparrow.kernels.moe.moe.fused_moe`` (Triton); on CPU its torch twins of
+``sparrow.kernels.moe.moe_ref``: the grouped path (P > ``pair_threshold``, prefill) or the per-pair path
 (P <= threshold, decode / speculative verify), matmuls in x's dtype, fp32 weighted reduce.
 
 Weight formats: the layer's ``quant_method`` (``docs/architecture.md``, "The quant-method contract") creates the
@@ -25,8 +25,8 @@ import logging
 import torch
 from torch import nn
 
-from sparrow.kernels.act import get_activation
-from sparrow.kernels.moe_ref import gate_up_act
+from sparrow.kernels.activation.act import get_activation
+from sparrow.kernels.moe.moe_ref import gate_up_act
 from sparrow.quant.base import FusedMoEMethodBase, set_layer_method
 from sparrow.quant.scope import current_quant_config
 

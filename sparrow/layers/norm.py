@@ -5,7 +5,7 @@ Three weight conventions (``kind``), all normalizing in fp32:
 - 'gemma' (Gemma3RMSNorm): multiply by (1 + w) in fp32, cast back;
 - 'gemma4' (Gemma4RMSNorm): x * (mean(x^2) + eps)^-0.5 (torch.pow, as HF), multiply by w in fp32, cast back.
 ``with_scale=False`` is the scale-free norm (Gemma 4 v_norm and router norm). The arithmetic is
-``sparrow.kernels.norm``'s: its Triton kernel where ``use_triton(x)``, its torch twin ``rms_norm_ref`` otherwise.
+``sparrow.kernels.norm_rope.norm``'s: its Triton kernel where ``use_triton(x)``, its torch twin ``rms_norm_ref`` otherwise.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from sparrow.kernels import use_triton
-from sparrow.kernels.norm import rms_norm_ref, rms_norm_triton
+from sparrow.kernels.norm_rope.norm import rms_norm_ref, rms_norm_triton
 
 NORM_KINDS = ("llama", "gemma", "gemma4")
 
@@ -52,7 +52,7 @@ class RMSNorm(nn.Module):
         return out.view(shape)
 
     def _convention(self) -> dict:
-        """The kernel's weight-convention flags for this norm's kind (sparrow.kernels.norm)."""
+        """The kernel's weight-convention flags for this norm's kind (sparrow.kernels.norm_rope.norm)."""
         return {"gemma": self.kind != "llama", "unit_offset": self.kind == "gemma"}
 
     def norm_add(self, x: torch.Tensor, add: torch.Tensor, scale: torch.Tensor | None = None,
@@ -67,7 +67,7 @@ class RMSNorm(nn.Module):
         experts' unweighted per-pair outputs [R K, H] (``FusedMoE(..., reduce=False)``), weighted and summed first.
 
         On the Triton path all of it is one kernel when every norm has a weight and shares this one's kind and
-        eps (sparrow.kernels.norm.rms_norm); otherwise the ops run one by one, with the same results."""
+        eps (sparrow.kernels.norm_rope.norm.rms_norm); otherwise the ops run one by one, with the same results."""
         first = pre[0] if pre is not None else None
         norms = [n for n in (self, first, pre_add_norm) if n is not None] + list(next_norms)
         if use_triton(x) and x.dim() == 2 and len(next_norms) <= 2 and (pre is not None or pre_add_norm is None) \
@@ -79,7 +79,7 @@ class RMSNorm(nn.Module):
                 pre_add_weight=pre_add_norm.weight if pre_add_norm is not None else None,
                 next_weights=tuple(n.weight for n in next_norms), pair_weights=pair_weights, **self._convention())
         if pair_weights is not None:
-            from sparrow.kernels.moe_reduce import moe_reduce
+            from sparrow.kernels.moe.moe_reduce import moe_reduce
 
             x = moe_reduce(x, pair_weights, x.dtype)
         if pre is not None:

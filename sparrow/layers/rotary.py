@@ -107,7 +107,7 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin_cache(self, device) -> torch.Tensor:
         """[P, Dr] fp32 ``[cos | sin]`` (each Dr/2 wide), the table layout of the fused Triton kernel
-        ``sparrow.kernels.rope.qk_norm_rope_kv_write``; built once per device and rope parameters."""
+        ``sparrow.kernels.norm_rope.rope.qk_norm_rope_kv_write``; built once per device and rope parameters."""
         cache = self.__dict__.get("_kernel_cache")
         if cache is None or cache.device != torch.device(device):
             cos, sin = self._device_tables(device)

@@ -2,7 +2,7 @@
 
 Shapes: R = rows, H = hidden, E = experts, K = top-k (experts per row), G = expert groups, V = vocab.
 
-``select_experts`` (``sparrow.kernels.router``: the torch twin of the fused router kernel, beside it) turns
+``select_experts`` (``sparrow.kernels.moe.router``: the torch twin of the fused router kernel, beside it) turns
 router logits [R, E] into (weights [R, K] fp32, ids [R, K] int64):
 
     scores  = softmax(logits) | sigmoid(logits) | sqrt(softplus(logits))        (fp32)
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparrow.kernels.router import SCORING_FUNCS, score_logits, select_experts, weigh_experts
+from sparrow.kernels.moe.router import SCORING_FUNCS, score_logits, select_experts, weigh_experts
 from sparrow.layers.lora_buffers import add_linear_delta
 
 
@@ -74,7 +74,7 @@ class Router(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits [R, E] fp32 of x [R, H]."""
-        from sparrow.kernels.router import router_logits
+        from sparrow.kernels.moe.router import router_logits
 
         return router_logits(x, self.weight)
 
@@ -99,11 +99,11 @@ class Router(nn.Module):
 
 
 def _selector(x: torch.Tensor):
-    """select_experts, or its one-launch Triton kernel (sparrow/kernels/router.py) where use_triton(x)."""
+    """select_experts, or its one-launch Triton kernel (sparrow/kernels/moe/router.py) where use_triton(x)."""
     from sparrow.kernels import use_triton
 
     if use_triton(x):
-        from sparrow.kernels.router import fused_router
+        from sparrow.kernels.moe.router import fused_router
 
         return fused_router
     return select_experts
@@ -139,14 +139,14 @@ class Gemma4Router(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits [R, E] fp32 of the raw residual x [R, H]."""
-        from sparrow.kernels.router import router_logits
+        from sparrow.kernels.moe.router import router_logits
 
         # Gemma4RMSNorm(with_scale=False) in fp32 (rsqrt where HF uses pow(-0.5): the same value up to an fp32
-        # ulp), then the folded projection; at decode sizes one Triton launch (sparrow.kernels.router)
+        # ulp), then the folded projection; at decode sizes one Triton launch (sparrow.kernels.moe.router)
         return router_logits(x, self.folded_weight(), rms_eps=self.eps)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from sparrow.kernels.router import router_topk
+        from sparrow.kernels.moe.router import router_topk
 
         # self.logits' steps, then softmax top-k (Triton kernels where use_triton(x), else torch)
         return router_topk(x, self.folded_weight(), self.top_k, self.eps, "softmax", renormalize=True,

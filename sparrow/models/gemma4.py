@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from sparrow import switches
-from sparrow.kernels import split_k
+from sparrow.kernels.common import split_k
 from sparrow.layers.attention import SelfAttention
 from sparrow.layers.mlp import GatedMLP
 from sparrow.layers.norm import RMSNorm

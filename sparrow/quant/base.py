@@ -103,7 +103,7 @@ class FusedMoEMethodBase:
         """x [R, H], topk_weights / topk_ids [R, K'] -> [R, H] in x's dtype, or the unweighted per-pair outputs
         [R K', H] with ``reduce=False`` (see ``FusedMoE``). ``lora``: the step's per-pair adapter deltas
         (``sparrow.layers.lora_buffers.ExpertDelta``) or None; a format adds gate_up's before the activation and
-        down's before the weighted reduce (the float paths of ``sparrow.kernels.moe`` take it as is)."""
+        down's before the weighted reduce (the float paths of ``sparrow.kernels.moe.moe`` take it as is)."""
         raise NotImplementedError
 
 

@@ -49,7 +49,7 @@ from sparrow.quant.base import LinearMethodBase, QuantizationConfig
 from sparrow.quant.fp8_moe import Fp8MoEMethod, check_fp8_tensor
 from sparrow.quant.unquantized import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
 from sparrow.quant.registry import register_quantization
-from sparrow.kernels.fp8 import (
+from sparrow.kernels.gemm.fp8 import (
     AMAX_EPS,
     FP8_DTYPE,
     FP8_MAX,
@@ -298,9 +298,9 @@ class Fp8LinearMethod(LinearMethodBase):
     @staticmethod
     def _quantize_into(layer: nn.Module, w: torch.Tensor) -> None:
         """Quantize w [N, K] into the layer's e4m3 weight and scales a multiple of 128 rows at a time (blocks are
-        128 x 128, so the result is the same), about ``kernels.int4.QUANTIZE_CHUNK`` elements (CPU:
+        128 x 128, so the result is the same), about ``kernels.gemm.int4.QUANTIZE_CHUNK`` elements (CPU:
         ``QUANTIZE_CHUNK_CPU``, host memory bounding a load) each, so the fp32 temporaries stay small."""
-        from sparrow.kernels.int4 import QUANTIZE_CHUNK, QUANTIZE_CHUNK_CPU
+        from sparrow.kernels.gemm.int4 import QUANTIZE_CHUNK, QUANTIZE_CHUNK_CPU
 
         chunk = QUANTIZE_CHUNK if w.is_cuda else QUANTIZE_CHUNK_CPU
         chunk_rows = max(1, chunk // (w.shape[1] * GROUP)) * GROUP
@@ -316,7 +316,7 @@ class Fp8LinearMethod(LinearMethodBase):
                                  f"{sorted(layer._fp8_staged)}")
         if not layer.weight_scale_inv.is_contiguous():
             layer.weight_scale_inv.data = layer.weight_scale_inv.data.contiguous()
-        from sparrow.kernels.scaled_mm import scaled_mm_fits, scaled_mm_weight_scale
+        from sparrow.kernels.gemm.scaled_mm import scaled_mm_fits, scaled_mm_weight_scale
 
         scale_mm = (scaled_mm_weight_scale(layer.weight_scale_inv.data)
                     if scaled_mm_fits(layer.in_features, layer.out_features) else None)
@@ -336,9 +336,10 @@ class Fp8LinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype (+ bias); see the module doc for the kernel choice."""
-        from sparrow.kernels import gemv, use_triton
-        from sparrow.kernels.fp8_gemm import fp8_gemm
-        from sparrow.kernels.scaled_mm import SCALED_MM_OUT_DTYPES, fp8_scaled_mm, scaled_mm_supported
+        from sparrow.kernels import use_triton
+        from sparrow.kernels.gemm import gemv
+        from sparrow.kernels.gemm.fp8_gemm import fp8_gemm
+        from sparrow.kernels.gemm.scaled_mm import SCALED_MM_OUT_DTYPES, fp8_scaled_mm, scaled_mm_supported
 
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])

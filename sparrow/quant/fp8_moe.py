@@ -16,7 +16,7 @@ dequant = q * scale of the 128 x 128 block).
   temporaries). Widths that are not multiples of 128 get partial last blocks (with I = 704, as Gemma 4
   26B-A4B, one gate|up scale block spans the last gate rows and the first up rows), which the kernels and
   the torch twin read as such.
-apply: ``sparrow.kernels.moe.fused_moe`` with the scales where Triton runs, else its torch twin
+apply: ``sparrow.kernels.moe.moe.fused_moe`` with the scales where Triton runs, else its torch twin
 ``fused_moe_fp8_ref`` (W8A8: activations quantized per 128-column group).
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from sparrow.errors import ModelLoadError
-from sparrow.kernels.fp8 import FP8_DTYPE, GROUP, quantize_fp8_block_ref
+from sparrow.kernels.gemm.fp8 import FP8_DTYPE, GROUP, quantize_fp8_block_ref
 from sparrow.quant.on_load import create_staged_experts
 from sparrow.quant.unquantized import stacked_expert_param
 from sparrow.quant.base import FusedMoEMethodBase
@@ -115,14 +115,14 @@ class Fp8MoEMethod(FusedMoEMethodBase):
               reduce: bool = True, lora=None) -> torch.Tensor:
         from sparrow.kernels import use_triton
 
-        if use_triton(x):  # Triton grouped GEMM / per-expert GEMV (sparrow/kernels/moe.py)
-            from sparrow.kernels.moe import fused_moe
+        if use_triton(x):  # Triton grouped GEMM / per-expert GEMV (sparrow/kernels/moe/moe.py)
+            from sparrow.kernels.moe.moe import fused_moe
 
             return fused_moe(x, layer.gate_up_proj, layer.down_proj, topk_weights, topk_ids, layer.activation,
                              w13_scale=layer.w13_scale, w2_scale=layer.w2_scale,
                              pair_threshold=layer.pair_threshold, swiglu_limit=layer.swiglu_limit, reduce=reduce,
                              lora=lora)
-        from sparrow.kernels.moe import fused_moe_fp8_ref
+        from sparrow.kernels.moe.moe import fused_moe_fp8_ref
 
         return fused_moe_fp8_ref(x, layer.gate_up_proj, layer.down_proj, topk_weights, topk_ids,
                                  layer.activation, layer.swiglu_limit, w13_scale=layer.w13_scale,

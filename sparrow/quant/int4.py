@@ -4,7 +4,7 @@
 Shapes: R = rows, N = out features, K = in features, G = ceil(K / group).
 
 Checkpoint layouts, each converted tensor by tensor at load into the kernels' layout
-(``sparrow.kernels.int4``: ``weight_packed`` int32 [N, K / 8], ``weight_scale`` [N, G], ``weight_zero``
+(``sparrow.kernels.gemm.int4``: ``weight_packed`` int32 [N, K / 8], ``weight_scale`` [N, G], ``weight_zero``
 uint8 [N, G] or None for symmetric weights; w = (u - zero) * scale):
 - compressed-tensors ``pack-quantized`` (``quantization_config = {quant_method: compressed-tensors, format:
   pack-quantized, config_groups: {..: {weights: {num_bits: 4, type: int, strategy: group, group_size,
@@ -23,7 +23,7 @@ uint8 [N, G] or None for symmetric weights; w = (u - zero) * scale):
   order 0, 2, 4, 6, 1, 3, 5, 7 (nibble i holds column ``AWQ_ORDER[i]`` of the word's 8), ``scales`` fp16
   [G, N]; w = (q - zero) * scale.
 On-load quantization (``quantization="int4"`` on a float checkpoint or a named shape): round to nearest,
-symmetric, group 128 (``kernels.int4.quantize_int4_ref``, compressed-tensors' formula), scales in the model
+symmetric, group 128 (``kernels.gemm.int4.quantize_int4_ref``, compressed-tensors' formula), scales in the model
 dtype; each shard of a packed layer quantizes on its own as it arrives (groups run along K, within a row).
 
 Float layers of a checkpoint: those its ``ignore`` (compressed-tensors) / ``modules_to_not_convert`` (GPTQ, AWQ)
@@ -36,7 +36,7 @@ lists them) or by none (``sparrow.quant.scope.layers_named``).
 compressed-tensors with format pack-quantized, gptq or awq) and gives ``Int4LinearMethod`` to dense linears
 (the float method to routers, the LM head and float layers) and ``sparrow.quant.int4_moe.Int4MoEMethod``
 to routed experts. apply: dequantize then matmul in torch (``int4_linear_ref``: the CPU path), the W4A16
-Triton kernels on CUDA (``sparrow.kernels.int4``).
+Triton kernels on CUDA (``sparrow.kernels.gemm.int4``).
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from sparrow.errors import ModelLoadError
-from sparrow.kernels.int4 import DEFAULT_GROUP, GROUP_SIZES, PACK, num_groups, quantize_int4_ref
+from sparrow.kernels.gemm.int4 import DEFAULT_GROUP, GROUP_SIZES, PACK, num_groups, quantize_int4_ref
 from sparrow.quant._compressed_tensors import check_extras
 from sparrow.quant.base import LinearMethodBase, QuantizationConfig, mark_unnamed
 from sparrow.quant.int4_layouts import AWQ_ORDER, convert, finish_scale, finish_zero, layout_tensors, shape_error
@@ -331,14 +331,14 @@ class Int4LinearMethod(LinearMethodBase):
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         """The weight [N, K] in the scale dtype (tests, debugging)."""
-        from sparrow.kernels.int4 import dequantize_int4_ref
+        from sparrow.kernels.gemm.int4 import dequantize_int4_ref
 
         return dequantize_int4_ref(layer.weight_packed, layer.weight_scale, layer.weight_zero, layer.int4_group)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> [..., N] in x's dtype (+ bias): ``kernels.int4.int4_linear`` (Triton on CUDA, else the
+        """x [..., K] -> [..., N] in x's dtype (+ bias): ``kernels.gemm.int4.int4_linear`` (Triton on CUDA, else the
         dequantize-then-matmul twin)."""
-        from sparrow.kernels.int4 import int4_linear
+        from sparrow.kernels.gemm.int4 import int4_linear
 
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])

@@ -1,5 +1,5 @@
 """int4 checkpoint layouts (compressed-tensors pack-quantized, GPTQ, AWQ; see ``sparrow.quant.int4``) -> the kernels'
-layout (``sparrow.kernels.int4``), one tensor at a time, for the dense linears and the routed experts.
+layout (``sparrow.kernels.gemm.int4``), one tensor at a time, for the dense linears and the routed experts.
 
 Shapes: N = rows = out features of the tensor, K = in features, G = ceil(K / group).
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from sparrow.errors import ModelLoadError
-from sparrow.kernels.int4 import GROUP_SIZES, PACK, SYMMETRIC_ZERO, num_groups, pack_int4_ref, unpack_int4_ref
+from sparrow.kernels.gemm.int4 import GROUP_SIZES, PACK, SYMMETRIC_ZERO, num_groups, pack_int4_ref, unpack_int4_ref
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 """AWQ GEMM packing: nibble i of a word holds column AWQ_ORDER[i] of its 8."""

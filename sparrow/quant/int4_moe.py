@@ -2,7 +2,7 @@
 
 Shapes: E = experts, H = hidden, I = expert width, G1 = ceil(H / group), G2 = ceil(I / group).
 
-Parameters after loading (the kernel layout of ``sparrow.kernels.int4``, stacked like the float experts):
+Parameters after loading (the kernel layout of ``sparrow.kernels.gemm.int4``, stacked like the float experts):
 ``gate_up_proj`` int32 [E, 2I, H / 8], ``w13_scale`` [E, 2I, G1], ``w13_zero`` uint8 [E, 2I, G1] or None;
 ``down_proj`` int32 [E, H, I / 8], ``w2_scale`` [E, H, G2], ``w2_zero`` or None.
 - checkpoint mode: per-expert tensors as published MoE checkpoints hold them
@@ -11,8 +11,8 @@ Parameters after loading (the kernel layout of ``sparrow.kernels.int4``, stacked
   it arrives (``sparrow.quant.int4.convert``) and copied into its expert's rows;
 - on-load mode (``quantization="int4"``): one layer's experts at a time load in the model dtype
   (``sparrow.quant.on_load``), then ``process_weights_after_loading`` quantizes them one expert at a time (symmetric, group 128).
-apply: dequantize the experts to x's dtype and run the float paths of ``sparrow.kernels.moe_ref`` (CPU, the
-twin), the W4A16 Triton kernels where Triton runs (``sparrow.kernels.int4_moe``).
+apply: dequantize the experts to x's dtype and run the float paths of ``sparrow.kernels.moe.moe_ref`` (CPU, the
+twin), the W4A16 Triton kernels where Triton runs (``sparrow.kernels.moe.int4_moe``).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from sparrow.errors import ModelLoadError
-from sparrow.kernels.int4 import PACK, dequantize_int4_ref, num_groups, quantize_int4_ref
+from sparrow.kernels.gemm.int4 import PACK, dequantize_int4_ref, num_groups, quantize_int4_ref
 from sparrow.quant.base import FusedMoEMethodBase, mark_unnamed
 from sparrow.quant.int4_layouts import convert, finish_scale, finish_zero, layout_tensors
 from sparrow.quant.on_load import create_staged_experts
@@ -119,7 +119,7 @@ class Int4MoEMethod(FusedMoEMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               reduce: bool = True, lora=None) -> torch.Tensor:
-        from sparrow.kernels.int4_moe import int4_fused_moe
+        from sparrow.kernels.moe.int4_moe import int4_fused_moe
 
         return int4_fused_moe(x, layer.gate_up_proj, layer.w13_scale, layer.w13_zero, layer.down_proj, layer.w2_scale,
                               layer.w2_zero, layer.int4_group, topk_weights, topk_ids, layer.activation,

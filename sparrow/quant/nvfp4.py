@@ -1,5 +1,5 @@
 """NVFP4 weights: e2m1 values packed two per byte, an e4m3 scale per 16 elements of a row, an fp32
-global scale per checkpoint tensor (the formulas: ``sparrow.kernels.nvfp4``). Activations stay in the model
+global scale per checkpoint tensor (the formulas: ``sparrow.kernels.gemm.nvfp4``). Activations stay in the model
 dtype (W4A16); checkpoints' static activation scales (``input_scale`` / ``input_global_scale``, for the FP4
 activations of Blackwell's W4A4) are loaded and not used.
 
@@ -22,10 +22,10 @@ On-load quantization (``quantization="nvfp4"`` on a float checkpoint / named sha
 shard is quantized by ModelOpt's formula (global = amax / (6 * 448), ``quantize_nvfp4_ref``) into the
 "modelopt" parameters, so an offline ModelOpt export of the same shards loads to the same bytes.
 
-apply(x [R, K]) -> [R, N] in x's dtype: on CUDA the W4A16 Triton kernel of ``sparrow.kernels.nvfp4_linear`` (the
+apply(x [R, K]) -> [R, N] in x's dtype: on CUDA the W4A16 Triton kernel of ``sparrow.kernels.gemm.nvfp4_linear`` (the
 int4 linears' 4-bit kernel) at every row count; elsewhere (CPU) the weight dequantized to x's dtype (fp32 products,
 as the format's library dequantizes) and ``F.linear``. The routed experts: ``sparrow.quant.nvfp4_moe`` (W4A16
-Triton kernels on CUDA, ``sparrow.kernels.nvfp4_moe``).
+Triton kernels on CUDA, ``sparrow.kernels.moe.nvfp4_moe``).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparrow.errors import ModelLoadError
-from sparrow.kernels.nvfp4 import GROUP, SCALE_DTYPE, dequantize_nvfp4_ref, quantize_nvfp4_ref
+from sparrow.kernels.gemm.nvfp4 import GROUP, SCALE_DTYPE, dequantize_nvfp4_ref, quantize_nvfp4_ref
 from sparrow.quant._compressed_tensors import check_extras
 from sparrow.quant.base import LinearMethodBase, QuantizationConfig
 from sparrow.quant.nvfp4_moe import NAMES, Nvfp4MoEMethod, check_nvfp4_tensor, global_scale_shape
@@ -265,12 +265,12 @@ class Nvfp4LinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype (+ bias). Where Triton runs (CUDA): the NVFP4 kernel
-        (``sparrow.kernels.nvfp4_linear``, W4A16); elsewhere the weight dequantized to x's dtype as the
+        (``sparrow.kernels.gemm.nvfp4_linear``, W4A16); elsewhere the weight dequantized to x's dtype as the
         checkpoint's library does, and F.linear."""
         from sparrow.kernels import use_triton
 
         if use_triton(x) and getattr(layer, "nvfp4_g", None) is not None:
-            from sparrow.kernels.nvfp4_linear import nvfp4_linear_triton
+            from sparrow.kernels.gemm.nvfp4_linear import nvfp4_linear_triton
 
             shape = x.shape
             y = nvfp4_linear_triton(x.reshape(-1, shape[-1]), getattr(layer, self.codes), getattr(layer, self.scale),

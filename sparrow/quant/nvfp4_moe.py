@@ -11,8 +11,8 @@ On-load mode (``quantization="nvfp4"``): one layer's experts at a time load in t
 (``sparrow.quant.on_load``), then
 ``process_weights_after_loading`` quantizes each expert's gate, up and down projection by ModelOpt's formula
 (one global scale each, as an offline per-expert export has) into those parameters ("modelopt" convention).
-apply: ``sparrow.kernels.nvfp4_moe`` (W4A16 Triton kernels on CUDA; on CPU its twin: the selected experts
-dequantized to x's dtype, fp32 products, and the float paths of ``sparrow.kernels.moe_ref``).
+apply: ``sparrow.kernels.moe.nvfp4_moe`` (W4A16 Triton kernels on CUDA; on CPU its twin: the selected experts
+dequantized to x's dtype, fp32 products, and the float paths of ``sparrow.kernels.moe.moe_ref``).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from sparrow.errors import ModelLoadError
-from sparrow.kernels.nvfp4 import GROUP, SCALE_DTYPE, quantize_nvfp4_ref
+from sparrow.kernels.gemm.nvfp4 import GROUP, SCALE_DTYPE, quantize_nvfp4_ref
 from sparrow.quant.base import FusedMoEMethodBase
 from sparrow.quant.on_load import create_staged_experts
 from sparrow.quant.unquantized import stacked_expert_param
@@ -105,7 +105,7 @@ class Nvfp4MoEMethod(FusedMoEMethodBase):
 
     def dequantized(self, layer: nn.Module, stacked: str) -> torch.Tensor:
         """The stacked weight ``stacked`` ("gate_up_proj" / "down_proj") as fp32 [E, rows, cols]."""
-        from sparrow.kernels.nvfp4_moe import dequantize_nvfp4_experts
+        from sparrow.kernels.moe.nvfp4_moe import dequantize_nvfp4_experts
 
         codes, scale, glob, _ = (getattr(layer, p) for p in _PARAMS[stacked])
         return dequantize_nvfp4_experts(codes, scale, glob, self.divide_global)
@@ -139,9 +139,9 @@ class Nvfp4MoEMethod(FusedMoEMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               reduce: bool = True, lora=None) -> torch.Tensor:
-        """``sparrow.kernels.nvfp4_moe.nvfp4_fused_moe``: the W4A16 Triton kernels where Triton runs, else the twin
+        """``sparrow.kernels.moe.nvfp4_moe.nvfp4_fused_moe``: the W4A16 Triton kernels where Triton runs, else the twin
         (the selected experts dequantized, the float paths of ``moe_ref``); ``lora``: per-pair adapter deltas."""
-        from sparrow.kernels.nvfp4_moe import nvfp4_fused_moe
+        from sparrow.kernels.moe.nvfp4_moe import nvfp4_fused_moe
 
         return nvfp4_fused_moe(x, layer.gate_up_proj, layer.w13_weight_scale, layer.w13_global, layer.down_proj,
                                layer.w2_weight_scale, layer.w2_global, topk_weights, topk_ids, layer.activation,

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparrow.kernels.moe_ref import fused_moe_grouped_ref, fused_moe_per_pair_ref
+from sparrow.kernels.moe.moe_ref import fused_moe_grouped_ref, fused_moe_per_pair_ref
 from sparrow.quant.base import FusedMoEMethodBase, LinearMethodBase, QuantizationConfig
 from sparrow.quant.weight_loaders import bind_expert_loaders
 
@@ -34,7 +34,7 @@ def stacked_expert_param(layer: nn.Module, rows: int, cols: int, blocks: int, dt
 
 class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
     """Expert weights in the model dtype: ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]. apply: the Triton
-    grouped GEMM / per-expert GEMV (``sparrow.kernels.moe.fused_moe``) where Triton runs, else the torch path
+    grouped GEMM / per-expert GEMV (``sparrow.kernels.moe.moe.fused_moe``) where Triton runs, else the torch path
     chosen by P vs ``pair_threshold``."""
 
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
@@ -46,8 +46,8 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
               reduce: bool = True, lora=None) -> torch.Tensor:
         from sparrow.kernels import use_triton
 
-        if use_triton(x):  # Triton grouped GEMM / per-expert GEMV (sparrow/kernels/moe.py)
-            from sparrow.kernels.moe import fused_moe
+        if use_triton(x):  # Triton grouped GEMM / per-expert GEMV (sparrow/kernels/moe/moe.py)
+            from sparrow.kernels.moe.moe import fused_moe
 
             return fused_moe(x, layer.gate_up_proj, layer.down_proj, topk_weights, topk_ids, layer.activation,
                              w13_scale=None, w2_scale=None,

@@ -18,7 +18,7 @@ import torch
 
 from sparrow import SamplingParams
 from sparrow.errors import InvalidRequestError
-from sparrow.kernels.paged_attention import FP8_KV_DTYPE
+from sparrow.kernels.attention.paged_attention import FP8_KV_DTYPE
 from sparrow.kv_cache import kv_bytes_per_token
 from tests.helpers import (build_tiny_llama, generate_ids, ids_prompt, make_llm, random_prompts,  # noqa: F401
                            smollm2_gguf, tiny_model_dir)
@@ -128,7 +128,7 @@ def test_tiny_gemma4_attention_error_is_e4m3_rounding(gemma4_dir, monkeypatch):
     noise into many flipped greedy steps (teacher-forced agreement 0.48 measured), so it is checked per layer: each
     attention output over fp8 K / V (amax / 448 scales) vs the same K / V unquantized, on the layer's real inputs,
     NMSE < 5e-3 (measured 1.6e-3 .. 3.2e-3, sliding head dim 16 and full K = V head dim 32), and the engine runs."""
-    from sparrow.kernels.paged_attention import paged_attention_ref, quantize_kv_ref
+    from sparrow.kernels.attention.paged_attention import paged_attention_ref, quantize_kv_ref
     from sparrow.layers.attention import Attention
 
     seen = []

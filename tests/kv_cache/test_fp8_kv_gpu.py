@@ -29,10 +29,10 @@ def test_scale_updates_reach_a_captured_graph():
     """Scales are device tensors read by the kernels: changed in place after capture, the replay uses them."""
     import torch
 
-    from sparrow.kernels.attention import paged_decode_attention
-    from sparrow.kernels.paged_attention import paged_attention_ref
+    from sparrow.kernels.attention.attention import paged_decode_attention
+    from sparrow.kernels.attention.paged_attention import paged_attention_ref
     from sparrow.kv_cache.cache import LayerKVCache
-    from tests.kernels.test_kv_fp8 import fp8_batch
+    from tests.kernels.attention.test_kv_fp8 import fp8_batch
 
     batch = fp8_batch([1, 1, 1], [20, 33, 40], hq=4, hkv=2, d=64, q_dtype=torch.bfloat16, k_scale=0.02, v_scale=0.03)
     layer = LayerKVCache(0, batch[1], batch[2])

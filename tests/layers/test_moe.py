@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparrow.kernels.act import ACTIVATIONS, gelu_and_mul_ref, gelu_tanh_and_mul_ref, get_activation, \
+from sparrow.kernels.activation.act import ACTIVATIONS, gelu_and_mul_ref, gelu_tanh_and_mul_ref, get_activation, \
     silu_and_mul_ref
-from sparrow.kernels.moe_ref import fused_moe_grouped_ref, fused_moe_per_pair_ref
+from sparrow.kernels.moe.moe_ref import fused_moe_grouped_ref, fused_moe_per_pair_ref
 from sparrow.layers.moe import FusedMoE, MoEBlock, SharedExpert
 from sparrow.layers.router import Gemma4Router, HashRouter, Router
 from sparrow.quant.fp8_moe import quantize_experts
@@ -65,7 +65,7 @@ def test_paths_agree(rows, num_experts, top_k):
 def test_unreduced_pairs_reduce_to_the_output(rows, threshold, fp8):
     """``FusedMoE(..., reduce=False)``: the per-pair outputs [R K, H] in pair order, which moe_reduce turns into
     the reduced output."""
-    from sparrow.kernels.moe import moe_reduce_ref
+    from sparrow.kernels.moe.moe import moe_reduce_ref
 
     torch.manual_seed(rows)
     moe = _experts(8)

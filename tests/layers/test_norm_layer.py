@@ -73,7 +73,7 @@ def test_norm_add_chain(kind_other, eps_other, dtype):
 def test_norm_add_pair_weights(backend_name):
     """``pair_weights``: the experts' per-pair outputs are reduced (moe_reduce) before the chain; the same result
     as reducing first, fused or not (a differing next norm falls back to separate ops)."""
-    from sparrow.kernels.moe import moe_reduce_ref
+    from sparrow.kernels.moe.moe import moe_reduce_ref
 
     g = torch.Generator().manual_seed(3)
     norm, norm2, norm3 = (RMSNorm(48, 1e-6, kind="gemma4") for _ in range(3))

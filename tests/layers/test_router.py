@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparrow.kernels.router import select_experts
+from sparrow.kernels.moe.router import select_experts
 from sparrow.layers.router import Gemma4Router, HashRouter, Router
 
 

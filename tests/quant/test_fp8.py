@@ -16,7 +16,7 @@ import torch
 
 from sparrow.errors import InvalidRequestError, ModelLoadError
 from sparrow.kernels import backend
-from sparrow.kernels.gemv import FP8_MAX_ROWS, W8A8_MAX_ROWS
+from sparrow.kernels.gemm.gemv import FP8_MAX_ROWS, W8A8_MAX_ROWS
 from sparrow.layers.linear import Linear
 from sparrow.quant.unquantized import UnquantizedLinearMethod
 from sparrow.quant import bind_quant_config, quant_config_scope
@@ -468,7 +468,7 @@ def test_gpu_fp8_lm_head_shape(rows):
     it: the W8A8 GEMV (4,096 tiles, no split-K) up to 16 rows, then cuBLAS's block-scaled GEMM where the device
     has it (a weight this wide takes it from 17 rows), else the W8A16 GEMV / Triton GEMM; against x @ dequant(W).T
     (W8A8 budget; the W8A16 GEMV's products are exact)."""
-    from sparrow.kernels.scaled_mm import scaled_mm_supported
+    from sparrow.kernels.gemm.scaled_mm import scaled_mm_supported
     from sparrow.quant.fp8 import scaled_mm_min_rows
 
     v, h = 262144, 2816

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from sparrow.kernels import backend
-from sparrow.kernels.fp8 import dequantize_fp8_block_ref
-from sparrow.kernels.moe import fused_moe_fp8_ref
+from sparrow.kernels.gemm.fp8 import dequantize_fp8_block_ref
+from sparrow.kernels.moe.moe import fused_moe_fp8_ref
 from sparrow.layers.moe import FusedMoE
 from sparrow.quant.fp8_moe import Fp8MoEMethod, quantize_experts
 from tests.helpers import make_llm

@@ -1,4 +1,4 @@
-"""int4 W4A16 (``sparrow.quant.int4``, ``sparrow.kernels.int4``) against the format's own library and documented
+"""int4 W4A16 (``sparrow.quant.int4``, ``sparrow.kernels.gemm.int4``) against the format's own library and documented
 formulas, and whole tiny models against transformers.
 
 Oracles:
@@ -22,8 +22,8 @@ import torch
 
 from sparrow import SamplingParams
 from sparrow.errors import ModelLoadError
-from sparrow.kernels import int4 as int4_kernels
-from sparrow.kernels.int4 import dequantize_int4_ref, pack_int4_ref, quantize_int4_ref, unpack_int4_ref
+from sparrow.kernels.gemm import int4 as int4_kernels
+from sparrow.kernels.gemm.int4 import dequantize_int4_ref, pack_int4_ref, quantize_int4_ref, unpack_int4_ref
 from sparrow.quant.int4 import AWQ_ORDER, Int4Config, convert
 from tests.helpers import make_llm
 from tests.models._hf_tiny import BASE, DENSE, FAMILIES, build, compare, hf_greedy, prompts

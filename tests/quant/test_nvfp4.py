@@ -1,4 +1,4 @@
-"""NVFP4 weights (sparrow.quant.nvfp4, sparrow.kernels.nvfp4) against the format's own libraries, CPU fp32.
+"""NVFP4 weights (sparrow.quant.nvfp4, sparrow.kernels.gemm.nvfp4) against the format's own libraries, CPU fp32.
 
 Oracles: compressed-tensors' NVFP4 compressor (its observer formulas ``generate_gparam`` /
 ``calculate_qparams``, ``NVFP4PackedCompressor.compress`` / ``decompress``, ``pack_fp4_to_uint8``) for pack /
@@ -19,7 +19,7 @@ import torch
 
 from sparrow import SamplingParams
 from sparrow.errors import ModelLoadError
-from sparrow.kernels.nvfp4 import (
+from sparrow.kernels.gemm.nvfp4 import (
     dequantize_nvfp4_ref,
     e2m1_codes_ref,
     pack_nvfp4_ref,

@@ -103,7 +103,7 @@ class Int8MoEMethod(FusedMoEMethodBase):
             setattr(layer, sname, nn.Parameter(s, requires_grad=False))
 
     def apply(self, layer, x, topk_weights, topk_ids, reduce=True):
-        from sparrow.kernels.moe_ref import fused_moe_grouped_ref
+        from sparrow.kernels.moe.moe_ref import fused_moe_grouped_ref
 
         return fused_moe_grouped_ref(x, dequantize(layer.gate_up_proj, layer.w13_weight_scale).to(x.dtype),
                                      dequantize(layer.down_proj, layer.w2_weight_scale).to(x.dtype), topk_weights,

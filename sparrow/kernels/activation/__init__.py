@@ -1,0 +1,1 @@
+"""Gated activations of a fused gate|up projection (``act``)."""

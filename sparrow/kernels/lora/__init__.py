@@ -1,0 +1,1 @@
+"""Multi-adapter LoRA shrink / expand kernels, per row (``lora``)."""

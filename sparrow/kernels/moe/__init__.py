@@ -1,0 +1,3 @@
+"""Mixture-of-Experts kernels: the router (``router``), the pair sort (``moe_align``), the fused experts on float
+and FP8 weights (``moe``, twins in ``moe_ref``) and on 4-bit weights (``int4_moe``, ``nvfp4_moe``), the weighted
+reduce (``moe_reduce``) and their tile configs (``moe_configs``)."""
