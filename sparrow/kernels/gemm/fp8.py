@@ -2,7 +2,7 @@
 
 Shapes: R = rows, H = hidden (columns), G = ceil(H / group) groups per row, N x K = weight (out x in).
 
-Two layouts (design.md section 4):
+Two layouts:
 - activations: per row, per group of ``group`` (128) consecutive columns, one fp32 scale
   ``amax(|x|) / 448`` (448 = largest finite e4m3); q = x / scale, saturated to +-448, rounded to nearest.
   Same formula as DeepSeek-V3's ``act_quant`` and vLLM's ``per_token_group_quant_fp8``; like vLLM the amax

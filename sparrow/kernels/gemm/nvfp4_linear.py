@@ -15,7 +15,7 @@ each e2m1 value times its block scale is exact in bf16 / fp16, so one x-dtype do
 cannot beat it on Hopper with NVFP4's 16-element groups: e2m1 * e4m3 scale is not exact in e4m3, so the block
 scales must multiply partial sums per 16-column group, while the e4m3 MMA's depth is 32 (two dots per 32
 columns with half the operand zeroed: the FP8 MMA's 2x rate over bf16 goes to the zero halves), and at decode
-both read the same weight bytes (measured: benchmarks/README.md, 4-bit linears).
+both read the same weight bytes.
 """
 from __future__ import annotations
 

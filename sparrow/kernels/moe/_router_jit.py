@@ -2,7 +2,7 @@
 
 Shapes: R = rows, E = experts, K = top-k, G = expert groups (1 without grouped top-k), E / G = experts per
 group. One program routes one row: its logits are held as a [G_PAD, PER_PAD] tile (expert
-e = g * (E / G) + j), so grouped top-k needs no reshape. Formulas: ``sparrow.layers.router`` (design §3).
+e = g * (E / G) + j), so grouped top-k needs no reshape. Formulas: ``sparrow.layers.router``.
 """
 import triton
 import triton.language as tl
