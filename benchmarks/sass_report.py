@@ -178,8 +178,7 @@ def dense_variants(fmt: str, rows: int, n: int, k: int, configs, dump) -> None:
 
 
 def moe_variants(fmt: str, rows: int, tiles, dump) -> None:
-    from sparrow.kernels.gemm import _int4_jit
-    from sparrow.kernels.moe import int4_moe
+    from sparrow.kernels.moe import _w4_moe_jit, int4_moe
     from sparrow.kernels.gemm.int4 import quantize_int4_ref
     from sparrow.kernels.moe.moe_configs import MoeConfig, forced_config
     from sparrow.kernels.gemm.nvfp4 import quantize_nvfp4_ref
@@ -197,16 +196,16 @@ def moe_variants(fmt: str, rows: int, tiles, dump) -> None:
         c2, s2, _ = quantize_nvfp4_ref(torch.randn(e * h, i) / i ** 0.5)
         ops = (c13.view(torch.int32).reshape(e, 2 * i, -1), s13.reshape(e, 2 * i, -1), None, torch.ones(e, 2),
                c2.view(torch.int32).reshape(e, h, -1), s2.reshape(e, h, -1), None, torch.ones(e, 1), 16)
-    real = _int4_jit.w4_moe_gemv_kernel
+    real = _w4_moe_jit.w4_moe_gemv_kernel
     for tile in tiles:
-        rec = _int4_jit.w4_moe_gemv_kernel = Recorder(real)
+        rec = _w4_moe_jit.w4_moe_gemv_kernel = Recorder(real)
         try:
             with forced_config(MoeConfig(16, tile, tile)):
                 int4_moe.w4_fused_moe_triton(x, *ops, wts, ids, "gelu_pytorch_tanh")
         except Exception:
             pass  # the recorder returns nothing: moe_reduce has no output to read
         finally:
-            _int4_jit.w4_moe_gemv_kernel = real
+            _w4_moe_jit.w4_moe_gemv_kernel = real
         for (grid, args, kw), gemm in zip(rec.calls, ("gate_up", "down")):
             elems = kw["BLOCK_N"] * kw["BLOCK_K"] * (2 if kw["GATED"] else 1)
             report(f"moe {fmt} R={rows} {gemm} {_short(tile)}", real, args, kw, elems, dump)

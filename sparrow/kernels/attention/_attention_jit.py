@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sparrow.kernels.attention._attention_tile_jit import dot16, qk_scores, tanh_finite
+from sparrow.kernels.attention._attention_tile_jit import paged_kv_tile, pv_step, qk_scores, tanh_finite
 from sparrow.kernels.common._pdl_jit import pdl_enter
 
 
@@ -90,10 +90,7 @@ def paged_decode_kernel(
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, DV_PAD], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hi
-        page = tl.load(block_tables_ptr + s * stride_bt + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-        in_page = offs_n % PAGE
+        offs_n, n_mask, page, in_page = paged_kv_tile(block_tables_ptr, s, stride_bt, start, hi, PAGE, BLOCK_N)
         k_tok_off = page * stride_kn + in_page * stride_kb + kvh * stride_kh
         scores = qk_scores(
             q_ptr, q_row_off, q_head_off, g_mask, k_ptr, k_tok_off, n_mask,
@@ -108,15 +105,7 @@ def paged_decode_kernel(
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_tok_off = page * stride_vn + in_page * stride_vb + kvh * stride_vh
-        v = tl.load(
-            v_ptr + v_tok_off[:, None] + offs_dv[None, :], mask=n_mask[:, None] & dv_mask[None, :], other=0.0
-        )  # [BLOCK_N, DV_PAD]
-        if KV_FP8:
-            v = v.to(out_ptr.dtype.element_ty)
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + dot16(p.to(v.dtype), v, UPCAST)
+        acc = pv_step(acc, alpha, p, v_ptr, v_tok_off, offs_dv, n_mask, dv_mask, out_ptr, KV_FP8, DOT_FP32, UPCAST)
         m_i = m_new
 
     if KV_FP8:
@@ -233,10 +222,7 @@ def paged_prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hi
-        page = tl.load(block_tables_ptr + s * stride_bt + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-        in_page = offs_n % PAGE
+        offs_n, n_mask, page, in_page = paged_kv_tile(block_tables_ptr, s, stride_bt, start, hi, PAGE, BLOCK_N)
         k_tok_off = page * stride_kn + in_page * stride_kb + kvh * stride_kh
         scores = qk_scores(
             q_ptr, q_row_off, q_head_off, m_mask, k_ptr, k_tok_off, n_mask,
@@ -254,15 +240,7 @@ def paged_prefill_kernel(
         p = tl.exp(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_tok_off = page * stride_vn + in_page * stride_vb + kvh * stride_vh
-        v = tl.load(
-            v_ptr + v_tok_off[:, None] + offs_dv[None, :], mask=n_mask[:, None] & dv_mask[None, :], other=0.0
-        )  # [BLOCK_N, DV_PAD]
-        if KV_FP8:
-            v = v.to(out_ptr.dtype.element_ty)
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + dot16(p.to(v.dtype), v, UPCAST)
+        acc = pv_step(acc, alpha, p, v_ptr, v_tok_off, offs_dv, n_mask, dv_mask, out_ptr, KV_FP8, DOT_FP32, UPCAST)
         m_i = m_new
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padded rows only

@@ -1,5 +1,5 @@
-"""Triton helpers of the paged attention kernels (_attention_jit.py): the q.k tile product, 16-bit dots with the
-interpreter's workaround, and tanh for the soft-cap.
+"""Triton helpers of the paged attention kernels (_attention_jit.py): a key tile's pool pages, the q.k tile product,
+the p.v step, 16-bit dots with the interpreter's workaround, and tanh for the soft-cap.
 
 Shapes as _attention_jit.py: BLOCK_Q query rows, BLOCK_N keys, D walked in BLOCK_D chunks.
 """
@@ -54,3 +54,32 @@ def qk_scores(
             scores += dot16(qc.to(kc.dtype), kc, UPCAST)
     return scores
 
+
+
+@triton.jit
+def paged_kv_tile(block_tables_ptr, s, stride_bt, start, hi, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys start .. start + BLOCK_N of sequence s, live below hi: (offs_n [BLOCK_N] positions, n_mask, page
+    [BLOCK_N] int64 pool pages from the block table, in_page: each key's slot in its page)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hi
+    page = tl.load(block_tables_ptr + s * stride_bt + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+    in_page = offs_n % PAGE
+    return offs_n, n_mask, page, in_page
+
+
+@triton.jit
+def pv_step(acc, alpha, p, v_ptr, v_tok_off, offs_dv, n_mask, dv_mask, out_ptr,
+            KV_FP8: tl.constexpr, DOT_FP32: tl.constexpr, UPCAST: tl.constexpr):
+    """The online-softmax accumulator acc [BLOCK_Q, DV_PAD] fp32 rescaled by alpha [BLOCK_Q] plus p [BLOCK_Q, BLOCK_N]
+    @ v, v the tile's values at v_tok_off [BLOCK_N] element offsets (KV_FP8: e4m3, widened to out's dtype; the
+    caller applies v_scale)."""
+    v = tl.load(
+        v_ptr + v_tok_off[:, None] + offs_dv[None, :], mask=n_mask[:, None] & dv_mask[None, :], other=0.0
+    )  # [BLOCK_N, DV_PAD]
+    if KV_FP8:
+        v = v.to(out_ptr.dtype.element_ty)
+    if DOT_FP32:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + dot16(p.to(v.dtype), v, UPCAST)
+    return acc

@@ -12,5 +12,5 @@ CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
 FMA_ROWS = (1, 2, 4)
 """Rows one FMA program computes (``int4.Int4Config.fma``'s block_m, ``Tile.fma_rows``): one accumulator
-each (``_int4_jit.FMA_MAX_ROWS``, their largest, is the kernels' limit). Here, in a module without Triton
+each (``_w4_fma_jit.FMA_MAX_ROWS``, their largest, is the kernels' limit). Here, in a module without Triton
 bodies, so that the launchers and the Triton modules read it without an import cycle."""

@@ -180,7 +180,7 @@ class Int4Config:
     """Dots as W tile [block_n, K step] @ rows^T: the weight fills the MMA's M side (Hopper wgmma from
     block_n = 64) and the few rows its N side."""
     fma: bool = False
-    """No dots: the decoded weight tile meets the rows of x in fp32 FMAs (``_int4_jit._w4_fma_rows``), summed per
+    """No dots: the decoded weight tile meets the rows of x in fp32 FMAs (``_w4_fma_jit._w4_fma_rows``), summed per
     step: no MMA padding of the rows to 16 and no layout conversion of the weight tile for the dot, one FMA per
     element per row (GEMV tiles of one or a few rows; int4 steps of at most one group: block_k is cut to it)."""
 

@@ -6,9 +6,7 @@ Weights (design §3): gate_up [E, 2I, H] (rows :I gate, I: up), down [E, H, I]; 
 fp32 scales per 128 x 128 block, ``s [E, ceil(rows / 128), ceil(cols / 128)]`` (fp8.py's layout).
 
 Kernels, one launch each:
-- ``align_count_kernel`` / ``align_offsets_kernel`` / ``align_scatter_kernel``: pairs sorted (stably) by
-  expert, each expert's segment padded to a multiple of BLOCK_M with the sentinel P, the expert of every
-  block (-1 past the end) and the padded total, all on the device into worst-case-sized buffers.
+- ``_align_jit``'s three kernels (``moe_align``): the pairs sorted by expert for the grouped path.
 - ``moe_gemm_kernel``: grouped GEMM, program per (block of BLOCK_M sorted pairs, BLOCK_N outputs); GATED
   computes gate and up of x[pair // K] and stores act(gate) * up [P, I]; otherwise y = act[pair] @ down^T
   [P, H]. Each block reads only its expert's weights, so every expert's weights are read once per N tile.
@@ -156,6 +154,84 @@ def _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit,
     tl.store(ptrs, out.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _expert_leader(ids_ptr, p, P, P_PAD: tl.constexpr):
+    """The small path's leader of pair p's expert: (q [P_PAD] pair ids, member [P_PAD]: the pairs routed to that
+    expert, first: the lowest of them, mine: the expert). The leader (first == p) does the work for all of them."""
+    q = tl.arange(0, P_PAD)
+    eid = tl.load(ids_ptr + q, mask=q < P, other=-1)
+    mine = tl.load(ids_ptr + p)
+    member = (eid == mine) & (q < P)  # the pairs routed to this pair's expert
+    first = tl.min(tl.where(member, q, P_PAD), axis=0)
+    return q, member, first, mine
+
+
+@triton.jit
+def _leader_tiles(member, pid_n, pid_k, N, K, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """The leader's work: (count of its pairs, rank [P_PAD] of each among them, output columns rn [BN] and n_mask,
+    chunk slots sl [BLOCK_R], this K split's k_start, k_end)."""
+    count = tl.sum(member.to(tl.int32), axis=0)
+    rank = tl.cumsum(member.to(tl.int32), axis=0) - 1
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    sl = tl.arange(0, BLOCK_R)
+    k_start, k_end = split_k_range(K, pid_k, SPLIT_K, BLOCK_K)
+    return count, rank, rn, n_mask, sl, k_start, k_end
+
+
+@triton.jit
+def _leader_chunk(q, member, rank, count, c0, sl, A_ROW_DIV):
+    """The leader's pairs c0 .. c0 + BLOCK_R: (pair [BLOCK_R], m_mask, arow [BLOCK_R] int64: their rows of a)."""
+    match = member[None, :] & (rank[None, :] == (c0 + sl)[:, None])  # [BLOCK_R, P_PAD]
+    pair = tl.sum(tl.where(match, q[None, :], 0), axis=1)
+    m_mask = (c0 + sl) < count
+    arow = (pair // A_ROW_DIV).to(tl.int64)
+    return pair, m_mask, arow
+
+
+@triton.jit
+def _chunk_split_k(acc_g, acc_u, m_mask, ws_ptr, lock_ptr, pair, sl, pid_n, pid_k, GATED: tl.constexpr,
+                   SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The small path's in-kernel split-K reduce of a chunk (``_split_k_jit``): (acc_g, acc_u summed over the K
+    splits, m_mask cleared in every program but the tile's last, which runs the epilogue)."""
+    # the chunk's tile is named by its first pair (each pair is in one chunk of one expert)
+    tile = tl.sum(tl.where(sl == 0, pair, 0), axis=0) * tl.num_programs(1) + pid_n
+    NACC: tl.constexpr = 2 if GATED else 1
+    split_k_store(acc_g, ws_ptr, (tile * SPLIT_K + pid_k) * NACC, BLOCK_R, BLOCK_N)
+    if GATED:
+        split_k_store(acc_u, ws_ptr, (tile * SPLIT_K + pid_k) * NACC + 1, BLOCK_R, BLOCK_N)
+    last = split_k_arrive(lock_ptr, tile, SPLIT_K)
+    acc_g = split_k_sum(ws_ptr, tile * SPLIT_K * NACC, last, SPLIT_K, NACC, BLOCK_R, BLOCK_N)
+    if GATED:
+        acc_u = split_k_sum(ws_ptr, tile * SPLIT_K * NACC + 1, last, SPLIT_K, NACC, BLOCK_R, BLOCK_N)
+    return acc_g, acc_u, split_k_and(m_mask, last)
+
+
+@triton.jit
+def _grouped_program(total_ptr, BLOCK_M: tl.constexpr):
+    """The grouped path's program: (pid_m its block of sorted pairs, pid_n its N tile, live: the block starts below
+    the padded pair total)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    total = tl.load(total_ptr)
+    return pid_m, pid_n, pid_m * BLOCK_M < total
+
+
+@triton.jit
+def _block_pairs(sorted_ptr, block_expert_ptr, pid_m, pid_n, P, N, A_ROW_DIV, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """The grouped path's block pid_m of sorted pairs: (expert int64, pair [BM] (P: padding), m_mask, arow [BM]
+    int64: their rows of a, output columns rn [BN], n_mask)."""
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = pair < P
+    arow = (pair // A_ROW_DIV).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    return expert, pair, m_mask, arow, rn, n_mask
+
+
 # ----------------------------------------------------------------------------------------------- kernels
 
 
@@ -182,16 +258,10 @@ def moe_gemm_kernel(
     HAS_DELTA: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    total = tl.load(total_ptr)
-    if pid_m * BLOCK_M < total:
-        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        m_mask = pair < P
-        arow = (pair // A_ROW_DIV).to(tl.int64)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = rn < N
+    pid_m, pid_n, live = _grouped_program(total_ptr, BLOCK_M)
+    if live:
+        expert, pair, m_mask, arow, rn, n_mask = _block_pairs(sorted_ptr, block_expert_ptr, pid_m, pid_n, P, N,
+                                                              A_ROW_DIV, BLOCK_M, BLOCK_N)
         acc_g, acc_u = _mm_rows(
             a_ptr, arow, m_mask, stride_ar, a_s_ptr, stride_asr, w_ptr + expert * stride_we, stride_wn,
             s_ptr + expert * stride_se, stride_sn, rn, n_mask, N, 0, K,
@@ -224,41 +294,21 @@ def moe_gemv_kernel(
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     pdl_enter(USE_PDL)
-    q = tl.arange(0, P_PAD)
-    eid = tl.load(ids_ptr + q, mask=q < P, other=-1)
-    mine = tl.load(ids_ptr + p)
-    member = (eid == mine) & (q < P)  # the pairs routed to this pair's expert
-    first = tl.min(tl.where(member, q, P_PAD), axis=0)
+    q, member, first, mine = _expert_leader(ids_ptr, p, P, P_PAD)
     if first == p:  # the expert's leader does the work for all its pairs
-        count = tl.sum(member.to(tl.int32), axis=0)
-        rank = tl.cumsum(member.to(tl.int32), axis=0) - 1
+        count, rank, rn, n_mask, sl, k_start, k_end = _leader_tiles(member, pid_n, pid_k, N, K, SPLIT_K, BLOCK_R,
+                                                                    BLOCK_N, BLOCK_K)
         expert = mine.to(tl.int64)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = rn < N
-        sl = tl.arange(0, BLOCK_R)
-        k_start, k_end = split_k_range(K, pid_k, SPLIT_K, BLOCK_K)
         for c0 in range(0, count, BLOCK_R):
-            match = member[None, :] & (rank[None, :] == (c0 + sl)[:, None])  # [BLOCK_R, P_PAD]
-            pair = tl.sum(tl.where(match, q[None, :], 0), axis=1)
-            m_mask = (c0 + sl) < count
-            arow = (pair // A_ROW_DIV).to(tl.int64)
+            pair, m_mask, arow = _leader_chunk(q, member, rank, count, c0, sl, A_ROW_DIV)
             acc_g, acc_u = _mm_rows(
                 a_ptr, arow, m_mask, stride_ar, a_ptr, 0, w_ptr + expert * stride_we, stride_wn,
                 s_ptr + expert * stride_se, stride_sn, rn, n_mask, N, k_start, k_end,
                 GATED, FP8_W, EMULATE_FP8, UPCAST, BLOCK_R, BLOCK_N, BLOCK_K, SUB_K, SWAP_AB,
             )
             if SPLIT_K > 1:
-                # the chunk's tile is named by its first pair (each pair is in one chunk of one expert)
-                tile = tl.sum(tl.where(sl == 0, pair, 0), axis=0) * tl.num_programs(1) + pid_n
-                NACC: tl.constexpr = 2 if GATED else 1
-                split_k_store(acc_g, ws_ptr, (tile * SPLIT_K + pid_k) * NACC, BLOCK_R, BLOCK_N)
-                if GATED:
-                    split_k_store(acc_u, ws_ptr, (tile * SPLIT_K + pid_k) * NACC + 1, BLOCK_R, BLOCK_N)
-                last = split_k_arrive(lock_ptr, tile, SPLIT_K)
-                acc_g = split_k_sum(ws_ptr, tile * SPLIT_K * NACC, last, SPLIT_K, NACC, BLOCK_R, BLOCK_N)
-                if GATED:
-                    acc_u = split_k_sum(ws_ptr, tile * SPLIT_K * NACC + 1, last, SPLIT_K, NACC, BLOCK_R, BLOCK_N)
-                m_mask = split_k_and(m_mask, last)
+                acc_g, acc_u, m_mask = _chunk_split_k(acc_g, acc_u, m_mask, ws_ptr, lock_ptr, pair, sl, pid_n, pid_k,
+                                                      GATED, SPLIT_K, BLOCK_R, BLOCK_N)
             _epilogue(acc_g, acc_u, c_ptr, pair, m_mask, rn, n_mask, N, limit, GATED, ACT, HAS_LIMIT, RNE_BF16,
                       d_ptr, HAS_DELTA)
 
@@ -284,69 +334,3 @@ def moe_reduce_kernel(
     if RNE_BF16:
         acc = _rne_bf16(acc)
     tl.store(out_ptr + r * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit(do_not_specialize=["P"])  # step-varying counts: one variant (sparrow.engine.warmup)
-def align_count_kernel(
-    ids_ptr,  # [P] flattened topk_ids
-    counts_ptr,  # [C, E_PAD] int32 out: pairs per expert in each chunk of BLOCK_P pairs
-    rank_ptr,  # [P] int32 out: a pair's rank among its chunk's pairs of the same expert
-    P,
-    BLOCK_P: tl.constexpr, E_PAD: tl.constexpr,
-):
-    c = tl.program_id(0)
-    offs = c * BLOCK_P + tl.arange(0, BLOCK_P)
-    m = offs < P
-    ids = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
-    ex = tl.arange(0, E_PAD)
-    onehot = (ids[:, None] == ex[None, :]).to(tl.int32)  # [BLOCK_P, E_PAD]
-    tl.store(counts_ptr + c * E_PAD + ex, tl.sum(onehot, axis=0))
-    rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
-    tl.store(rank_ptr + offs, rank, mask=m)
-
-
-@triton.jit(do_not_specialize=["C", "P", "S", "NB"])  # step-varying counts: one variant (sparrow.engine.warmup)
-def align_offsets_kernel(
-    counts_ptr,  # [C, E_PAD] int32 from align_count_kernel
-    chunk_off_ptr,  # [C, E_PAD] int32 out: pairs of each expert in earlier chunks
-    start_ptr,  # [E_PAD] int32 out: first sorted position of each expert's segment
-    sorted_ptr,  # [S] int32 out: filled with the sentinel P here, pairs scattered later
-    block_expert_ptr,  # [NB] int32 out
-    total_ptr,  # [1] int32 out
-    C, P, S, NB,
-    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    ex = tl.arange(0, E_PAD)
-    run = tl.zeros([E_PAD], dtype=tl.int32)
-    for c in range(0, C):
-        cnt = tl.load(counts_ptr + c * E_PAD + ex)
-        tl.store(chunk_off_ptr + c * E_PAD + ex, run)
-        run += cnt
-    padded = (run + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    end = tl.cumsum(padded, axis=0)
-    tl.store(start_ptr + ex, end - padded)
-    total = tl.sum(padded, axis=0)
-    tl.store(total_ptr, total)
-    bs = tl.arange(0, BLOCK_S)
-    for b0 in range(0, NB, BLOCK_S):
-        pos = (b0 + bs) * BLOCK_M
-        owner = tl.sum((end[None, :] <= pos[:, None]).to(tl.int32), axis=1)  # segments ending at or before pos
-        tl.store(block_expert_ptr + b0 + bs, tl.where(pos < total, owner, -1), mask=b0 + bs < NB)
-    for s0 in range(0, S, BLOCK_S):
-        tl.store(sorted_ptr + s0 + bs, tl.zeros([BLOCK_S], dtype=tl.int32) + P, mask=s0 + bs < S)
-
-
-@triton.jit(do_not_specialize=["P"])  # step-varying counts: one variant (sparrow.engine.warmup)
-def align_scatter_kernel(
-    ids_ptr, rank_ptr, chunk_off_ptr, start_ptr,  # as above
-    sorted_ptr,  # [S] int32: sorted[start[e] + chunk_off[c, e] + rank[p]] = p
-    P,
-    BLOCK_P: tl.constexpr, E_PAD: tl.constexpr,
-):
-    c = tl.program_id(0)
-    offs = c * BLOCK_P + tl.arange(0, BLOCK_P)
-    m = offs < P
-    ids = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
-    pos = (tl.load(start_ptr + ids, mask=m, other=0) + tl.load(chunk_off_ptr + c * E_PAD + ids, mask=m, other=0)
-           + tl.load(rank_ptr + offs, mask=m, other=0))
-    tl.store(sorted_ptr + pos, offs, mask=m)

@@ -15,7 +15,7 @@ The Triton path (``w4_fused_moe_triton``, shared with the NVFP4 experts of ``nvf
 experts of ``moe``: the small path (P <= pair_threshold) a per-(pair, N tile, K split) GEMV whose expert leader
 streams the int32 words once for all the expert's pairs (dot rows padded to 16, group scales on the dot's
 result), the grouped path ``moe_align`` + a grouped GEMM (scales on the weight tile, rounded to x's dtype),
-activation fused into gate|up, then ``moe_reduce``. The kernels: ``_int4_jit``.
+activation fused into gate|up, then ``moe_reduce``. The kernels: ``_w4_moe_jit``.
 """
 from __future__ import annotations
 
@@ -172,7 +172,7 @@ def w4_fused_moe_triton(x, w13, s13, z13, g13, w2, s2, z2, g2, group, topk_weigh
                      BLOCK_K=tile.block_k, SUB_K=sub_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
                      **common, **pdl_kwargs(x))
         if small:
-            from sparrow.kernels.gemm._int4_jit import w4_moe_gemv_kernel
+            from sparrow.kernels.moe._w4_moe_jit import w4_moe_gemv_kernel
 
             block_r = min(_next_pow2(pairs), _next_pow2(rows))  # an expert appears once per row at most
             block_r = min(block_r, tile.fma_rows) if tile.fma_rows else max(16, block_r)
@@ -183,7 +183,7 @@ def w4_fused_moe_triton(x, w13, s13, z13, g13, w2, s2, z2, g2, group, topk_weigh
                 *args, topk_ids.reshape(-1), ws, locks, *strides, P_PAD=_next_pow2(pairs), BLOCK_R=block_r,
                 SPLIT_K=split, FMA=tile.fma_rows > 0, **flags)
         else:
-            from sparrow.kernels.gemm._int4_jit import w4_moe_gemm_kernel
+            from sparrow.kernels.moe._w4_moe_jit import w4_moe_gemm_kernel
 
             w4_moe_gemm_kernel[(block_expert.numel(), -(-n // tile.block_n))](
                 *args, sorted_ids, block_expert, total, *strides, BLOCK_M=cfg.block_m, **flags)

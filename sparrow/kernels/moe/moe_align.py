@@ -51,7 +51,7 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton launcher of ``moe_align_ref`` (same contract): three launches, no host sync."""
-    from sparrow.kernels.moe._moe_jit import align_count_kernel, align_offsets_kernel, align_scatter_kernel
+    from sparrow.kernels.moe._align_jit import align_count_kernel, align_offsets_kernel, align_scatter_kernel
 
     _check_align(topk_ids, num_experts, block_m)
     flat = topk_ids.reshape(-1)

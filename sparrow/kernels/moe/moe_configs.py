@@ -39,7 +39,7 @@ class Tile:
     operands."""
     fma_rows: int = 0
     """4-bit weights (``int4_moe``), small path: 0 - dots (rows padded to 16); n (a power of two) - no dots, each
-    expert's pairs n at a time as fp32 FMAs on the decoded weights (``_int4_jit._w4_fma_rows``; an expert with
+    expert's pairs n at a time as fp32 FMAs on the decoded weights (``_w4_fma_jit._w4_fma_rows``; an expert with
     more pairs reads its weights again for each n; int4 steps of at most one group: block_k is cut to it). Other
     kernels and the grouped path ignore it."""
     a_fp8: bool = False
