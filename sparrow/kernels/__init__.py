@@ -1,15 +1,18 @@
-"""Compute kernels. Each Triton kernel sits beside a torch twin with the same signature; the twin is
-the CPU path and the test oracle (style.md 7-8).
+"""Compute kernels, grouped by kind: ``gemm`` (the linear formats: FP8, int4, NVFP4), ``moe`` (router and
+experts), ``attention`` (paged decode / prefill, the KV write), ``norm_rope``, ``activation``, ``lora``, and
+``common`` (the Triton helpers and split-K workspace they share). Each Triton kernel sits beside a torch twin with
+the same signature; the twin is the CPU path and the test oracle (style.md 7-8).
 
-The layers pick a kernel with ``use_triton(x)``: Triton for CUDA tensors, the torch twin otherwise.
-``set_backend("torch")`` makes every layer use the twins even on the GPU (the reference path that the
-Triton path is tested against), ``set_backend("triton")`` forces the kernels even on CPU (under
-TRITON_INTERPRET=1, for tests), and ``set_backend(None)`` restores the default.
+One choice decides Triton or twin: ``use_triton(x)``, Triton for CUDA tensors, the torch twin otherwise. A kernel
+module declares its public op as ``dispatch(name, triton_fn, ref_fn, doc)``; ops with more than two paths and
+the layers' fused paths call ``use_triton`` themselves. ``set_backend("torch")`` makes everything use the twins
+even on the GPU (the reference path that the Triton path is tested against), ``set_backend("triton")`` forces
+the kernels even on CPU (under TRITON_INTERPRET=1, for tests), and ``set_backend(None)`` restores the default.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -47,6 +50,25 @@ def use_triton(x: torch.Tensor) -> bool:
     if _BACKEND is not None:
         return _BACKEND == "triton"
     return x.is_cuda
+
+
+def dispatch(name: str, triton_fn: Callable, ref_fn: Callable, doc: str,
+             fits: Callable[..., bool] | None = None) -> Callable:
+    """The public op ``name`` of a kernel and its torch twin: ``triton_fn(*args)`` where ``use_triton`` of the first
+    argument (the tensor that says where the op runs) and, if given, ``fits(*args)`` (a bound the kernel has, e.g.
+    a row count), else ``ref_fn(*args)``; same keyword arguments. ``inspect.signature`` shows ref_fn's."""
+    if fits is None:
+        def op(x, *args, **kwargs):
+            return (triton_fn if use_triton(x) else ref_fn)(x, *args, **kwargs)
+    else:
+        def op(x, *args, **kwargs):
+            fn = triton_fn if use_triton(x) and fits(x, *args, **kwargs) else ref_fn
+            return fn(x, *args, **kwargs)
+    op.__name__ = op.__qualname__ = name
+    op.__module__ = triton_fn.__module__
+    op.__doc__ = doc
+    op.__wrapped__ = ref_fn  # the signature
+    return op
 
 
 def interpreting() -> bool:

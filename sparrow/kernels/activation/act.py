@@ -21,7 +21,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from sparrow.kernels import pdl_kwargs, use_triton
+from sparrow.kernels import dispatch, pdl_kwargs, use_triton
+from sparrow.kernels.common.tiles import next_pow2
 
 
 # (largest I, BLOCK_I, num_warps): one program per (row, BLOCK_I outputs).
@@ -80,14 +81,10 @@ def gelu_tanh_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     return _launch(x, GELU_TANH, "gelu_tanh_and_mul")
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of x [R, 2I] -> [R, I]; Triton by use_triton (CUDA, or forced), else the twin."""
-    return silu_and_mul_triton(x) if use_triton(x) else silu_and_mul_ref(x)
-
-
-def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh(gate) * up of x [R, 2I] -> [R, I]; Triton by use_triton (CUDA, or forced), else the twin."""
-    return gelu_tanh_and_mul_triton(x) if use_triton(x) else gelu_tanh_and_mul_ref(x)
+silu_and_mul = dispatch("silu_and_mul", silu_and_mul_triton, silu_and_mul_ref, """silu(gate) * up of x [R, 2I] ->
+    [R, I]; Triton by use_triton (CUDA, or forced), else the twin.""")
+gelu_tanh_and_mul = dispatch("gelu_tanh_and_mul", gelu_tanh_and_mul_triton, gelu_tanh_and_mul_ref, """gelu_tanh(gate)
+    * up of x [R, 2I] -> [R, I]; Triton by use_triton (CUDA, or forced), else the twin.""")
 
 
 def act_and_mul(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -126,14 +123,10 @@ def _launch(x: torch.Tensor, act: int, name: str) -> torch.Tensor:
     if rows == 0 or inter == 0:
         return y
     _, block, num_warps = next(c for c in ACT_CONFIGS if inter <= c[0])
-    block = min(block, _next_pow2(inter))
+    block = min(block, next_pow2(inter))
     grid = (rows, -(-inter // block))
     act_and_mul_kernel[grid](x, y, inter, x.stride(0), ACT=act, BLOCK_I=block, num_warps=num_warps, **pdl_kwargs(x))
     return y
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 _TRITON_ACTS = {"silu": silu_and_mul_triton, "swish": silu_and_mul_triton,

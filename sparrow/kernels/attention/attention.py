@@ -108,23 +108,9 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n
     return max(1, min(want, tiles, MAX_SPLITS))
 
 
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    *,
-    max_seq_len: int | None = None,
-    num_splits: int | None = None,
-    config: dict[str, int] | None = None,
-) -> torch.Tensor:
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window=None,
+                           soft_cap=None, k_scale=None, v_scale=None, *, max_seq_len: int | None = None,
+                           num_splits: int | None = None, config: dict[str, int] | None = None) -> torch.Tensor:
     """Split-K paged attention for steps whose rows are all single-token decodes; returns [R, Hq, Dv].
 
     Arguments as ``paged_attention_ref``, with one row per sequence: sequence s owns row
@@ -188,21 +174,9 @@ def paged_decode_attention(
     return out
 
 
-def paged_prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    *,
-    config: dict[str, int] | None = None,
-) -> torch.Tensor:
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window=None,
+                            soft_cap=None, k_scale=None, v_scale=None, *, config: dict[str, int] | None = None
+                            ) -> torch.Tensor:
     """Causal paged attention for any mix of rows (prefill chunks, chunked prefill, decode); returns
     [R, Hq, Dv]. Arguments and semantics as ``paged_attention_ref``; earlier context is read from the pool,
     so chunked prefill and prefix-cache hits work. Grid (R // BLOCK_M + S, Hq): no host sync, no per-step
@@ -231,20 +205,9 @@ def paged_prefill_attention(
     return out
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``paged_attention_ref``'s contract, run by the fastest path: on CUDA (or under
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window=None,
+                    soft_cap=None, k_scale=None, v_scale=None) -> torch.Tensor:
+    """``paged_attention_ref``'s contract (and parameter types), run by the fastest path: on CUDA (or under
     ``sparrow.kernels.backend("triton")``) the split-K decode kernel when R == S (one row per sequence: the caller
     guarantees query_start_loc == arange(S + 1), i.e. no zero-length sequence), else the prefill kernel;
     on CPU the torch reference."""

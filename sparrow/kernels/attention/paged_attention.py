@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from sparrow.kernels import dispatch
+
 FP8_KV_DTYPE = torch.float8_e4m3fn
 """Storage dtype of FP8 KV pools (e4m3, finite max 448)."""
 FP8_KV_MAX = 448.0
@@ -113,14 +115,8 @@ def write_kv_triton(
                           KV_FP8=fp8, EMULATE_FP8=fp8 and interpreting())
 
 
-def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-) -> None:
-    """Dispatcher: ``write_kv_triton`` where ``sparrow.kernels.use_triton(k)``, else ``write_kv_ref``."""
-    from sparrow.kernels import use_triton
-
-    (write_kv_triton if use_triton(k) else write_kv_ref)(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+write_kv = dispatch("write_kv", write_kv_triton, write_kv_ref,
+                    """``write_kv_triton`` where ``sparrow.kernels.use_triton(k)``, else ``write_kv_ref``.""")
 
 
 def paged_attention_ref(

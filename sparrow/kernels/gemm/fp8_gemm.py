@@ -22,9 +22,7 @@ import dataclasses
 import torch
 
 from sparrow.kernels import ForcedConfig, interpreting, pdl_kwargs, use_triton
-
 from sparrow.kernels.common import split_k
-
 from sparrow.kernels.gemm.fp8 import (
     FP8_DTYPE,
     GROUP,

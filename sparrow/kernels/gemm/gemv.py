@@ -26,10 +26,10 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from sparrow.kernels import ForcedConfig, interpreting, pdl_kwargs, use_triton
-
-from sparrow.kernels.gemm.fp8 import FP8_DTYPE, GROUP, dequantize_fp8_block_ref
+from sparrow.kernels import ForcedConfig, dispatch, interpreting, pdl_kwargs, use_triton
 from sparrow.kernels.common import split_k
+from sparrow.kernels.common.tiles import next_pow2
+from sparrow.kernels.gemm.fp8 import FP8_DTYPE, GROUP, dequantize_fp8_block_ref
 
 MAX_ROWS = 16  # the GEMV path ends here; more rows are a GEMM
 FP8_MAX_ROWS = 64
@@ -160,11 +160,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return gemv_ref(x, w)
 
 
-def gemv_fp8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """y = x @ dequant(w, w_scale).T for e4m3 block-scaled w; see the module doc for the dispatch."""
-    if x.shape[0] <= FP8_MAX_ROWS and use_triton(x):
-        return gemv_fp8_triton(x, w, w_scale)
-    return gemv_fp8_ref(x, w, w_scale)
+def _fp8_rows_fit(x: torch.Tensor, *args, **kwargs) -> bool:
+    return x.shape[0] <= FP8_MAX_ROWS
+
+
+gemv_fp8 = dispatch("gemv_fp8", gemv_fp8_triton, gemv_fp8_ref, """y = x @ dequant(w, w_scale).T for e4m3 block-scaled
+    w; see the module doc for the dispatch.""", fits=_fp8_rows_fit)
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, quant_x: bool = False) -> torch.Tensor:
@@ -184,7 +185,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, quan
         raise ValueError(f"gemv_fp8: block_k {cfg.block_k} must divide or be a multiple of the 128 scale block")
     if quant_x and (sub_k != GROUP or not cfg.swap_ab):
         raise ValueError(f"gemv_w8a8: needs swap_ab and block_k a multiple of {GROUP}, got {cfg}")
-    block_r = max(16, _next_pow2(rows))
+    block_r = max(16, next_pow2(rows))
     tiles = -(-n // cfg.block_n)
     split, ws, locks = split_k.plan(x.device, tiles, -(-k // cfg.block_k), cfg.split_k, block_r * cfg.block_n, y)
     gemv_kernel[(tiles, split)](
@@ -237,7 +238,3 @@ def _check(x, w, name, max_rows, w_scale=None) -> None:
         raise ValueError(f"{name}: x and w need unit stride on K, got {x.stride()} and {w.stride()}")
     if w.device != x.device or (w_scale is not None and w_scale.device != x.device):
         raise ValueError(f"{name}: x, w (and w_scale) must be on one device")
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())

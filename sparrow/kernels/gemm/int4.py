@@ -32,8 +32,8 @@ import pathlib
 import torch
 import torch.nn.functional as F
 
-from sparrow.kernels import ForcedConfig, interpreting, use_triton
-from sparrow.kernels.common.tiles import CONFIG_DIR, FMA_ROWS
+from sparrow.kernels import ForcedConfig, dispatch, interpreting
+from sparrow.kernels.common.tiles import CONFIG_DIR, FMA_ROWS, cdiv
 
 PACK = 8
 """Codes per int32 word."""
@@ -276,7 +276,7 @@ def w4_dequantize(words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor |
                          "group that is a multiple of 8)")
     interp = interpreting()
     block_r = 32
-    w4_dequant_kernel[(triton_cdiv(rows, block_r), triton_cdiv(k, block_k))](
+    w4_dequant_kernel[(cdiv(rows, block_r), cdiv(k, block_k))](
         words, scale, zero if zero is not None else scale, g if g is not None else scale, out, rows, k,
         words.shape[-1], scale.shape[-1], k, g_rows, group, NVFP4=nvfp4, HAS_ZERO=zero is not None,
         HAS_G=g is not None, DIVIDE_G=divide_global, RNE_S=interp and scale.dtype == torch.bfloat16,
@@ -315,8 +315,8 @@ def w4_linear_launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, 
         raise ValueError(f"int4_linear: {cfg} does not fit group {group} (block_k a multiple of the group or "
                          f"dividing it, tiles >= 16; FMA tiles: block_m in {FMA_ROWS})")
     interp = interpreting()
-    m_tiles, n_tiles = triton_cdiv(rows, cfg.block_m), triton_cdiv(n, cfg.block_n)
-    split, ws, locks = split_k.plan(x.device, n_tiles, triton_cdiv(k, cfg.block_k), cfg.split_k if m_tiles == 1 else 1,
+    m_tiles, n_tiles = cdiv(rows, cfg.block_m), cdiv(n, cfg.block_n)
+    split, ws, locks = split_k.plan(x.device, n_tiles, cdiv(k, cfg.block_k), cfg.split_k if m_tiles == 1 else 1,
                                     cfg.block_m * cfg.block_n, y)
     w4_matmul_kernel[(n_tiles, m_tiles, split)](
         x, words, scale, zero if zero is not None else scale, g if nvfp4 else scale, y, ws, locks, rows, n, k,
@@ -328,16 +328,9 @@ def w4_linear_launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, 
     return y
 
 
-def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                group: int) -> torch.Tensor:
-    """y = x [R, K] @ dequantize(packed, scale, zero).T -> [R, N] in x's dtype: ``int4_linear_triton`` where
-    ``use_triton(x)``, else the twin ``int4_linear_ref``."""
-    fn = int4_linear_triton if use_triton(x) else int4_linear_ref
-    return fn(x, packed, scale, zero, group)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+int4_linear = dispatch("int4_linear", int4_linear_triton, int4_linear_ref, """y = x [R, K] @ dequantize(packed,
+    scale, zero).T -> [R, N] in x's dtype (``int4_linear_ref``'s signature): ``int4_linear_triton`` where
+    ``use_triton(x)``, else the twin ``int4_linear_ref``.""")
 
 
 def _check(x, packed, scale, zero, group, name) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from sparrow.kernels import pdl_kwargs, use_triton
+from sparrow.kernels import dispatch, pdl_kwargs, use_triton
 
 # Tile constants: the least total time of benchmarks/kernels_micro.py tune_lora on the H200 over gemma4-26b-a4b's
 # qkv, o_proj, expert gate_up and expert down deltas at 1, 8 and 64 decode rows (157.6 us against 262.1 for the
@@ -263,23 +263,16 @@ def _check_out(out, p, n, name) -> None:
 # ----------------------------------------------------------------------------------------- dispatchers
 
 
-def lora_shrink(x, a, slots, ranks, expert_ids=None, num_experts=1, slot_div=1, x_div=1, rank_div=1):
-    """t [P, R] fp32 = A[w(p)] @ x[p // x_div] (module doc); rows without an adapter are unspecified."""
-    fn = lora_shrink_triton if use_triton(x) else lora_shrink_ref
-    return fn(x, a, slots, ranks, expert_ids, num_experts, slot_div, x_div, rank_div)
+lora_shrink = dispatch("lora_shrink", lora_shrink_triton, lora_shrink_ref, """t [P, R] fp32 = A[w(p)] @ x[p // x_div]
+    (module doc); rows without an adapter are unspecified.""")
 
 
 def lora_expand(t, b, slots, ranks, out, expert_ids=None, num_experts=1, slot_div=1, rank_div=1, accumulate=True,
                 out_sizes=None, seg_cols=None):
-    """out[p] (+)= B[w(p)]^T @ t[p] in place (module doc); returns out."""
+    """out[p] (+)= B[w(p)]^T @ t[p] in place (module doc); returns out. Dispatched on ``out`` (the tensor written)."""
     fn = lora_expand_triton if use_triton(out) else lora_expand_ref
     return fn(t, b, slots, ranks, out, expert_ids, num_experts, slot_div, rank_div, accumulate, out_sizes, seg_cols)
 
 
-def lora_delta(x, a, b, slots, ranks, out, expert_ids=None, num_experts=1, slot_div=1, x_div=1, rank_div=1,
-               accumulate=True, out_sizes=None, seg_cols=None):
-    """out[p] (+)= B[w(p)]^T @ (A[w(p)] @ x[p // x_div]) in place (module doc; ``out_sizes`` / ``seg_cols``: the
-    segments); returns out."""
-    fn = lora_delta_triton if use_triton(x) else lora_delta_ref
-    return fn(x, a, b, slots, ranks, out, expert_ids, num_experts, slot_div, x_div, rank_div, accumulate,
-              out_sizes, seg_cols)
+lora_delta = dispatch("lora_delta", lora_delta_triton, lora_delta_ref, """out[p] (+)= B[w(p)]^T @ (A[w(p)] @
+    x[p // x_div]) in place (module doc; ``out_sizes`` / ``seg_cols``: the segments); returns out.""")

@@ -121,7 +121,8 @@ def w4_fused_moe_triton(x, w13, s13, z13, g13, w2, s2, z2, g2, group, topk_weigh
     from sparrow.kernels import interpreting, pdl_kwargs
     from sparrow.kernels.common import split_k
     from sparrow.kernels.common.tiles import FMA_ROWS
-    from sparrow.kernels.moe.moe import SMALL_MAX_PAIRS, _next_pow2
+    from sparrow.kernels.moe.moe import SMALL_MAX_PAIRS
+    from sparrow.kernels.common.tiles import next_pow2
     from sparrow.kernels.moe.moe_align import moe_align_triton
     from sparrow.kernels.moe.moe_configs import MoeConfig, Tile, forced_config, pick_config
     from sparrow.kernels.moe.moe_reduce import moe_reduce_triton
@@ -174,13 +175,13 @@ def w4_fused_moe_triton(x, w13, s13, z13, g13, w2, s2, z2, g2, group, topk_weigh
         if small:
             from sparrow.kernels.moe._w4_moe_jit import w4_moe_gemv_kernel
 
-            block_r = min(_next_pow2(pairs), _next_pow2(rows))  # an expert appears once per row at most
+            block_r = min(next_pow2(pairs), next_pow2(rows))  # an expert appears once per row at most
             block_r = min(block_r, tile.fma_rows) if tile.fma_rows else max(16, block_r)
             n_tiles = -(-n // tile.block_n)
             split, ws, locks = split_k.plan(x.device, pairs * n_tiles, -(-k // tile.block_k), tile.split_k,
                                             (2 if gated else 1) * block_r * tile.block_n, out)
             w4_moe_gemv_kernel[(pairs, n_tiles, split)](
-                *args, topk_ids.reshape(-1), ws, locks, *strides, P_PAD=_next_pow2(pairs), BLOCK_R=block_r,
+                *args, topk_ids.reshape(-1), ws, locks, *strides, P_PAD=next_pow2(pairs), BLOCK_R=block_r,
                 SPLIT_K=split, FMA=tile.fma_rows > 0, **flags)
         else:
             from sparrow.kernels.moe._w4_moe_jit import w4_moe_gemm_kernel

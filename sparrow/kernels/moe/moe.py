@@ -37,9 +37,9 @@ import dataclasses
 
 import torch
 
-from sparrow.kernels import interpreting as _interpret, pdl_kwargs, use_triton
-
+from sparrow.kernels import dispatch, interpreting as _interpret, pdl_kwargs
 from sparrow.kernels.common import split_k
+from sparrow.kernels.common.tiles import next_pow2
 from sparrow.kernels.gemm.fp8 import GROUP
 from sparrow.kernels.moe.moe_align import align_sizes, moe_align, moe_align_ref, moe_align_triton
 from sparrow.kernels.moe.moe_configs import MoeConfig, Tile, pick_config
@@ -99,8 +99,8 @@ def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activat
         from sparrow.kernels.moe._moe_jit import moe_gemv_kernel
 
         flat_ids = topk_ids.reshape(-1)
-        p_pad = _next_pow2(pairs)
-        block_r = max(16, min(p_pad, _next_pow2(rows)))  # an expert appears at most once per row
+        p_pad = next_pow2(pairs)
+        block_r = max(16, min(p_pad, next_pow2(rows)))  # an expert appears at most once per row
         for a, div, w, s, out, n, k, gated, tile, delta in gemms:
             tile = _fit_shared_memory(tile, block_r, a.element_size(), w.element_size(), gated)
             n_tiles = -(-n // tile.block_n)
@@ -139,15 +139,10 @@ def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activat
     return moe_reduce_triton(y, topk_weights, x.dtype) if reduce else y
 
 
-def fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu", *, w13_scale=None,
-              w2_scale=None, pair_threshold=64, swiglu_limit=None, reduce=True, lora=None):
-    """Routed experts of x [R, H] -> [R, H] in x's dtype; see the module doc.
-    ``reduce=False``: the unweighted per-pair outputs [P, H] in pair order instead, for a consumer that fuses
-    the weighted reduce (``moe_reduce``'s y). Triton where ``use_triton(x)``, else ``fused_moe_ref``.
-    Raises ValueError on bad shapes / dtypes."""
-    fn = fused_moe_triton if use_triton(x) else fused_moe_ref
-    return fn(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, w13_scale=w13_scale,
-              w2_scale=w2_scale, pair_threshold=pair_threshold, swiglu_limit=swiglu_limit, reduce=reduce, lora=lora)
+fused_moe = dispatch("fused_moe", fused_moe_triton, fused_moe_ref, """Routed experts of x [R, H] -> [R, H] in x's
+    dtype (``fused_moe_ref``'s signature); see the module doc. ``reduce=False``: the unweighted per-pair outputs
+    [P, H] in pair order instead, for a consumer that fuses the weighted reduce (``moe_reduce``'s y). Triton where
+    ``use_triton(x)``, else ``fused_moe_ref``. Raises ValueError on bad shapes / dtypes.""")
 
 
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100 / H200 allow 227 KB)
@@ -170,10 +165,6 @@ def _check_config(cfg: MoeConfig, fp8: bool) -> None:
             raise ValueError(f"fused_moe: FP8 needs {name}.block_k a multiple of {GROUP}, got {tile.block_k}")
         if min(tile.block_n, tile.block_k, cfg.block_m) < 16:
             raise ValueError(f"fused_moe: tile sizes must be >= 16 (tl.dot), got {cfg}")
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 __all__ = [

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from sparrow.kernels import use_triton
+from sparrow.kernels import dispatch
+from sparrow.kernels.common.tiles import next_pow2
 
 
 def align_sizes(pairs: int, num_experts: int, block_m: int) -> tuple[int, int]:
@@ -58,7 +59,7 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
     pairs = flat.numel()
     dev = flat.device
     size, nblocks = align_sizes(pairs, num_experts, block_m)
-    e_pad = _next_pow2(num_experts)
+    e_pad = next_pow2(num_experts)
     block_p = max(16, min(128, 8192 // e_pad))
     chunks = max(1, -(-pairs // block_p))
     counts = torch.empty(chunks, e_pad, dtype=torch.int32, device=dev)
@@ -78,9 +79,8 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_ids, block_expert, total
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """``moe_align_triton`` where ``use_triton(topk_ids)``, else ``moe_align_ref``."""
-    return (moe_align_triton if use_triton(topk_ids) else moe_align_ref)(topk_ids, num_experts, block_m)
+moe_align = dispatch("moe_align", moe_align_triton, moe_align_ref,
+                     """``moe_align_triton`` where ``use_triton(topk_ids)``, else ``moe_align_ref``.""")
 
 
 def _check_align(topk_ids, num_experts, block_m) -> None:
@@ -88,7 +88,3 @@ def _check_align(topk_ids, num_experts, block_m) -> None:
         raise ValueError(f"moe_align: topk_ids must be int32 / int64, got {topk_ids.dtype}")
     if num_experts < 1 or block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"moe_align: need num_experts >= 1 and a power-of-two block_m, got {num_experts}, {block_m}")
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from sparrow.kernels import interpreting as _interpret, pdl_kwargs, use_triton
+from sparrow.kernels import dispatch, interpreting as _interpret, pdl_kwargs
+from sparrow.kernels.common.tiles import next_pow2
 
 
 def moe_reduce_ref(y: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype | None = None
@@ -33,7 +34,7 @@ def moe_reduce_triton(y: torch.Tensor, topk_weights: torch.Tensor, out_dtype: to
         return out
     y = y.contiguous()
     w = topk_weights if topk_weights.stride(-1) == 1 else topk_weights.contiguous()
-    block_h = min(1024, _next_pow2(hidden))
+    block_h = min(1024, next_pow2(hidden))
     moe_reduce_kernel[(rows, -(-hidden // block_h))](
         y, w, out, hidden, w.stride(0),
         TOPK=top_k, RNE_BF16=_interpret() and out.dtype == torch.bfloat16, BLOCK_H=block_h,
@@ -42,10 +43,8 @@ def moe_reduce_triton(y: torch.Tensor, topk_weights: torch.Tensor, out_dtype: to
     return out
 
 
-def moe_reduce(y: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``moe_reduce_ref``'s contract: Triton where ``use_triton(y)``, else the twin."""
-    fn = moe_reduce_triton if use_triton(y) else moe_reduce_ref
-    return fn(y, topk_weights, out_dtype)
+moe_reduce = dispatch("moe_reduce", moe_reduce_triton, moe_reduce_ref,
+                      """``moe_reduce_ref``'s contract: Triton where ``use_triton(y)``, else the twin.""")
 
 
 def _check_reduce(y, topk_weights) -> tuple[int, int]:
@@ -53,7 +52,3 @@ def _check_reduce(y, topk_weights) -> tuple[int, int]:
         raise ValueError(f"moe_reduce: need y [P, H] and topk_weights [R, K] with P = R * K, got "
                          f"{tuple(y.shape)} and {tuple(topk_weights.shape)}")
     return topk_weights.shape
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())

@@ -82,18 +82,9 @@ def fused_moe_grouped_ref(
     return out.to(x.dtype)
 
 
-def fused_moe_per_pair_ref(
-    x: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    activation: str = "silu",
-    swiglu_limit: float | None = None,
-    reduce: bool = True,
-    lora=None,
-) -> torch.Tensor:
-    """Per-pair GEMV path, no sort: same signature and result as ``fused_moe_grouped_ref``."""
+def fused_moe_per_pair_ref(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu", swiglu_limit=None,
+                           reduce=True, lora=None) -> torch.Tensor:
+    """Per-pair GEMV path, no sort: same signature (parameter types) and result as ``fused_moe_grouped_ref``."""
     num_rows, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1).long()  # [P]
     xp = x.repeat_interleave(top_k, dim=0)  # [P, H]
@@ -110,21 +101,9 @@ def fused_moe_per_pair_ref(
     return out.to(x.dtype)
 
 
-def fused_moe_fp8_ref(
-    x: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    activation: str = "silu",
-    swiglu_limit: float | None = None,
-    *,
-    w13_scale: torch.Tensor,
-    w2_scale: torch.Tensor,
-    reduce: bool = True,
-    lora=None,
-) -> torch.Tensor:
-    """Torch twin of the FP8 W8A8 experts: x and the intermediate quantized per 128-column group
+def fused_moe_fp8_ref(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation="silu", swiglu_limit=None, *,
+                      w13_scale: torch.Tensor, w2_scale: torch.Tensor, reduce: bool = True, lora=None) -> torch.Tensor:
+    """Torch twin of the FP8 W8A8 experts (the leading parameters: ``fused_moe_grouped_ref``'s): x and the intermediate quantized per 128-column group
     (fp8.py), weights dequantized per 128 x 128 block, matmuls in fp32, the intermediate and each pair's
     output rounded to x's dtype, fp32 weighted reduce. Same contract as ``fused_moe``'s FP8 case."""
     num_rows, top_k = topk_ids.shape

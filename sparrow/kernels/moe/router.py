@@ -26,9 +26,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from sparrow.kernels import ForcedConfig, pdl_kwargs, use_triton
-
+from sparrow.kernels import ForcedConfig, dispatch, pdl_kwargs
 from sparrow.kernels.common import split_k
+from sparrow.kernels.common.tiles import next_pow2
 
 MAX_EXPERTS = 4096  # one row's logits live in one program's registers
 SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
@@ -100,51 +100,29 @@ def select_experts(
         raise ValueError(f"router top_k={top_k} must be in [1, num_experts={num_experts}]")
     scores = score_logits(router_logits, scoring)
     choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
-    if (n_group is None) != (topk_group is None):
-        raise ValueError(f"grouped top-k needs both n_group and topk_group, got {n_group=} {topk_group=}")
-    if n_group is not None and topk_group is not None and n_group > 1:
-        if num_experts % n_group or not 1 <= topk_group <= n_group:
-            raise ValueError(f"grouped top-k: {num_experts} experts, {n_group=}, {topk_group=} is inconsistent")
-        if top_k > topk_group * (num_experts // n_group):
-            raise ValueError(f"grouped top-k: top_k={top_k} exceeds the {topk_group} kept groups' experts")
-        choice = _group_mask(choice, n_group, topk_group)
+    groups, keep = _groups(num_experts, top_k, n_group, topk_group)
+    if groups > 1:
+        choice = _group_mask(choice, groups, keep)
     topk_ids = choice.topk(top_k, dim=-1).indices
     return weigh_experts(scores, topk_ids, renormalize, routed_scaling_factor, per_expert_scale), topk_ids
 
 
-
-def fused_router_ref(
-    router_logits: torch.Tensor,
-    top_k: int,
-    scoring: str = "softmax",
-    renormalize: bool = False,
-    e_score_correction_bias: torch.Tensor | None = None,
-    n_group: int | None = None,
-    topk_group: int | None = None,
-    routed_scaling_factor: float = 1.0,
-    per_expert_scale: torch.Tensor | None = None,
-    ids_dtype: torch.dtype = torch.int64,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch twin: ``select_experts`` with ids cast to ``ids_dtype`` (int32 or int64)."""
+def fused_router_ref(router_logits, top_k, scoring="softmax", renormalize=False, e_score_correction_bias=None,
+                     n_group=None, topk_group=None, routed_scaling_factor=1.0, per_expert_scale=None,
+                     ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch twin: ``select_experts`` (its parameters and their types) with ids cast to ``ids_dtype`` (int32 or
+    int64)."""
     _check(router_logits, top_k, scoring, e_score_correction_bias, per_expert_scale, ids_dtype)
     weights, ids = select_experts(router_logits, top_k, scoring, renormalize, e_score_correction_bias,
                                   n_group, topk_group, routed_scaling_factor, per_expert_scale)
     return weights, ids.to(ids_dtype)
 
 
-def fused_router_triton(
-    router_logits: torch.Tensor,
-    top_k: int,
-    scoring: str = "softmax",
-    renormalize: bool = False,
-    e_score_correction_bias: torch.Tensor | None = None,
-    n_group: int | None = None,
-    topk_group: int | None = None,
-    routed_scaling_factor: float = 1.0,
-    per_expert_scale: torch.Tensor | None = None,
-    ids_dtype: torch.dtype = torch.int64,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton launcher of ``fused_router_ref`` (same contract); one program per row, no host sync."""
+def fused_router_triton(router_logits, top_k, scoring="softmax", renormalize=False, e_score_correction_bias=None,
+                        n_group=None, topk_group=None, routed_scaling_factor=1.0, per_expert_scale=None,
+                        ids_dtype=torch.int64):
+    """Triton launcher of ``fused_router_ref`` (its parameters, types and contract); one program per row, no host
+    sync."""
     from sparrow.kernels.moe._router_jit import SIGMOID, SOFTMAX, SQRTSOFTPLUS, router_kernel
 
     _check(router_logits, top_k, scoring, e_score_correction_bias, per_expert_scale, ids_dtype)
@@ -163,29 +141,16 @@ def fused_router_triton(
         logits.stride(0), float(routed_scaling_factor),
         SCORING={"softmax": SOFTMAX, "sigmoid": SIGMOID, "sqrtsoftplus": SQRTSOFTPLUS}[scoring],
         HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, RENORM=bool(renormalize),
-        TOPK=top_k, K_PAD=_next_pow2(top_k), N_GROUP=groups, TOPK_GROUP=keep, PER_GROUP=per_group,
-        G_PAD=_next_pow2(groups), PER_PAD=_next_pow2(per_group), num_warps=4 if num_experts >= 512 else 1,
+        TOPK=top_k, K_PAD=next_pow2(top_k), N_GROUP=groups, TOPK_GROUP=keep, PER_GROUP=per_group,
+        G_PAD=next_pow2(groups), PER_PAD=next_pow2(per_group), num_warps=4 if num_experts >= 512 else 1,
         **pdl_kwargs(logits),
     )
     return weights, ids
 
 
-def fused_router(
-    router_logits: torch.Tensor,
-    top_k: int,
-    scoring: str = "softmax",
-    renormalize: bool = False,
-    e_score_correction_bias: torch.Tensor | None = None,
-    n_group: int | None = None,
-    topk_group: int | None = None,
-    routed_scaling_factor: float = 1.0,
-    per_expert_scale: torch.Tensor | None = None,
-    ids_dtype: torch.dtype = torch.int64,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Route each row (module doc); Triton where ``use_triton(router_logits)``, else the twin."""
-    fn = fused_router_triton if use_triton(router_logits) else fused_router_ref
-    return fn(router_logits, top_k, scoring, renormalize, e_score_correction_bias, n_group, topk_group,
-              routed_scaling_factor, per_expert_scale, ids_dtype)
+fused_router = dispatch("fused_router", fused_router_triton, fused_router_ref,
+                        """Route each row (module doc; ``fused_router_ref``'s signature); Triton where
+    ``use_triton(router_logits)``, else the twin.""")
 
 
 MAX_LOGIT_ROWS = 256  # above this, router_logits goes to torch's (cuBLAS) fp32 matmul (LOGITS_CONFIGS)
@@ -245,8 +210,8 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, rms_eps: float |
     if rows == 0 or num_experts == 0:
         return out
     cfg = forced_logits_config.value or next((c for bound, c in LOGITS_CONFIGS if rows <= bound), LOGITS_CONFIGS[-1][1])
-    block_r = min(_next_pow2(rows), cfg.block_r)
-    block_h = cfg.block_h or min(max(16, _next_pow2(hidden)), max(128, 4096 // block_r))
+    block_r = min(next_pow2(rows), cfg.block_r)
+    block_h = cfg.block_h or min(max(16, next_pow2(hidden)), max(128, 4096 // block_r))
     grid_e, grid_r = -(-num_experts // cfg.block_e), -(-rows // block_r)
     nacc = 2 if rms_eps is not None else 1
     split, ws, locks = split_k.plan(x.device, grid_e * grid_r, -(-hidden // block_h), cfg.split_k,
@@ -259,12 +224,14 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, rms_eps: float |
     return out
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor, rms_eps: float | None = None) -> torch.Tensor:
-    """``router_logits_ref``'s contract: the Triton kernel where ``use_triton(x)`` and R <= MAX_LOGIT_ROWS
-    (decode: one launch instead of a cast, a norm and a cuBLAS GEMV), else the twin."""
-    if x.shape[0] <= MAX_LOGIT_ROWS and use_triton(x):
-        return router_logits_triton(x, weight, rms_eps)
-    return router_logits_ref(x, weight, rms_eps)
+def _logit_rows_fit(x: torch.Tensor, *args, **kwargs) -> bool:
+    return x.shape[0] <= MAX_LOGIT_ROWS
+
+
+router_logits = dispatch("router_logits", router_logits_triton, router_logits_ref,
+                         """``router_logits_ref``'s contract: the Triton kernel where ``use_triton(x)`` and R <=
+    MAX_LOGIT_ROWS (decode: one launch instead of a cast, a norm and a cuBLAS GEMV), else the twin.""",
+                         fits=_logit_rows_fit)
 
 
 def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, rms_eps: float | None = None,
@@ -318,7 +285,3 @@ def _check(logits, top_k, scoring, bias, scale, ids_dtype) -> None:
                              f"{tuple(t.shape)} on {t.device}")
     if ids_dtype not in (torch.int32, torch.int64):
         raise ValueError(f"fused_router: ids_dtype must be torch.int32 or torch.int64, got {ids_dtype}")
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from sparrow.kernels import pdl_kwargs, use_triton
+from sparrow.kernels import dispatch, pdl_kwargs
+from sparrow.kernels.common.tiles import next_pow2
 from sparrow.kernels.gemm.fp8 import GROUP
 
 
@@ -99,23 +100,10 @@ def _weighted(xhat: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, gemm
     return (weight.float() * xhat.to(dtype).float()).to(dtype)
 
 
-def rms_norm_triton(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    *,
-    gemma: bool = False,
-    unit_offset: bool = True,
-    residual: torch.Tensor | None = None,
-    post_add: torch.Tensor | None = None,
-    post_scale: torch.Tensor | None = None,
-    pre_weight: torch.Tensor | None = None,
-    pre_add: torch.Tensor | None = None,
-    pre_add_weight: torch.Tensor | None = None,
-    next_weights: tuple[torch.Tensor, ...] = (),
-    pair_weights: torch.Tensor | None = None,
-):
-    """Triton launcher of ``rms_norm`` (same signature and returns); one program per (row, head)."""
+def rms_norm_triton(x, weight, eps, *, gemma=False, unit_offset=True, residual=None, post_add=None, post_scale=None,
+                    pre_weight=None, pre_add=None, pre_add_weight=None, next_weights=(), pair_weights=None):
+    """Triton launcher of ``rms_norm`` (``rms_norm_ref``'s parameters, types and returns); one program per
+    (row, head)."""
     from sparrow.kernels.norm_rope._norm_jit import rms_norm_kernel
 
     _check(x, weight, residual, post_add, post_scale, pre_weight, pre_add, pre_add_weight, next_weights,
@@ -125,8 +113,8 @@ def rms_norm_triton(
     heads = x.shape[1] if x.dim() == 3 else 1
     out_shape = x.shape if pair_weights is None else (rows, hidden)
     stride_xh = x.stride(1) if x.dim() == 3 else 0
-    group = GROUP if hidden >= GROUP else max(16, _next_pow2(hidden))
-    block_g = _next_pow2(-(-hidden // group))
+    group = GROUP if hidden >= GROUP else max(16, next_pow2(hidden))
+    block_g = next_pow2(-(-hidden // group))
     num_warps = next(w for limit, w in NORM_WARPS if block_g * group <= limit)
 
     y = torch.empty(out_shape, dtype=x.dtype, device=x.device)
@@ -176,23 +164,8 @@ def rms_norm_triton(
     return outs[0] if len(outs) == 1 else outs
 
 
-def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    *,
-    gemma: bool = False,
-    unit_offset: bool = True,
-    residual: torch.Tensor | None = None,
-    post_add: torch.Tensor | None = None,
-    post_scale: torch.Tensor | None = None,
-    pre_weight: torch.Tensor | None = None,
-    pre_add: torch.Tensor | None = None,
-    pre_add_weight: torch.Tensor | None = None,
-    next_weights: tuple[torch.Tensor, ...] = (),
-    pair_weights: torch.Tensor | None = None,
-):
-    """RMSNorm of x over its last dim; Triton by ``sparrow.kernels.use_triton`` (CUDA, or forced), the torch twin otherwise.
+rms_norm = dispatch("rms_norm", rms_norm_triton, rms_norm_ref, """RMSNorm of x over its last dim (``rms_norm_ref``'s
+    signature); Triton by ``sparrow.kernels.use_triton`` (CUDA, or forced), the torch twin otherwise.
 
     x: [R, H] or per-head [R, nH, D] (q_norm / k_norm; any row / head strides, unit stride on the last
     dim), fp32 / bf16 / fp16. weight: [H] (any float dtype) or None for scale-free. eps: float.
@@ -220,15 +193,7 @@ def rms_norm(
     Returns ``y`` [R, H] in x's dtype, with ``new_residual`` [R, H] appended when residual is given:
     ``(y, new_residual)``; then one [R, H] tensor in x's dtype per next_weights entry.
     Raises ValueError naming the bad shape, dtype or stride.
-    """
-    fn = rms_norm_triton if use_triton(x) else rms_norm_ref
-    return fn(x, weight, eps, gemma=gemma, unit_offset=unit_offset, residual=residual,
-              post_add=post_add, post_scale=post_scale, pre_weight=pre_weight, pre_add=pre_add,
-              pre_add_weight=pre_add_weight, next_weights=next_weights, pair_weights=pair_weights)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+    """)
 
 
 def _check(x, weight, residual, post_add=None, post_scale=None, pre_weight=None, pre_add=None,

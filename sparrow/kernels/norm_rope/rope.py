@@ -150,28 +150,11 @@ def _check(q, k, v, positions, cos_sin_cache, rotary_dim, qw, kw, k_eq_v, k_cach
             raise ValueError(f"{name} needs a contiguous head dim")
 
 
-def qk_norm_rope_kv_write(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor | None,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    rotary_dim: int,
-    q_norm_weight: torch.Tensor | None,
-    k_norm_weight: torch.Tensor | None,
-    eps: float,
-    gemma_norm: bool,
-    v_norm: bool,
-    k_eq_v: bool,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
-    norm_offset: float = 1.0,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head q/k RMSNorm, RoPE, and the write of K / V into the paged cache, in one kernel.
+def qk_norm_rope_kv_write(q, k, v, positions, cos_sin_cache, rotary_dim, q_norm_weight, k_norm_weight, eps,
+                          gemma_norm, v_norm, k_eq_v, k_cache, v_cache, slot_mapping, *, norm_offset=1.0,
+                          k_scale=None, v_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head q/k RMSNorm, RoPE, and the write of K / V into the paged cache, in one kernel (the parameter
+    types: ``qk_norm_rope_kv_write_ref``).
 
     q [R, Hq, D], k [R, Hkv, D], v [R, Hkv, Dv] or None (k_eq_v), same float dtype; positions [R] int64;
     cos_sin_cache [max_pos, RD] fp32 (``build_cos_sin_cache``); q/k_norm_weight [D] or None (no norm);
