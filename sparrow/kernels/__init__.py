@@ -1,7 +1,7 @@
 """Compute kernels, grouped by kind: ``gemm`` (the linear formats: FP8, int4, NVFP4), ``moe`` (router and
 experts), ``attention`` (paged decode / prefill, the KV write), ``norm_rope``, ``activation``, ``lora``, and
 ``common`` (the Triton helpers and split-K workspace they share). Each Triton kernel sits beside a torch twin with
-the same signature; the twin is the CPU path and the test oracle (style.md 7-8).
+the same signature; the twin is the CPU path and the test oracle.
 
 One choice decides Triton or twin: ``use_triton(x)``, Triton for CUDA tensors, the torch twin otherwise. A kernel
 module declares its public op as ``dispatch(name, triton_fn, ref_fn, doc)``; ops with more than two paths and

@@ -5,7 +5,7 @@ Dv = value head dim (must equal D), N = pages in the pool, B = page size, M = ma
 P = decode splits. Semantics (positions, window, soft-cap, cache layout) are those of
 ``paged_attention_ref`` in paged_attention.py, the torch twin and oracle of every function here.
 
-Tile configs are data (style.md 9): ``DECODE_CONFIGS`` / ``PREFILL_CONFIGS`` keyed by the padded head dim;
+Tile configs are data: ``DECODE_CONFIGS`` / ``PREFILL_CONFIGS`` keyed by the padded head dim;
 pass ``config=`` to force one. ``sparrow.kernels.backend("triton")`` makes the dispatcher run the kernels even on CPU
 (under TRITON_INTERPRET=1), for tests.
 """
@@ -25,9 +25,9 @@ DECODE_CONFIGS: dict[int, dict[str, int]] = {
     256: dict(BLOCK_N=32, BLOCK_D=128, num_warps=4, num_stages=2),
     512: dict(BLOCK_N=32, BLOCK_D=128, num_warps=8, num_stages=2),
 }
-# 256 and 512: H200 sweep (benchmarks/attention_prefill.py --tune, Gemma 4 shapes, 4 x 2048 tokens): 232 and
-# 138 TFLOP/s, against 105 and 62 for the previous entries (64 x 32 x 128 / 8 warps, 32 x 32 x 128 / 1 stage);
-# torch SDPA on unpaged tensors reaches 99 and 18 there. For D = 512, BLOCK_M = 128 was slower than 64.
+# 256 and 512: the fastest tiles of the H200 sweep (benchmarks/attention_prefill.py --tune, Gemma 4 shapes, 4 x 2048
+# tokens; the figures are in benchmarks/README.md), ahead of torch SDPA on unpaged tensors. For D = 512, BLOCK_M = 64
+# is faster than 128.
 PREFILL_CONFIGS: dict[int, dict[str, int]] = {
     64: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, num_warps=4, num_stages=2),
     128: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, num_warps=4, num_stages=2),

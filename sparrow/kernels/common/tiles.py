@@ -1,4 +1,4 @@
-"""Tile-config helpers shared by the kernel families (style.md 9: tile configs are data).
+"""Tile-config helpers shared by the kernel families (tile configs are data).
 
 ``CONFIG_DIR`` holds the tuned config files (``moe_configs.config_file``, ``int4.config_file``); ``FMA_ROWS`` the
 row counts of one 4-bit FMA GEMV program, read by the dense and the routed 4-bit kernels alike.

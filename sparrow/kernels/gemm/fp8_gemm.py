@@ -11,7 +11,7 @@ formula of ``sparrow.kernels.gemm.fp8.quantize_fp8_per_group_ref``. w = w_e4m3 *
 matmul), ``fp8_gemm_triton`` the launcher with the same signature, ``fp8_gemm`` the dispatcher (Triton for
 CUDA tensors or under ``sparrow.kernels.backend("triton")``, else the twin).
 
-Tile configs are data (style.md 9): ``FP8_GEMM_CONFIGS`` maps a row bound to a config, the first bound
+Tile configs are data: ``FP8_GEMM_CONFIGS`` maps a row bound to a config, the first bound
 covering M wins; tests force one with ``with forced_config(Fp8GemmConfig(...)):``. The entries are a
 split-K tiles tuned on the H200 up to 64 rows, and untuned defaults above (128 x 128 for prefill).
 """
@@ -53,9 +53,8 @@ BLOCK_K = GROUP  # one 128-wide scale group per K step
 
 # (largest M, config). Up to 64 rows (decode batches above the GEMV's 16): H200 sweep (kernels_micro.py
 # tune_fp8_gemm, M = 64, block_m 32-64, block_n 32-128, split-K 1-8, stages 3-4) at K x N = 2816 x 8192,
-# 4096 x 2816, 2112 x 2816, 2816 x 4224: 32 x 128 tiles with split-K 4 take 42.9 / 28.8 / 18.7 / 23.9 us,
-# against 53.2 / 69.2 / 41.7 / 48.4 us for the best tiles without split-K (each shape's best: 35.1 / 26.0 /
-# 17.8 / 23.9). Still 10-15 % of copy bandwidth: far from bound. Above 64 rows: untuned defaults (128 x 128
+# 4096 x 2816, 2112 x 2816, 2816 x 4224: 32 x 128 tiles with split-K 4 are near each shape's best and well ahead
+# of every tile without split-K, though still far from the bytes bound. Above 64 rows: untuned defaults (128 x 128
 # tiles for prefill, Hopper wgmma).
 FP8_GEMM_CONFIGS: tuple[tuple[int, Fp8GemmConfig], ...] = (
     (64, Fp8GemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=3, split_k=4)),

@@ -14,7 +14,7 @@ oracle), ``*_triton`` the launchers (same signatures), ``gemv`` / ``gemv_fp8`` t
 CUDA tensors with R <= MAX_ROWS (``gemv_fp8``: FP8_MAX_ROWS; or anywhere under ``sparrow.kernels.backend("triton")``),
 otherwise the twin (on CUDA, ``gemv`` with R > MAX_ROWS goes to cuBLAS through ``F.linear``; larger R is a GEMM's job).
 
-Tile configs are data (style.md 9): ``GEMV_CONFIGS`` (``FP8_GEMV_CONFIGS`` for e4m3 weights) maps a row
+Tile configs are data: ``GEMV_CONFIGS`` (``FP8_GEMV_CONFIGS`` for e4m3 weights) maps a row
 bound to a ``GemvConfig``; the launcher takes the first entry whose bound covers R; an entry without
 split-K narrows BLOCK_N until the grid has ``MIN_PROGRAMS`` programs (all SMs busy), one with automatic
 split-K (``split_k=0``) keeps its BLOCK_N and splits K instead. Tests force a config with ``with forced_config(GemvConfig(...)):``.
@@ -34,9 +34,8 @@ from sparrow.kernels.gemm.fp8 import FP8_DTYPE, GROUP, dequantize_fp8_block_ref
 MAX_ROWS = 16  # the GEMV path ends here; more rows are a GEMM
 FP8_MAX_ROWS = 64
 """Rows up to which FP8 linears take the W8A16 GEMV (quant/fp8.py); more rows take the W8A8 ``fp8_gemm``.
-H200 (kernels_micro.py tune_fp8_rows), 64 rows, GEMV / fp8_gemm us: 2816 x 8192 24.6 / 42.5, 4096 x 2816
-13.5 / 29.1, 2112 x 2816 10.3 / 20.0, 2816 x 4224 13.2 / 23.9 (32 rows: 15.6 / 23.8, 11.9 / 23.1, 8.3 / 16.1,
-12.2 / 19.0); end to end, gemma4-26b-a4b FP8 at batch 64: 4,202 against 4,179 tok/s."""
+At 32 and 64 rows the GEMV is the faster of the two on every gemma4 shape (kernels_micro.py tune_fp8_rows; the
+figures: benchmarks/README.md, FP8 linears)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +59,8 @@ class GemvConfig:
 # block_k 256-512, split-K 1-8, at R = 1 and 8; K x N = 2816 x 8192,
 # 4096 x 2816, 2112 x 2816, 2816 x 4224). One entry wins for both weight formats: tensor-core dots on rows
 # padded to 16, 32 x 256 tiles, and split-K where N has few tiles (automatic: FILL_PROGRAMS = 352 programs).
-# R = 1, bf16 / FP8 / cuBLAS bf16 (us): 2816 x 8192 13.9 / 13.0 / 13.8; 4096 x 2816 9.5 / 9.0 / 11.1;
-# 2112 x 2816 6.9 / 6.7 / 6.5; 2816 x 4224 9.5 / 9.0 / 11.2 (R = 8 within 0.3 us of R = 1). Without split-K
-# the 2816-wide outputs took 10.9 (bf16) and 12.8 (FP8) us at 4096 x 2816. Time barely falls with the bytes:
-# a fit gives about 4 us per call plus the bytes at 5 TB/s (bf16) or 2.5 TB/s (FP8), so FP8 weights save
-# little in these GEMVs; swap_ab lost in the earlier sweep.
+# R = 8 costs about what R = 1 does; the 2816-wide outputs need split-K. Time barely falls with the bytes (a
+# fixed cost per call dominates), so FP8 weights save little in these GEMVs; swap_ab lost in the sweep.
 GEMV_CONFIGS: tuple[tuple[int, GemvConfig], ...] = (
     (MAX_ROWS, GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=3, split_k=0)),
 )
@@ -78,10 +74,9 @@ W8A8_MAX_ROWS = 16
 """Rows up to which FP8 linears take the W8A8 GEMV (``gemv_w8a8``); 17 to FP8_MAX_ROWS take the W8A16 GEMV."""
 # W8A8: x quantized per 128-column group in registers, e4m3 tensor-core dots with swapped operands (the weight
 # tile is the wgmma's M side, 64 rows; the plain orientation, e4m3 dots with 16 rows as M, lost in the sweep
-# and gave wrong sums on the H200, so the launcher refuses it). H200 (kernels_micro.py tune_w8a8), R = 1,
-# us, W8A8 / W8A16 GEMV / cuBLAS bf16: 2816 x 8192 11.0 / 16.4 / 13.8; 4096 x 2816 7.9 / 8.4 / 11.5; 2112 x
-# 2816 7.0 / 8.3 / 6.5; 2816 x 4224 7.7 / 8.3 / 11.3 (R = 8 within 0.3 us). At 64 rows W8A16 won at three
-# of four shapes (4096 x 2816: 20.4 against 13.5 us).
+# and gave wrong sums on the H200, so the launcher refuses it). H200 (kernels_micro.py tune_w8a8): from 1 to 8
+# rows W8A8 beats the W8A16 GEMV on every gemma4 shape (benchmarks/README.md, FP8 linears); at 64 rows W8A16
+# wins at three of four shapes.
 W8A8_GEMV_CONFIGS: tuple[tuple[int, GemvConfig], ...] = (
     (W8A8_MAX_ROWS, GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, swap_ab=True,
                                split_k=0)),

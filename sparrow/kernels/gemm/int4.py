@@ -187,11 +187,11 @@ class Int4Config:
 
 GEMV_MAX_ROWS = 16
 """Rows up to which one M tile covers the batch (decode, verify): each weight word is read once."""
-# (largest R, config): the first entry whose bound covers R (tile configs as data, style.md 9), after the entries of
+# (largest R, config): the first entry whose bound covers R (tile configs as data), after the entries of
 # the device's tuned file for the format (``config_file``, ``pick_config``). The GEMV entry:
 # the H200 sweep of benchmarks/kernels_micro.py tune_int4 (19 tiles at R = 1 and 8, gemma4-26b-a4b's
 # (N, K) = (4096, 2816), (2816, 4096), (8192, 2816)): swapped 64 x 128 tiles with split-K 4 were the fastest
-# or within 7 % of it on every shape (R = 1: 8.2 / 9.7 / 12.9 us against the best 8.2 / 9.7 / 12.1), while
+# or within 7 % of it on every shape, while
 # automatic split-K was not among any shape's four best. 17-64 rows: swapped 64 x 64 x 128 (from the sm_90
 # SASS: wgmma, ~5.4 instructions per weight element for int4, ~8.6 NVFP4). Above 64 rows a 128 x 128 x 64 tile
 # on wgmma with the scales on the weights (no spills at 8 warps).
@@ -248,9 +248,8 @@ def int4_linear_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
 DEQUANT_MIN_ROWS = 128
 """Rows from which a 4-bit linear dequantizes its weight to x's dtype (``w4_dequantize``) and runs F.linear
 (cuBLAS) instead of ``w4_matmul_kernel``. Read at each call. H200, ``benchmarks/kernels_micro.py w4_prefill``
-(Gemma 4 26B-A4B's three dense shapes, bf16): the dequantize path is faster from 128 rows on every shape (128 rows
-18.0 / 17.8 / 32.8 us against 38.1 / 52.8 / 38.6; 16,384 rows 577 / 576 / 1,172 against 931 / 946 / 1,844; the
-dequantize step alone 7-18 us, 77-93 % of copy bandwidth); below 128 rows the kernels read 4x fewer bytes."""
+(Gemma 4 26B-A4B's three dense shapes, bf16): the dequantize path is faster from 128 rows on every shape (the
+figures: benchmarks/README.md, 4-bit weights); below 128 rows the kernels read 4x fewer bytes."""
 
 
 def w4_dequantize(words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, g: torch.Tensor | None,

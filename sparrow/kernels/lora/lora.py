@@ -32,9 +32,10 @@ import torch
 from sparrow.kernels import dispatch, pdl_kwargs, use_triton
 
 # Tile constants: the least total time of benchmarks/kernels_micro.py tune_lora on the H200 over gemma4-26b-a4b's
-# qkv, o_proj, expert gate_up and expert down deltas at 1, 8 and 64 decode rows (157.6 us against 262.1 for the
-# untuned 256-column chunks, 4 shrink warps and 256-output expand tiles). Per case the best differs (1 row:
-# 128-column chunks and 128-output tiles were faster on the dense deltas), which one set of constants gives up.
+# qkv, o_proj, expert gate_up and expert down deltas at 1, 8 and 64 decode rows (against the untuned 256-column
+# chunks, 4 shrink warps and 256-output expand tiles; the figures: benchmarks/README.md, Multi-LoRA). Per case the
+# best differs (1 row: 128-column chunks and 128-output tiles were faster on the dense deltas), which one set of
+# constants gives up.
 SPLIT_K_CHUNK = 512
 """K columns per shrink program of lora_delta at up to SPLIT_K_MAX_ROWS rows (decode, verify, routed pairs)."""
 SPLIT_K_MAX_ROWS = 1024
@@ -51,9 +52,8 @@ EXPAND_TILE = 8192
 EXPAND_WARPS = 4
 """Warps of an expand program."""
 ROW_TILES: tuple[tuple[int, dict[str, int]], ...] = (
-    # H200, benchmarks/kernels_micro.py tune_lora (per launch row count P, least total of its cases): with this
-    # table benchmarks/lora.py gave 83.0 / 87.9 / 83.8 % of the no-LoRA tok/s at batch 1 / 8 / 64, against
-    # 79.4 / 86.0 / 82.4 % with the global constants alone (two machine starts, not an alternating A/B)
+    # H200, benchmarks/kernels_micro.py tune_lora (per launch row count P, least total of its cases); what
+    # benchmarks/lora.py gives with this table: benchmarks/README.md, Multi-LoRA
     (1, {"SPLIT_K_CHUNK": 128, "SHRINK_TILE": 8192, "SHRINK_WARPS": 8, "EXPAND_BLOCK_N": 128, "EXPAND_TILE": 4096,
          "EXPAND_WARPS": 4}),
     (8, {"SPLIT_K_CHUNK": 128, "SHRINK_TILE": 8192, "SHRINK_WARPS": 4, "EXPAND_BLOCK_N": 512, "EXPAND_TILE": 8192,

@@ -2,7 +2,7 @@
 
 Shapes: R = rows, H = hidden, E = experts, K = top-k, I = expert width, P = R * K (row, expert) pairs
 (pair p = row p // K, slot p % K), S = padded sorted length, NB = S // BLOCK_M blocks.
-Weights (design §3): gate_up [E, 2I, H] (rows :I gate, I: up), down [E, H, I]; FP8 weights are e4m3 with
+Weights: gate_up [E, 2I, H] (rows :I gate, I: up), down [E, H, I]; FP8 weights are e4m3 with
 fp32 scales per 128 x 128 block, ``s [E, ceil(rows / 128), ceil(cols / 128)]`` (fp8.py's layout).
 
 Kernels, one launch each:

@@ -90,10 +90,10 @@ _ACT_CODE = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
 DEQUANT_MIN_ROWS = 1024
 """Rows (tokens) from which the 4-bit experts dequantize every expert to x's dtype (``dequantized_experts``) and
 run the float grouped path (``moe.fused_moe_triton``) instead of ``w4_moe_gemm_kernel``; the transient weights
-take 2 bytes per element (Gemma 4 26B-A4B: 1.5 GB a layer). Read at each call. H200, one Gemma 4 26B-A4B layer
-(``benchmarks/moe_layer.py --rows 1024 2048 8192 --dtypes int4 nvfp4 --w4-dequant``), kernel / dequantize, us:
-int4 1,473 / 1,142 (1,024 rows), 2,758 / 1,379 (2,048), 10,493 / 2,958 (8,192); NVFP4 1,512 / 1,180, 2,847 /
-1,419, 11,343 / 3,059 (FP8: 408, 700, 2,534). Smaller row counts were not measured."""
+take 2 bytes per element (Gemma 4 26B-A4B: 1.5 GB a layer). Read at each call. On the H200, at one Gemma 4
+26B-A4B layer (``benchmarks/moe_layer.py --rows 1024 2048 8192 --dtypes int4 nvfp4 --w4-dequant``), the dequantize
+path is the faster from 1,024 rows for int4 and NVFP4 (the figures: benchmarks/README.md, 4-bit weights); smaller row
+counts were not measured."""
 
 
 def dequantized_experts(w13, s13, z13, g13, w2, s2, z2, g2, group, dtype, divide_global=False):

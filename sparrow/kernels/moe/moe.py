@@ -1,4 +1,4 @@
-"""Fused MoE experts: launchers, torch twins and the dispatcher (design §3, FP8 of §4).
+"""Fused MoE experts: launchers, torch twins and the dispatcher.
 
 Shapes: R = rows, H = hidden, E = experts, K = top-k, I = expert width, P = R * K (row, expert) pairs
 (pair p = row p // K, slot p % K), BM = BLOCK_M, S = padded sorted length, NB = S // BM.

@@ -1,4 +1,4 @@
-"""MoE align: sort the (row, expert) pairs by expert and pad each expert's segment to BLOCK_M (design §3's
+"""MoE align: sort the (row, expert) pairs by expert and pad each expert's segment to BLOCK_M (the
 grouped path, the input of the grouped GEMMs of ``sparrow.kernels.moe.moe``).
 
 Shapes: R = rows, K = top-k, E = experts, P = R * K pairs, BM = block_m, S = padded sorted length,

@@ -1,4 +1,4 @@
-"""Tile configs of the fused MoE kernels, as data (style.md 9).
+"""Tile configs of the fused MoE kernels, as data.
 
 Shapes: R = rows, E = experts, H = hidden, I = expert width, P = R * K pairs.
 
@@ -73,8 +73,8 @@ def default_config(rows: int, pairs: int, num_experts: int, small: bool, fp8: bo
     pairs per expert (padding waste vs weight reuse). FP8 grouped: the tiles ``moe_layer.py --tune`` chose at
     Gemma 4's shape on the H200 (E 128, H 2816, I 704; the only shape measured): swapped dots (K steps of one
     128-wide scale block), BLOCK_M 16 up to 16 pairs an expert, else 32, and from 64 pairs an expert the
-    activations quantized by their own launch (``a_fp8``: 1.5-1.6x at 1,024-8,192 rows; the earlier
-    heuristic's plain 128 x 128 tiles with BLOCK_M 64 took ~3x as long there)."""
+    activations quantized by their own launch (``a_fp8``, faster at 1,024-8,192 rows; plain 128 x 128 tiles with
+    BLOCK_M 64 are far slower there)."""
     if small:
         tile = Tile(block_n=32, block_k=256, num_warps=4, num_stages=3)
         return MoeConfig(16, tile, tile)
@@ -90,8 +90,8 @@ def default_config(rows: int, pairs: int, num_experts: int, small: bool, fp8: bo
 
 
 def default_w4_config(rows: int, pairs: int, num_experts: int, small: bool) -> MoeConfig:
-    """Heuristic of the 4-bit expert kernels (``int4_moe``; not measured on the H200 yet: ``moe_layer.py --dtypes
-    int4 nvfp4 --tune`` writes their files), from the sm_90 SASS of their loops (no spills, wgmma): small path -
+    """Heuristic of the 4-bit expert kernels (``int4_moe``; tuned files, which ``moe_layer.py --dtypes
+    int4 nvfp4 --tune`` writes, take precedence), from the sm_90 SASS of their loops (no spills, wgmma): small path -
     swapped 64 x 128 tiles with automatic split-K (gemma4's shape at one row: 8 experts x 11 gate|up tiles x 4
     splits = 352 programs, 8 x 44 down tiles); grouped path - BLOCK_M from the mean pairs per expert as for
     float weights, swapped 64-wide tiles up to 32 pairs a block, else 128 x 64 tiles on 8 warps, the scales on
@@ -135,8 +135,8 @@ def pick_config(rows: int, top_k: int, num_experts: int, hidden: int, width: int
     """The forced config, else the tuned entry of the nearest row count, else ``default_config`` (``kind``
     "int4" / "nvfp4": ``default_w4_config``). A tuned entry is used on either path (its block_m only matters on
     the grouped one), except an entry of FMA tiles (``Tile.fma_rows``, swept on the small path): the grouped
-    path, which has no FMA mode, skips it (a 1-row FMA entry ran one gemma4 int4 layer at 64 rows in 472 µs on
-    an H100, 3.7x its bytes bound)."""
+    path, which has no FMA mode, skips it (its default tiles ran gemma4's int4 layer at 64 rows faster than a
+    1-row FMA entry's tiles)."""
     if forced_config.value is not None:
         return forced_config.value
     if device_name is not None:

@@ -6,9 +6,9 @@ Shapes: R = rows, E = experts, K = top-k, G = n_group.
                  n_group, topk_group, routed_scaling_factor, per_expert_scale [E] | None, ids_dtype)
         -> (weights [R, K] fp32, ids [R, K] ids_dtype)
 
-Same contract and formulas as ``select_experts``, the torch routing every router's CPU path runs (design §3: softmax, sigmoid with a
-selection-only bias and optional grouped top-k, sqrt-softplus; Gemma 4 = softmax + renormalize +
-per_expert_scale on logits from ``Gemma4Router.logits``). ids are ordered by descending (biased) score;
+Same contract and formulas as ``select_experts``, the torch routing every router's CPU path runs
+(softmax, sigmoid with a selection-only bias and optional grouped top-k, sqrt-softplus; Gemma 4 = softmax +
+renormalize + per_expert_scale on logits from ``Gemma4Router.logits``). ids are ordered by descending (biased) score;
 ties go to the lowest expert id. ``fused_router_ref`` is the torch twin (it calls ``select_experts``),
 ``fused_router_triton`` the launcher, ``fused_router`` picks by ``use_triton(router_logits)``.
 
@@ -16,8 +16,7 @@ The logits themselves: ``router_logits(x [R, H], weight [E, H], rms_eps=None) ->
 ``router_logits_ref``, launcher ``router_logits_triton``), fp32 x . weight with Gemma 4's scale-free
 RMSNorm of x folded in; the kernel serves decode-sized R. Logits and routing: ``router_topk(x, weight,
 top_k, rms_eps, scoring, renormalize, per_expert_scale, ids_dtype)`` (Gemma 4's router): ``router_logits``
-then ``fused_router``, two launches (one fused launch measured slower on the H200; the numbers are in the git
-log).
+then ``fused_router``, two launches (one fused launch is slower).
 """
 from __future__ import annotations
 
@@ -170,12 +169,10 @@ class LogitsConfig:
 
 # (largest R, config), the first entry whose bound covers R. Up to 16 rows: one expert per program, all E
 # programs sharing the weight stream. Above: expert tiles, H split over programs (automatic: about
-# split_k.FILL_PROGRAMS programs), since a program per expert walking all of H grew with the rows (38.9 us at
-# 64 rows against torch's 15.7). H200, Gemma 4's router (E 128, H 2816), us a call,
-# kernels_micro.py router_logits / tune_router_logits (24 tiles x split automatic / none), this kernel against
-# torch's cast + norm + fp32 matmul: 2.1 / 9.9 at 1 row, 4.5 / 15.7 at 8, 8.3 / 16.2 at 16, 7.1 / 15.1 at
-# 17, 7.0 / 15.1 at 32, 10.3 / 16.1 at 64, 14.1 / 18.2 at 128, 18.7 / 21.9 at 256; 57.8 / 43.4 at 1,024,
-# so MAX_LOGIT_ROWS is 256.
+# split_k.FILL_PROGRAMS programs), since a program per expert walking all of H grew with the rows past torch.
+# H200, Gemma 4's router (E 128, H 2816), kernels_micro.py router_logits / tune_router_logits (24 tiles x split
+# automatic / none): this kernel beats torch's cast + norm + fp32 matmul up to 256 rows and loses at 1,024
+# (benchmarks/README.md), so MAX_LOGIT_ROWS is 256.
 LOGITS_CONFIGS: tuple[tuple[int, LogitsConfig], ...] = (
     (16, LogitsConfig(16, 1, 0)),
     (32, LogitsConfig(32, 8, 32, split_k=0)),
