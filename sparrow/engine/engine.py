@@ -1,8 +1,8 @@
 """The engine facade: add_request / step / has_unfinished_requests / abort
 (``docs/architecture.md``, "The step pipeline").
 
-Each step runs one StepPlan: the scheduler plans it (rows, sampled rows, blocks), the engine puts its LoRA adapters
-into device slots (a request whose adapter can no longer be read ends with its error), the model runner runs it
+Each step runs one StepPlan: the scheduler plans it (rows, sampled rows, blocks, the LoRA adapters' device slots; a
+request whose adapter can no longer be read leaves the plan and ends with its error), the model runner runs it
 (StepResult: sampled ids on the device, a host copy behind an event), and the engine applies the result: it
 appends the accepted tokens, detokenizes incrementally, finishes sequences on EOS, stop token, stop string,
 max_tokens or the context limit, and reports each request's RequestOutput (cumulative, plus the delta of the
@@ -68,7 +68,8 @@ class Engine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.max_model_len,
-                                   max_loras=config.lora.max_loras if config.lora is not None else None)
+                                   max_loras=config.lora.max_loras if config.lora is not None else None,
+                                   lora=self.runner.lora)
         self.requests: dict[str, tuple[RequestOutput, list[Sequence]]] = {}
         self._ids = itertools.count()
         eos = set(config.model.eos_token_ids)
@@ -201,7 +202,7 @@ class Engine:
             if self._compiling:
                 self._check_compiles(idle=False)
             plan = self.scheduler.schedule(drafts)
-            self._slot_adapters(plan)
+            self._end_failed(plan.failed)
             if not plan.seqs:
                 if self._compiling:
                     self._check_compiles(idle=True)
@@ -211,7 +212,6 @@ class Engine:
         if plan.queue_next and (self.spec is None or self.spec.paused([item.seq for item in plan.seqs])):
             ahead = self.scheduler.schedule_ahead(plan)
             if ahead is not None:
-                ahead.lora_slots = plan.lora_slots  # its sequences are plan's: their adapters are in those slots
                 self._ahead = (ahead, self.runner.run(ahead, previous=result))
         outputs = self._apply(plan, result)
         if self.spec is not None:
@@ -220,19 +220,9 @@ class Engine:
             self._ahead = None  # every sequence stopped: nothing to read
         return outputs
 
-    def _slot_adapters(self, plan: StepPlan) -> None:
-        """Put the plan's LoRA adapters into device slots (``LoRAManager.assign``, into ``plan.lora_slots``). A
-        request whose adapter cannot be read again (its host copy was dropped and its folder is gone or changed)
-        leaves the plan and ends, its LoRAAdapterError in ``failed``; the plan's other requests run."""
-        if self.runner.lora is None:
-            return
-        wanted = {item.seq.lora_int_id: item.seq.lora_request for item in plan.seqs if item.seq.lora_int_id}
-        plan.lora_slots, errors = self.runner.lora.assign(wanted)
-        if not errors:
-            return
-        failed = {item.seq.request_id: errors[item.seq.lora_int_id] for item in plan.seqs
-                  if item.seq.lora_int_id in errors}
-        plan.seqs = [item for item in plan.seqs if item.seq.request_id not in failed]
+    def _end_failed(self, failed: dict[str, SparrowError]) -> None:
+        """End the requests the scheduler took out of a plan (``StepPlan.failed``: an adapter that could not be
+        read again), each with its error in ``failed``."""
         for rid, error in failed.items():
             log.warning("request %s failed: %s", rid, error)
             self.failed[rid] = error

@@ -8,10 +8,12 @@ sequences are admitted in order while the budget, ``max_num_seqs`` and free bloc
 (structured output) is still compiling stays waiting and the ones behind it are admitted. LoRA adapter slots
 (``max_loras`` distinct adapters among the running sequences): a sequence whose adapter finds none free waits, the
 adapter sequences behind it too (in order), and base-model sequences behind it, which take no slot, are admitted
-past it. A waiting sequence that cannot be admitted holds no blocks (the prefix-cache hits it took are given back),
-so it never starves the running ones. A plan whose rows are all plain greedy decode rows of every running sequence,
-with nothing waiting, may queue the next step before it is read (``queue_next``; ``switches.OVERLAP``):
-``schedule_ahead`` plans that step (allocating its blocks as for any other) from the queued one.
+past it; the plan's adapters take device slots (``LoRAManager.assign``: ``StepPlan.lora_slots``), and a request
+whose adapter cannot be read again leaves the plan (``StepPlan.failed``). A waiting sequence that cannot be
+admitted holds no blocks (the prefix-cache hits it took are given back), so it never starves the running ones. A
+plan whose rows are all plain greedy decode rows of every running sequence, with nothing waiting, may queue the
+next step before it is read (``queue_next``; ``switches.OVERLAP``): ``schedule_ahead`` plans that step (allocating
+its blocks as for any other) from the queued one.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from sparrow.engine.block_manager import BlockManager
 from sparrow.engine.sampler import argmax_only
 from sparrow.engine.sequence import Sequence, SequenceStatus
 from sparrow.engine.step_plan import ScheduledSeq, StepPlan
+from sparrow.lora.manager import LoRAManager
 
 
 def _plain_decode(item: ScheduledSeq) -> bool:
@@ -36,12 +39,14 @@ def _plain_decode(item: ScheduledSeq) -> bool:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int | None = None,
-                 max_loras: int | None = None):
+                 max_loras: int | None = None, lora: LoRAManager | None = None):
         """``max_loras``: most distinct LoRA adapters among the running sequences (the device's adapter slots);
         a waiting sequence of another adapter waits until a running adapter's sequences are done, and later
-        sequences with an adapter wait behind it."""
+        sequences with an adapter wait behind it. ``lora``: the LoRA manager whose device slots each plan's
+        adapters take (``plan.lora_slots``); None: LoRA is off."""
         self.config = config
         self.max_loras = max_loras
+        self.lora = lora
         self.bm = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -154,7 +159,22 @@ class Scheduler:
         plan.argmax_only = all(argmax_only(i.seq.params, len(i.seq.output_token_ids)) for i in sampled)
         plan.queue_next = (switches.OVERLAP and bool(out) and not self.waiting
                            and len(out) == len(self.running) and all(_plain_decode(i) for i in out))
+        self._slot_adapters(plan)
         return plan
+
+    def _slot_adapters(self, plan: StepPlan) -> None:
+        """Put the plan's LoRA adapters into device slots (``LoRAManager.assign``, into ``plan.lora_slots``). A
+        request whose adapter cannot be read again (its host copy was dropped and its folder is gone or changed)
+        leaves the plan, its LoRAAdapterError in ``plan.failed``; the plan's other requests run."""
+        if self.lora is None:
+            return
+        wanted = {item.seq.lora_int_id: item.seq.lora_request for item in plan.seqs if item.seq.lora_int_id}
+        plan.lora_slots, errors = self.lora.assign(wanted)
+        if not errors:
+            return
+        plan.failed = {item.seq.request_id: errors[item.seq.lora_int_id] for item in plan.seqs
+                       if item.seq.lora_int_id in errors}
+        plan.seqs = [item for item in plan.seqs if item.seq.request_id not in plan.failed]
 
     def _release_waiting(self, seq: Sequence) -> None:
         """A waiting sequence that cannot be admitted gives back the prefix-cache blocks it took (their hashes
@@ -183,7 +203,8 @@ class Scheduler:
             return None
         for i in items:
             self.bm.allocate(i.seq, i.start + 1)
-        return StepPlan(items, queue_next=True, argmax_only=True)
+        # its sequences are plan's: their adapters are in plan's slots
+        return StepPlan(items, queue_next=True, argmax_only=True, lora_slots=plan.lora_slots)
 
     def commit(self, item: ScheduledSeq, num_accepted_drafts: int = 0) -> None:
         """After the step ran: the rows holding the sequence's tokens and its accepted draft tokens are computed;

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparrow.engine.sequence import Sequence
+from sparrow.errors import SparrowError
 
 
 @dataclass(slots=True)
@@ -63,8 +64,11 @@ class StepPlan:
     """Every sampled row takes the argmax of its logits (greedy, no penalties, no logprobs): the sampler is
     skipped."""
     lora_slots: dict[int, int] | None = None
-    """lora_int_id -> device slot of each LoRA adapter the plan runs (the engine's ``LoRAManager.assign`` before it
-    runs the plan); None: LoRA is off (every row runs the base model)."""
+    """lora_int_id -> device slot of each LoRA adapter the plan runs (the scheduler's ``LoRAManager.assign``);
+    None: LoRA is off (every row runs the base model)."""
+    failed: dict[str, SparrowError] = field(default_factory=dict)
+    """Requests the planning ended (request id -> error): a request whose LoRA adapter could not be read again
+    (its host copy was dropped and its folder is gone or changed). Their rows left the plan; the engine ends them."""
 
     def __iter__(self):
         return iter(self.seqs)

@@ -32,9 +32,9 @@ from collections import OrderedDict
 import torch
 
 from sparrow.errors import LoRAAdapterError
+from sparrow.layers.lora_buffers import ExpertLoRA, LoRABuffers
 from sparrow.lora.adapter import Adapter, load_adapter
 from sparrow.lora.request import LoRARequest
-from sparrow.layers.lora_buffers import ExpertLoRA, LoRABuffers
 
 log = logging.getLogger(__name__)
 
