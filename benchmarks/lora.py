@@ -120,7 +120,7 @@ def profile_decode(engine, prompts: list[list[int]], loras: list, device: str, r
 
 
 def _engine(model, device: str, dtype: str, batch: int, max_model_len: int, lora: dict | None):
-    from sparrow.engine.llm import LLM
+    from sparrow.llm import LLM
 
     kw = dict(max_model_len=max_model_len, max_num_seqs=batch, enable_prefix_caching=False,
               num_kv_blocks=batch * -(-max_model_len // 16) + batch, max_num_batched_tokens=max(2048, max_model_len))

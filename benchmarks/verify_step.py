@@ -143,7 +143,7 @@ def make_runner(model, s, args):
     """A ModelRunner over ``model`` whose KV pool holds the largest batch at context + max q, with CUDA graphs
     for every q of ``args.q`` (on CUDA, unless --enforce-eager)."""
     from sparrow.config import CacheConfig
-    from sparrow.engine.llm import engine_config
+    from sparrow.llm import engine_config
     from sparrow.engine.model_runner import ModelRunner
 
     top, mml = max(args.batch_sizes), args.context + max(args.q) + 1

@@ -14,7 +14,7 @@ from sparrow.structured_outputs import StructuredOutputsParams
 
 def __getattr__(name):  # LLM pulls in torch models; import it lazily so `import sparrow` stays cheap
     if name == "LLM":
-        from sparrow.engine.llm import LLM
+        from sparrow.llm import LLM
 
         return LLM
     raise AttributeError(name)

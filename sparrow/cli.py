@@ -64,7 +64,7 @@ def _sampling(args):
 def _llm(args, tokenizer=None):
     import torch
 
-    from sparrow.engine.llm import LLM
+    from sparrow.llm import LLM
 
     status = sys.stderr.isatty() or args.verbose  # a status line for people, not for pipes and tests
     if status:  # and the loader's first-use steps (GGUF index, tokenizer conversion: tens of seconds)

@@ -227,7 +227,7 @@ def random_llm(name: str, *, device: str = "auto", dtype: str = "auto", quantiza
 
     from sparrow.config import ModelConfig
     from sparrow.devices import TORCH_DTYPES, peak_memory, reset_peak_memory, resolve_device, resolve_dtype
-    from sparrow.engine.llm import LLM
+    from sparrow.llm import LLM
     from sparrow.loader.model_loader import build_model, finish_loading
     from sparrow.loader.weights import load_weights
     from sparrow.models.registry import get_model_class

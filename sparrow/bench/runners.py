@@ -57,7 +57,7 @@ def sparrow_from_shape(cfg: dict, full_cfg: dict, s: Settings, engine_kw: dict, 
     """``sparrow_model_random`` wrapped in an Engine by ``LLM.from_model`` (no tokenizer); ``meta`` (if given)
     gets ``load_peak_memory_bytes``, the peak while the weights streamed in (before the KV pool and graphs).
     Raises UnsupportedArchitectureError if sparrow lacks the architecture."""
-    from sparrow.engine.llm import LLM
+    from sparrow.llm import LLM
 
     reset_peak_memory(s.device)
     model = sparrow_model_random(cfg, full_cfg, s)
@@ -147,7 +147,7 @@ def path_runners(path: Path, s: Settings, engine_kw: dict, with_hf: bool, meta: 
     transformers' model loaded from the same file; each footprint counts that engine's own weight bytes. When
     transformers cannot load the checkpoint (a GPTQ one without optimum, ...), its runner is skipped with a line
     naming the error, also kept as ``meta["hf_error"]``."""
-    from sparrow.engine.llm import LLM
+    from sparrow.llm import LLM
 
     print(f"loading {path} with sparrow ({s.dtype}, {s.device}) ...", flush=True)
     quant = {"quantization": s.quantization} if s.quantization else {}

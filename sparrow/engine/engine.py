@@ -31,45 +31,41 @@ from sparrow.engine.requests import check_stop, held_back, own_params, parse_pro
 from sparrow.engine.sampler import make_generator
 from sparrow.engine.scheduler import Scheduler
 from sparrow.engine.sequence import Sequence
-from sparrow.engine.step_plan import ScheduledSeq, StepPlan, StepResult
+from sparrow.engine.speculator import MakeSpeculator
+from sparrow.engine.step_plan import StepPlan, StepResult
 from sparrow.errors import InvalidRequestError, SparrowError
 from sparrow.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from sparrow.sampling_params import SamplingParams
-from sparrow.spec_decode.decoder import make_speculative_decoder
 
 log = logging.getLogger(__name__)
 
 
-def accepted_drafts(item: ScheduledSeq, sampled: list[int]) -> int:
-    """How many of ``item``'s draft tokens the step accepts: the leading ones equal to the token sampled at the
-    row before each. With deterministic drafts this is rejection sampling (``sparrow.spec_decode``): exact for
-    greedy rows, and for random rows every appended token is a sample of the target given the tokens before it."""
-    n = 0
-    for draft, target in zip(item.draft_token_ids, sampled):
-        if draft != target:
-            break
-        n += 1
-    return n
-
-
 class Engine:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer,
-                 draft_model: torch.nn.Module | None = None):
-        """``draft_model``: the loaded draft of ``config.speculative`` when its method is 'draft_model'."""
+                 draft_model: torch.nn.Module | None = None, make_speculator: MakeSpeculator | None = None):
+        """``draft_model``: the loaded draft of ``config.speculative`` when its method is 'draft_model';
+        ``make_speculator``: builds the speculator of ``config.speculative`` (``sparrow.engine.speculator``;
+        ``LLM`` passes ``sparrow.spec_decode.make_speculative_decoder``). Raises InvalidRequestError for a
+        speculative config without it."""
         self.config = config
         self.tokenizer = tokenizer
         spec = config.speculative
+        if spec is not None and make_speculator is None:
+            raise InvalidRequestError("speculative_config is set but the engine was given no make_speculator "
+                                      "(LLM passes sparrow.spec_decode's)")
         query_lens = tuple(range(1, spec.num_speculative_tokens + 2)) if spec is not None else (1,)
         cache = config.cache
         draft_bytes = (kv_bytes_per_token(draft_model, TORCH_DTYPES[config.dtype], cache.kv_cache_dtype,
                                           cache.kv_cache_dtype_skip_layers) if draft_model is not None else 0)
         self.runner = ModelRunner(config, model, query_lens, extra_kv_bytes_per_token=draft_bytes)
-        self.spec = make_speculative_decoder(config, self.runner.num_blocks, draft_model) if spec else None
+        self.spec = make_speculator(config, self.runner.num_blocks, draft_model) if spec is not None else None
+        """The speculator (``sparrow.engine.speculator.Speculator``) when ``config.speculative`` is set; the
+        scheduler drives it, the engine reports each applied step to it (``step_done``)."""
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.max_model_len,
                                    max_loras=config.lora.max_loras if config.lora is not None else None,
-                                   lora=self.runner.lora)
+                                   lora=self.runner.lora, speculator=self.spec)
         self.requests: dict[str, tuple[RequestOutput, list[Sequence]]] = {}
         self._ids = itertools.count()
         eos = set(config.model.eos_token_ids)
@@ -77,7 +73,6 @@ class Engine:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = eos
         self._ahead: tuple[StepPlan, StepResult] | None = None  # the next step, queued before the last was read
-        self._last_step_end: float | None = None  # perf_counter() at the end of the last decode / verify step
         self.last_step_prefill = False
         """Whether the last step computed prompt tokens (a prefill, alone or beside decode rows)."""
         self.grammars: GrammarCompilers | None = None
@@ -197,11 +192,9 @@ class Engine:
         if self._ahead is not None:  # queued during the previous call
             (plan, result), self._ahead = self._ahead, None
         else:
-            drafts = (self.spec.propose(self.scheduler.running, len(self.scheduler.waiting))
-                      if self.spec is not None else None)
             if self._compiling:
                 self._check_compiles(idle=False)
-            plan = self.scheduler.schedule(drafts)
+            plan = self.scheduler.schedule()
             self._end_failed(plan.failed)
             if not plan.seqs:
                 if self._compiling:
@@ -209,13 +202,13 @@ class Engine:
                 return []
             result = self.runner.run(plan)
         self.last_step_prefill = any(item.start < item.seq.num_prompt_tokens for item in plan.seqs)
-        if plan.queue_next and (self.spec is None or self.spec.paused([item.seq for item in plan.seqs])):
+        if plan.queue_next:
             ahead = self.scheduler.schedule_ahead(plan)
             if ahead is not None:
                 self._ahead = (ahead, self.runner.run(ahead, previous=result))
         outputs = self._apply(plan, result)
         if self.spec is not None:
-            self._time_step(plan)
+            self.spec.step_done(plan)
         if self._ahead is not None and all(item.seq.is_finished for item in self._ahead[0].seqs):
             self._ahead = None  # every sequence stopped: nothing to read
         return outputs
@@ -227,15 +220,6 @@ class Engine:
             log.warning("request %s failed: %s", rid, error)
             self.failed[rid] = error
             self.abort(rid)
-
-    def _time_step(self, plan: StepPlan) -> None:
-        """Give the speculative decoder the wall time of a decode or verify step that followed another one (the
-        interval between their ends: what a step costs the batch, overlap and host work included)."""
-        now = time.perf_counter()
-        q = plan.max_query_len()
-        last, self._last_step_end = self._last_step_end, (now if q is not None else None)
-        if q is not None and last is not None:
-            self.spec.observe_step(q, now - last, len(plan.seqs))
 
     def _apply(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Apply a step's result: computed rows and accepted tokens per sequence (a sequence that stopped or was
@@ -256,10 +240,7 @@ class Engine:
                 if seq.request_id in self.requests:
                     self.requests[seq.request_id][0].prompt_logprobs = None  # _update rebuilds it
             sampled = token_ids[first:end]
-            accepted = accepted_drafts(item, sampled)
-            self.scheduler.commit(item, accepted)
-            if item.draft_token_ids and self.spec is not None:
-                self.spec.record(item, accepted)
+            accepted = self.scheduler.commit(item, sampled)  # the drafts the speculator accepts (0 without)
             for j in range(min(accepted + 1, len(sampled))):
                 self._append(seq, sampled[j], result.logprobs[first + j] if result.logprobs else None)
                 touched[seq.request_id] = None
@@ -299,10 +280,8 @@ class Engine:
             self._finish(seq)
 
     def _finish(self, seq: Sequence) -> None:
-        """A sequence ended (or was aborted): its blocks, and its proposer state, are given back."""
+        """A sequence ended (or was aborted): its blocks, and its speculator state, are given back."""
         self.scheduler.finish(seq)
-        if self.spec is not None:
-            self.spec.release(seq)
 
     def _update(self, rid: str, now: float) -> RequestOutput:
         """Bring request ``rid``'s RequestOutput up to date: cumulative text and tokens (text a stop string may

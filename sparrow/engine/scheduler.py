@@ -3,9 +3,9 @@
 prompt and output so far are prefilled again when it is readmitted), and the overlap decision.
 
 Each step, running sequences go first (a decode needs one row, or 1 + k' rows to verify k' draft tokens from the
-speculative decoder when they fit the budget and free blocks; an unfinished prefill takes a chunk), then waiting
-sequences are admitted in order while the budget, ``max_num_seqs`` and free blocks allow; one whose grammar
-(structured output) is still compiling stays waiting and the ones behind it are admitted. LoRA adapter slots
+speculator, ``engine.speculator``, when they fit the budget and free blocks; an unfinished prefill takes a chunk),
+then waiting sequences are admitted in order while the budget, ``max_num_seqs`` and free blocks allow; one whose
+grammar (structured output) is still compiling stays waiting and the ones behind it are admitted. LoRA adapter slots
 (``max_loras`` distinct adapters among the running sequences): a sequence whose adapter finds none free waits, the
 adapter sequences behind it too (in order), and base-model sequences behind it, which take no slot, are admitted
 past it; the plan's adapters take device slots (``LoRAManager.assign``: ``StepPlan.lora_slots``), and a request
@@ -24,6 +24,7 @@ from sparrow.config import SchedulerConfig
 from sparrow.engine.block_manager import BlockManager
 from sparrow.engine.sampler import argmax_only
 from sparrow.engine.sequence import Sequence, SequenceStatus
+from sparrow.engine.speculator import Speculator
 from sparrow.engine.step_plan import ScheduledSeq, StepPlan
 from sparrow.lora.manager import LoRAManager
 
@@ -39,14 +40,18 @@ def _plain_decode(item: ScheduledSeq) -> bool:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int | None = None,
-                 max_loras: int | None = None, lora: LoRAManager | None = None):
+                 max_loras: int | None = None, lora: LoRAManager | None = None,
+                 speculator: Speculator | None = None):
         """``max_loras``: most distinct LoRA adapters among the running sequences (the device's adapter slots);
         a waiting sequence of another adapter waits until a running adapter's sequences are done, and later
         sequences with an adapter wait behind it. ``lora``: the LoRA manager whose device slots each plan's
-        adapters take (``plan.lora_slots``); None: LoRA is off."""
+        adapters take (``plan.lora_slots``); None: LoRA is off. ``speculator``: speculative decoding
+        (``sparrow.engine.speculator``): its drafts go into the plans, its ``accept`` counts what a step accepted;
+        None: off."""
         self.config = config
         self.max_loras = max_loras
         self.lora = lora
+        self.spec = speculator
         self.bm = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -90,10 +95,11 @@ class Scheduler:
         self.bm.allocate(seq, seq.num_computed_tokens + n)
         return ScheduledSeq(seq, seq.num_computed_tokens, n, num_sampled=n, draft_token_ids=drafts)
 
-    def schedule(self, drafts: dict[Sequence, list[int]] | None = None) -> StepPlan:
-        """Plan the next step. ``drafts``: proposed draft tokens of running sequences (speculative decoding);
-        such a sequence verifies them in k + 1 rows when they fit the budget and free blocks, else it decodes
-        one row."""
+    def schedule(self) -> StepPlan:
+        """Plan the next step: running sequences, then waiting ones (the module doc), then the adapters' device
+        slots. With a speculator, a running sequence it drafts for (``Speculator.propose``) verifies the drafts
+        in k + 1 rows when they fit the budget and free blocks, else it decodes one row."""
+        drafts = self.spec.propose(self.running, len(self.waiting)) if self.spec is not None else None
         budget = self.config.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         for seq in list(self.running):
@@ -185,8 +191,11 @@ class Scheduler:
     def schedule_ahead(self, plan: StepPlan) -> StepPlan | None:
         """The decode step after ``plan`` (a ``queue_next`` plan, queued but not read), fed on the device by its
         sampled ids: every sequence of ``plan`` that does not end on length with ``plan``'s token, when nothing
-        waits, all running sequences are in ``plan`` and their next K/V slots fit without preemption (allocated
-        here). None when it cannot be queued."""
+        waits, all running sequences are in ``plan``, no sequence would get drafts (``Speculator.paused``: a
+        queued step carries none) and their next K/V slots fit without preemption (allocated here). None when it
+        cannot be queued."""
+        if self.spec is not None and not self.spec.paused([item.seq for item in plan.seqs]):
+            return None
         if self.waiting or len(plan.seqs) != len(self.running):
             return None
         items = []
@@ -206,14 +215,20 @@ class Scheduler:
         # its sequences are plan's: their adapters are in plan's slots
         return StepPlan(items, queue_next=True, argmax_only=True, lora_slots=plan.lora_slots)
 
-    def commit(self, item: ScheduledSeq, num_accepted_drafts: int = 0) -> None:
-        """After the step ran: the rows holding the sequence's tokens and its accepted draft tokens are computed;
-        the slots of rejected draft tokens are given back (``BlockManager.truncate``)."""
+    def commit(self, item: ScheduledSeq, sampled: list[int]) -> int:
+        """After the step ran, with ``sampled``, the ids sampled at the item's rows: the rows holding the
+        sequence's tokens and its accepted draft tokens (``Speculator.accept``) are computed; the slots of
+        rejected draft tokens are given back (``BlockManager.truncate``). Returns the accepted drafts' count (the
+        engine appends ``sampled[:count + 1]``)."""
+        num_accepted_drafts = 0
+        if item.draft_token_ids and self.spec is not None:
+            num_accepted_drafts = self.spec.accept(item, sampled)
         seq = item.seq
         seq.num_computed_tokens = item.start + item.num_verified + num_accepted_drafts
         if num_accepted_drafts < len(item.draft_token_ids):
             self.bm.truncate(seq, seq.num_computed_tokens + 1)  # + 1: the slot of the token sampled after them
         self.bm.commit_computed(seq)
+        return num_accepted_drafts
 
     def finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
@@ -222,3 +237,5 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.bm.free_seq(seq)
+        if self.spec is not None:
+            self.spec.release(seq)

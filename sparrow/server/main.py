@@ -27,7 +27,7 @@ def _build_llm(args):
     quant = dict(quantization=args.quantization, quantize_lm_head=args.quantize_lm_head)
     shape = getattr(args, "model_shape", None)
     if shape is None:
-        from sparrow.engine.llm import LLM
+        from sparrow.llm import LLM
 
         return LLM(args.model, seed=args.seed, **quant, **engine)
     if args.model is not None:

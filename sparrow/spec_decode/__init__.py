@@ -1,11 +1,14 @@
 """Speculative decoding: proposers draft tokens, the target verifies them in one step of k + 1 rows.
 
-Flow of one step (``SpeculativeDecoder``, called by the engine before the scheduler plans the step):
-  for every running sequence in its decode phase, outside its back-off, the proposer drafts up to
-  min(k, tokens left before max_tokens or max_model_len, minus the one the step samples anyway) tokens; the
-  scheduler gives such a sequence k' + 1 rows (its last token and the k' drafts), all sampled; the engine
-  accepts the leading drafts equal to the tokens sampled at the row before each, plus the token sampled after
-  the last accepted one; the scheduler gives back the KV slots of the rejected drafts.
+This package is the engine's ``Speculator`` (``sparrow.engine.speculator``): ``decoder.SpeculativeDecoder``, made
+by ``decoder.make_speculative_decoder``, which ``LLM`` hands to the engine; the engine never imports it.
+
+Flow of one step (``SpeculativeDecoder``, called by the scheduler as it plans the step): for every running
+  sequence in its decode phase, outside its back-off, the proposer drafts up to min(k, tokens left before
+  max_tokens or max_model_len, minus the one the step samples anyway) tokens; the scheduler gives such a
+  sequence k' + 1 rows (its last token and the k' drafts), all sampled; after the step ``accept`` takes the
+  leading drafts equal to the tokens sampled at the row before each, the engine appends them plus the token
+  sampled after the last accepted one, and the scheduler gives back the KV slots of the rejected drafts.
 
 Verification is rejection sampling (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
 Decoding", Alg. 1; Chen et al. 2023). Both proposers propose deterministically, so the draft distribution q at a

@@ -1,5 +1,7 @@
-"""The engine's side of speculative decoding: which sequences get drafts this step and how many (limits and
-back-off), the proposer call, and the acceptance counters (vLLM's spec_decode metrics).
+"""``SpeculativeDecoder``, the engine's ``Speculator`` (``sparrow.engine.speculator``): which sequences get drafts
+this step and how many (limits and back-off), the proposer call, the acceptance of drafts from the sampled ids
+(``accept``: the leading drafts equal to the token sampled at the row before each), the acceptance counters
+(vLLM's spec_decode metrics) and the step timing.
 
 Back-off, per sequence: a sequence that got no draft, or whose drafts were all rejected, pauses proposing for
 its next 2, 4, 8 .. 32 tokens (doubling with each miss in a row; an accepted draft resets it), so text the
@@ -13,7 +15,8 @@ speed without a back-off (a step that waits to propose costs more than an overla
 
 Back-off, per step: a verify step costs more than a decode step (more rows, and the engine cannot queue the
 next step behind it), and every sequence of the step pays it, drafted or not. The decoder times the steps the
-engine runs (``observe_step``: the wall time between the ends of consecutive steps, per rows-per-sequence q) and
+engine runs (``step_done`` -> ``observe_step``: the wall time between the ends of consecutive steps, per
+rows-per-sequence q) and
 keeps each sequence's recent acceptance rate; a step whose B decoding sequences hold drafts d_i verifies them
 only when the tokens it expects to gain pay for its cost (t measured per q and per power-of-two bucket of B, since
 the relative cost of a verify step grows with the batch):
@@ -38,10 +41,12 @@ pays the verify step's cost.)
 """
 from __future__ import annotations
 
+import time
+
 from sparrow import switches
 from sparrow.config import SpeculativeConfig
 from sparrow.engine.sequence import Sequence
-from sparrow.engine.step_plan import ScheduledSeq
+from sparrow.engine.step_plan import ScheduledSeq, StepPlan
 from sparrow.spec_decode.ngram import NgramProposer
 
 MAX_BACKOFF_STEPS = 32
@@ -61,6 +66,18 @@ EMA = 0.25
 def _seeded(seq: Sequence) -> bool:
     """Whether ``seq`` samples from its own seeded generator (``SamplingParams.seed``)."""
     return seq.params.seed is not None
+
+
+def accepted_drafts(item: ScheduledSeq, sampled: list[int]) -> int:
+    """How many of ``item``'s draft tokens the step accepts: the leading ones equal to the token sampled at the
+    row before each. With deterministic drafts this is rejection sampling (``sparrow.spec_decode``): exact for
+    greedy rows, and for random rows every appended token is a sample of the target given the tokens before it."""
+    n = 0
+    for draft, target in zip(item.draft_token_ids, sampled):
+        if draft != target:
+            break
+        n += 1
+    return n
 
 
 def batch_bucket(n: int) -> int:
@@ -96,7 +113,8 @@ class _BackOff:
 
 
 class SpeculativeDecoder:
-    """``propose(running)`` -> {sequence: draft ids} for the scheduler; ``record(item, accepted)`` after a step."""
+    """The ``Speculator``: ``propose(running)`` -> {sequence: draft ids} for the scheduler, ``accept(item,
+    sampled)`` after a step (``record`` counts it), ``paused``, ``release``, ``step_done``."""
 
     def __init__(self, config: SpeculativeConfig, proposer, max_model_len: int):
         self.config = config
@@ -114,6 +132,7 @@ class SpeculativeDecoder:
         """(batch bucket, q) -> average wall seconds of a decode (q = 1) or verify step of q rows per sequence,
         by ``batch_bucket`` of its sequences (a step's cost grows with the batch differently for each q)."""
         self._rate: dict[Sequence, float] = {}
+        self._last_step_end: float | None = None  # perf_counter() at the end of the last decode / verify step
         self._steps = 0
         self._hold_until = 0
         self._hold = 0
@@ -215,6 +234,22 @@ class SpeculativeDecoder:
         self._backoff.pop(seq, None)
         self._rate.pop(seq, None)
         self.proposer.release(seq)
+
+    def accept(self, item: ScheduledSeq, sampled: list[int]) -> int:
+        """How many of ``item``'s drafts the ids ``sampled`` at its rows accept (``accepted_drafts``), counted
+        (``record``)."""
+        accepted = accepted_drafts(item, sampled)
+        self.record(item, accepted)
+        return accepted
+
+    def step_done(self, plan: StepPlan) -> None:
+        """The engine applied ``plan``: a decode or verify step that followed another one is timed (the interval
+        between their ends: what a step costs the batch, overlap and host work included; ``observe_step``)."""
+        now = time.perf_counter()
+        q = plan.max_query_len()
+        last, self._last_step_end = self._last_step_end, (now if q is not None else None)
+        if q is not None and last is not None:
+            self.observe_step(q, now - last, len(plan.seqs))
 
     def record(self, item: ScheduledSeq, accepted: int) -> None:
         """Count a verified item's drafts and accepted drafts; start or reset the sequence's back-off."""

@@ -82,11 +82,12 @@ def test_truncate_gives_back_rejected_slots_without_prefix_entries():
 def test_rejected_drafts_roll_back_and_generation_stays_exact(tiny_model_dir):
     """A verify step whose drafts are half right (the first two are the greedy continuation, the third is not)
     appends the two and the target's own third token, gives back the rest, and the sequence goes on exactly as
-    plain decoding does."""
+    plain decoding does. (The engine has a speculator, n-gram: accepting drafts is its ``accept``.)"""
     prompt = random_prompts([13], seed=33)[0]
     sp = SamplingParams(max_tokens=12, **GREEDY)
     want = make_llm(tiny_model_dir).generate(ids_prompt(prompt), sp)[0].outputs[0].token_ids
-    llm = make_llm(tiny_model_dir, enable_prefix_caching=False)
+    llm = make_llm(tiny_model_dir, enable_prefix_caching=False,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     engine = llm.engine
     rid = engine.add_request(ids_prompt(prompt), sp)
     engine.step()                            # prefill: the first token

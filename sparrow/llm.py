@@ -1,4 +1,6 @@
-"""``LLM``: the user-facing class (vLLM's names): load a model, generate for a batch of prompts."""
+"""``LLM``: the user-facing class (vLLM's names): load a model, generate for a batch of prompts. It is where the
+parts meet: the loader builds the model (and a draft model), ``sparrow.spec_decode`` gives the speculator, and
+``engine.engine.Engine`` runs them."""
 from __future__ import annotations
 
 import logging
@@ -14,6 +16,7 @@ from sparrow.engine.engine import Engine
 from sparrow.errors import InvalidRequestError
 from sparrow.outputs import RequestOutput
 from sparrow.sampling_params import SamplingParams
+from sparrow.spec_decode.decoder import make_speculative_decoder
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +205,8 @@ class LLM:
                seed: int | None = None) -> None:
         ensure_cpu_threads()
         self.tokenizer = tokenizer
-        self.engine = Engine(config, model, tokenizer, draft_model=self._load_draft(config))
+        self.engine = Engine(config, model, tokenizer, draft_model=self._load_draft(config),
+                             make_speculator=make_speculative_decoder)
         self.engine.runner.sampler.reseed(seed)
         self.model_path = path
         self.load_time: float | None = None
