@@ -291,7 +291,7 @@ def _layer_specs(cfg: dict, model_type: str, layer_types: list[str], n_kv: int,
 
 def _activation(cfg: dict) -> str:
     """The MLP activation's HF name (``hidden_activation``, ``hidden_act``, default 'silu'); ModelLoadError for
-    one sparrow has no kernel for (``kernels.act.ACTIVATIONS``)."""
+    one sparrow has no kernel for (``kernels.activation.act.ACTIVATIONS``)."""
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
     if not isinstance(act, str) or act not in ACTIVATIONS:
         raise ModelLoadError(f"config.json has hidden_act={act!r}; sparrow supports {sorted(ACTIVATIONS)}")
