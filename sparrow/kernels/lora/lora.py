@@ -18,7 +18,7 @@ Segments (packed projections: qkv, gate_up, whose B is block-diagonal): ``out_si
 splits N, and ``seg_cols`` [slots, G, 2] int32 gives per slot and segment g (first rank row c, rank rows m): the
 expand computes segment g's outputs from B rows [c, c + m) and t[c:c + m] only (twins and kernels alike; the
 rank rows left out must be zero in that segment for the result to be the full product, as
-``sparrow.lora.weights.LoRABuffers`` ensures). Without them the expand reads rank rows [0, rank).
+``sparrow.layers.lora_buffers.LoRABuffers`` ensures). Without them the expand reads rank rows [0, rank).
 
 Triton kernels (``_lora_jit``) where ``use_triton(x)``: no launch synchronizes with the host (CUDA graph safe);
 PDL launches on Hopper. The torch twins (one matmul per distinct weight set, a host sync) are the CPU path and the

@@ -67,7 +67,7 @@ def fused_moe_triton(x, gate_up_proj, down_proj, topk_weights, topk_ids, activat
     """Triton launcher of ``fused_moe`` (same contract): the small path for P <= pair_threshold (and
     <= SMALL_MAX_PAIRS), the grouped path above; 3 launches small, 6 grouped (one more per FP8 GEMM whose
     tile has ``a_fp8``: its activation quantizer), no host sync. ``lora``: per-pair adapter deltas
-    (``sparrow.lora.weights.ExpertDelta``): gate_up's [P, 2I] fp32 enters the gate|up kernel's epilogue (added to
+    (``sparrow.layers.lora_buffers.ExpertDelta``): gate_up's [P, 2I] fp32 enters the gate|up kernel's epilogue (added to
     its accumulators before the activation), down's is added to the per-pair outputs before the reduce."""
     _check_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation, w13_scale, w2_scale)
     rows, hidden = x.shape

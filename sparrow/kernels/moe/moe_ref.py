@@ -49,7 +49,7 @@ def fused_moe_grouped_ref(
     topk_weights [R, K] (any float dtype), topk_ids [R, K] int (each in [0, E)) -> [R, H] in x's dtype.
     ``reduce=False``: the per-pair outputs [R K, H] in pair order (pair p = row p // K, slot p % K), x's
     dtype, unweighted (the caller reduces them, as ``moe_reduce``). ``lora``: the step's per-pair adapter deltas
-    (``sparrow.lora.weights.ExpertDelta``): gate_up's added before the activation, down's before the reduce."""
+    (``sparrow.layers.lora_buffers.ExpertDelta``): gate_up's added before the activation, down's before the reduce."""
     num_rows, top_k = topk_ids.shape
     num_experts = gate_up_proj.shape[0]
     flat_ids = topk_ids.reshape(-1).long()  # [P], pair p = row p // K, slot p % K
