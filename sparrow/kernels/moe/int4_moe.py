@@ -107,6 +107,21 @@ def dequantized_experts(w13, s13, z13, g13, w2, s2, z2, g2, group, dtype, divide
             w4_dequantize(w2, s2, z2, g2, group, dtype, w2.shape[1], divide_global))
 
 
+def _fitted_tile(tile, group: int, nvfp4: bool, small: bool, block_m: int):
+    """(tile, sub_k) for one of the 4-bit expert GEMMs: FMA steps take one int4 group each; sub_k, the K step of
+    one dequantize, is at most the group (128 for NVFP4). Raises ValueError for a tile the kernels cannot run."""
+    from sparrow.kernels.common.tiles import FMA_ROWS
+
+    if small and tile.fma_rows and not nvfp4 and tile.block_k > group:
+        tile = dataclasses.replace(tile, block_k=group)
+    sub_k = min(tile.block_k, 128 if nvfp4 else group)
+    if tile.block_k % sub_k or min(sub_k, tile.block_n, block_m) < 16 or (
+            small and tile.fma_rows and tile.fma_rows not in FMA_ROWS):
+        raise ValueError(f"int4 / NVFP4 fused_moe: tile {tile} (block_m {block_m}) does not fit group {group} "
+                         f"(block_k a multiple of the group or dividing it, tiles >= 16, fma_rows 0 or in {FMA_ROWS})")
+    return tile, sub_k
+
+
 def w4_fused_moe_triton(x, w13, s13, z13, g13, w2, s2, z2, g2, group, topk_weights, topk_ids, activation="silu", *,
                         pair_threshold=64, swiglu_limit=None, reduce=True, divide_global=False):
     """The 4-bit routed experts on Triton, int4 (``g13`` / ``g2`` None) or NVFP4 W4A16 (``kernels.moe.nvfp4_moe``).
@@ -120,7 +135,6 @@ def w4_fused_moe_triton(x, w13, s13, z13, g13, w2, s2, z2, g2, group, topk_weigh
     sync. Raises ValueError for a tile the kernels cannot run."""
     from sparrow.kernels import interpreting, pdl_kwargs
     from sparrow.kernels.common import split_k
-    from sparrow.kernels.common.tiles import FMA_ROWS
     from sparrow.kernels.moe.moe import SMALL_MAX_PAIRS
     from sparrow.kernels.common.tiles import next_pow2
     from sparrow.kernels.moe.moe_align import moe_align_triton
@@ -158,14 +172,7 @@ def w4_fused_moe_triton(x, w13, s13, z13, g13, w2, s2, z2, g2, group, topk_weigh
     if not small:
         sorted_ids, block_expert, total = moe_align_triton(topk_ids, num_experts, cfg.block_m)
     for a, div, w, s, z, g, out, n, k, gated, tile in gemms:
-        if small and tile.fma_rows and not nvfp4 and tile.block_k > group:  # FMA steps: one group each (int4)
-            tile = dataclasses.replace(tile, block_k=group)
-        sub_k = min(tile.block_k, 128 if nvfp4 else group)
-        if tile.block_k % sub_k or min(sub_k, tile.block_n, cfg.block_m) < 16 or (
-                small and tile.fma_rows and tile.fma_rows not in FMA_ROWS):
-            raise ValueError(f"int4 / NVFP4 fused_moe: tile {tile} (block_m {cfg.block_m}) does not fit group "
-                             f"{group} (block_k a multiple of the group or dividing it, tiles >= 16, fma_rows 0 or "
-                             f"in {FMA_ROWS})")
+        tile, sub_k = _fitted_tile(tile, group, nvfp4, small, cfg.block_m)
         args = (a, w, s, z if z is not None else s, g if nvfp4 else s, out)
         strides = (pairs, n, k, div, a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
                    g.stride(0) if nvfp4 else 0, group)
