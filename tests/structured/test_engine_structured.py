@@ -79,8 +79,9 @@ def grammar_accepts_prefix(tokenizer, text: str) -> bool:
     return xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_json_schema('{"type": "object"}')).accept_string(text)
 
 
-def test_batch_of_mixed_constraints_greedy(llm):
-    """One generate call: every constraint and an unconstrained row per prompt, all in the same steps."""
+def check_mixed_batch(llm) -> list[str]:
+    """One generate call: every constraint and an unconstrained row per prompt, all in the same steps (greedy);
+    each constrained output checked; returns the unconstrained texts."""
     kinds = [*CONSTRAINTS, None]
     prompts = [p for p in PROMPTS for _ in kinds]
     params = [SamplingParams(temperature=0, max_tokens=48, structured_outputs=CONSTRAINTS.get(k)) for k in kinds]
@@ -89,7 +90,11 @@ def test_batch_of_mixed_constraints_greedy(llm):
         kind = kinds[i % len(kinds)]
         if kind is not None:
             check(kind, out.outputs[0], llm.get_tokenizer())
-    free = [out.outputs[0].text for i, out in enumerate(outs) if kinds[i % len(kinds)] is None]
+    return [out.outputs[0].text for i, out in enumerate(outs) if kinds[i % len(kinds)] is None]
+
+
+def test_batch_of_mixed_constraints_greedy(llm):
+    free = check_mixed_batch(llm)
     # the bitmask is really applied: the same prompts unconstrained match none of the constraints
     for text in free:
         assert not re.fullmatch(REGEX, text) and text not in CHOICES

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from sparrow import LLM, SamplingParams
-from tests.structured.test_engine_structured import CONSTRAINTS, PROMPTS, check
+from tests.structured.test_engine_structured import CONSTRAINTS, check, check_mixed_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -21,14 +21,7 @@ def cuda_llm(request, tiny_eos_model_dir):
 def test_graph_replay_rows_take_the_bitmask(cuda_llm):
     """Greedy rows of every constraint beside unconstrained rows; the decode steps replay captured graphs."""
     assert cuda_llm.engine.runner.graphs is not None
-    kinds = [*CONSTRAINTS, None]
-    prompts = [p for p in PROMPTS for _ in kinds]
-    params = [SamplingParams(temperature=0, max_tokens=48, structured_outputs=CONSTRAINTS.get(k)) for k in kinds]
-    outs = cuda_llm.generate(prompts, params * len(PROMPTS))
-    for i, out in enumerate(outs):
-        kind = kinds[i % len(kinds)]
-        if kind is not None:
-            check(kind, out.outputs[0], cuda_llm.get_tokenizer())
+    check_mixed_batch(cuda_llm)
 
 
 @pytest.mark.parametrize("kind", list(CONSTRAINTS))
