@@ -231,7 +231,7 @@ class GGUFCheckpoint:
 
         Raises ModelLoadError for a tensor GGUF names that sparrow does not know, and
         UnsupportedGGUFTypeError for an unsupported quantization type."""
-        from sparrow.quant.gguf import dequantize
+        from sparrow.kernels.common.gguf_blocks import dequantize
 
         n_head = self.metadata.get(f"{self.arch}.attention.head_count")
         n_kv = self.metadata.get(f"{self.arch}.attention.head_count_kv", n_head)

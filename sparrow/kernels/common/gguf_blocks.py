@@ -1,4 +1,5 @@
-"""GGUF (ggml) tensor dequantization in torch: the load-time path and the oracle for GGUF kernels.
+"""GGUF (ggml) block dequantization in torch: the torch twin of the GGUF kernels (dense and expert) and the
+dequantizing path of ``quantization=`` on a GGUF file.
 
 Format source: the block structs in ggml's `ggml-common.h` (block_q4_0 ... block_q6_K) and the reference
 `dequantize_row_*` functions in `ggml-quants.c`; gguf-py's `gguf/quants.py` is the bit-exact test oracle.

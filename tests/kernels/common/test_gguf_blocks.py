@@ -1,4 +1,4 @@
-"""sparrow.quant.gguf.dequantize against gguf-py's numpy dequantizers: bit-exact (torch.equal), every type.
+"""sparrow.kernels.common.gguf_blocks.dequantize against gguf-py's numpy dequantizers: bit-exact (torch.equal), every type.
 
 Inputs come from gguf-py's own quantizer where it has one, and from random bytes per block otherwise (and
 additionally for every block type, to reach bit patterns a quantizer never writes); in random blocks the
@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
 from sparrow.errors import ModelLoadError, UnsupportedGGUFTypeError
-from sparrow.quant.gguf import SUPPORTED_TYPES, block_bytes, dequantize
+from sparrow.kernels.common.gguf_blocks import SUPPORTED_TYPES, block_bytes, dequantize
 
 
 # byte offsets of the fp16 fields (d, dmin, m) inside one block (ggml-common.h)
