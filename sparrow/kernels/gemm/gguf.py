@@ -1,0 +1,214 @@
+"""Dense linears on raw GGUF (ggml) blocks: y = x @ W^T with W's blocks kept packed, dequantized in registers
+by the Triton kernel (``_gguf_jit.gguf_matmul_kernel``) or in bounded row chunks by the torch twin.
+
+    gguf_linear(x [R, K], qweight uint8 [N, K // B * T], ggml_type, bias [N] | None) -> y [R, N], x's dtype
+
+Weight layout (shared with the GGUF experts and the GGUF format module): a weight of logical shape [N, K] of
+ggml type t (B elements, T bytes per block, ``gguf_blocks.block_bytes``) is uint8 [N, K // B * T], each row its
+blocks exactly as in the file (the file's own byte order); stacked experts are [E, N, K // B * T]. Types:
+``GGUF_TYPES`` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; formats: ggml-common.h, gguf-py's
+quants.py). x is fp32 / bf16 / fp16; the weight is dequantized bit-exactly (``gguf_blocks``), rounded to x's
+dtype, multiplied by x with fp32 sums, the fp32 bias added, and y rounded once to x's dtype.
+
+Paths (``gguf_linear``): Triton where ``use_triton(x)`` (CUDA tensors, or ``backend("triton")`` under the
+interpreter): FMA GEMV for R <= 4, tensor-core GEMV for R <= GEMV_MAX_ROWS (decode and speculative verify),
+a GEMM past it; else the twin ``gguf_linear_ref`` (the CPU path). Tile configs: ``GGUF_CONFIGS`` (defaults,
+not tuned on a GPU), overridden per card by ``config_file`` if present, or by ``with forced_config(cfg):``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import pathlib
+
+import torch
+from gguf.constants import GGMLQuantizationType as T
+
+from sparrow.errors import ModelLoadError, UnsupportedGGUFTypeError
+from sparrow.kernels import ForcedConfig, dispatch, interpreting, pdl_kwargs
+from sparrow.kernels.common import gguf_blocks, split_k
+from sparrow.kernels.common.tiles import CONFIG_DIR, cdiv
+
+GGUF_TYPES: frozenset[T] = frozenset((T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
+                                      T.Q6_K))
+"""The ggml block types the GGUF kernels take (the float types F32 / F16 / BF16 are plain linears)."""
+GEMV_MAX_ROWS = 16
+"""Rows up to which the kernel runs as a GEMV (one M tile: each weight byte read once per call)."""
+_X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+TWIN_CHUNK_ELEMS = {"cpu": 1 << 16, "cuda": 1 << 25}
+"""Weight elements the twin dequantizes per step (rows of that many elements, at least one row), by device
+type. CPU: measured on 2 cores (gguf_linear_ref, Q8_0 640 x 262144 and Q6_K 2048 x 640, R = 1): chunks of
+2^14 .. 2^18 elements are within a few % of each other, and all beat 2^20+ (temporaries that leave L2) by
+10-30 %; a GPU wants few, large launches."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GgufConfig:
+    """A tile config of ``gguf_matmul_kernel``."""
+    block_m: int
+    """Rows of x per program: 1, 2 or 4 with ``fma``, else a power of two >= 16."""
+    block_n: int
+    """Weight rows (outputs) per program: a power of two (>= 16 without ``fma``)."""
+    block_k: int
+    """K elements per step: a power of two >= 32 (whole 32-element groups)."""
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1
+    """Programs per N tile over contiguous K ranges (with one M tile); 0: enough for split_k.FILL_PROGRAMS."""
+    fma: bool = False
+    """fp32 FMAs on the decoded tile instead of a tensor-core dot (GEMV of a few rows)."""
+
+
+# (largest R, config), smallest bound first. Defaults, not tuned on a GPU: the int4 FMA GEMV's tuned shape
+# (sparrow/kernels/configs/w4_linear_int4_*.json: 128 x 128 tiles, 8 warps, split-K) scaled to a few rows,
+# automatic split-K to fill the SMs, and a 64 x 64 x 64 GEMM tile (the decoded weight tile in registers).
+GGUF_CONFIGS: tuple[tuple[int, GgufConfig], ...] = (
+    (1, GgufConfig(block_m=1, block_n=64, block_k=256, num_warps=8, split_k=0, fma=True)),
+    (2, GgufConfig(block_m=2, block_n=32, block_k=256, num_warps=4, split_k=0, fma=True)),
+    (4, GgufConfig(block_m=4, block_n=16, block_k=256, num_warps=4, split_k=0, fma=True)),
+    (GEMV_MAX_ROWS, GgufConfig(block_m=16, block_n=64, block_k=128, num_warps=4, split_k=0)),
+    (1 << 62, GgufConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)),
+)
+forced_config = ForcedConfig()  # ``with forced_config(GgufConfig(...)):`` overrides the table
+
+
+def config_file(device_name: str) -> pathlib.Path:
+    """The tuned tile file of a device (its ``torch.cuda.get_device_name()``, spaces as underscores):
+    {"configs": {"R": GgufConfig fields}}, each entry covering the rows up to R (smallest first). None ships."""
+    return CONFIG_DIR / f"gguf_linear_{device_name.replace(' ', '_')}.json"
+
+
+@functools.lru_cache(maxsize=8)
+def tuned_configs(device_name: str) -> tuple[tuple[int, GgufConfig], ...]:
+    """(largest R, config) entries of ``config_file``, smallest bound first; () when there is none."""
+    path = config_file(device_name)
+    if not path.is_file():
+        return ()
+    data = json.loads(path.read_text())["configs"]
+    return tuple(sorted((int(r), GgufConfig(**c)) for r, c in data.items()))
+
+
+def pick_config(rows: int, device_name: str | None = None) -> GgufConfig:
+    """The forced config, else the first entry covering ``rows`` of the card's file, else of GGUF_CONFIGS."""
+    if forced_config.value is not None:
+        return forced_config.value
+    table = tuned_configs(device_name) if device_name else ()
+    return next(c for bound, c in table + GGUF_CONFIGS if rows <= bound)
+
+
+def gguf_weight_bytes(qweight: torch.Tensor) -> int:
+    """Bytes a GGUF linear reads of its weight per call (every block once: the GEMV's roofline numerator)."""
+    return qweight.numel() * qweight.element_size()
+
+
+def _type_name(ggml_type: int) -> str:
+    try:
+        return T(int(ggml_type)).name
+    except ValueError:
+        return f"unknown ggml type {int(ggml_type)}"
+
+
+def check_gguf_linear(x: torch.Tensor, qweight: torch.Tensor, ggml_type: int, bias: torch.Tensor | None,
+                      name: str = "gguf_linear") -> tuple[int, int]:
+    """(B, T) of ``ggml_type`` after checking the operands of ``gguf_linear``. Raises UnsupportedGGUFTypeError
+    for a type outside GGUF_TYPES, ModelLoadError naming the problem for x not fp32 / bf16 / fp16 [R, K] with
+    unit stride on K, K not a multiple of B, qweight not uint8 [N, K // B * T] with unit last stride, a bias
+    other than a float [N], or operands on different devices."""
+    if ggml_type not in GGUF_TYPES:
+        raise UnsupportedGGUFTypeError(
+            f"{name}: ggml type {_type_name(ggml_type)} has no GGUF kernel (supported: "
+            f"{', '.join(sorted(t.name for t in GGUF_TYPES))})")
+    block, type_bytes = gguf_blocks.block_bytes(ggml_type)
+    tname = _type_name(ggml_type)
+    if x.dim() != 2 or x.dtype not in _X_DTYPES or (x.shape[1] > 1 and x.stride(1) != 1):
+        raise ModelLoadError(f"{name}: x must be fp32 / bf16 / fp16 [R, K] with unit stride on K, got "
+                             f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
+    k = x.shape[1]
+    if k % block:
+        raise ModelLoadError(f"{name}: K = {k} is not a multiple of the {tname} block of {block} elements")
+    want = k // block * type_bytes
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[1] != want:
+        raise ModelLoadError(
+            f"{name}: qweight must be uint8 [N, {want}] ({tname}: K = {k} in {k // block} blocks of {type_bytes} "
+            f"bytes), got {tuple(qweight.shape)} {qweight.dtype}")
+    if qweight.shape[1] > 1 and qweight.stride(1) != 1:
+        raise ModelLoadError(f"{name}: qweight needs unit stride on its bytes, got strides {qweight.stride()}")
+    if bias is not None and (bias.shape != (qweight.shape[0],) or not bias.is_floating_point()):
+        raise ModelLoadError(f"{name}: bias must be a float [{qweight.shape[0]}], got {tuple(bias.shape)} "
+                             f"{bias.dtype}")
+    if qweight.device != x.device or (bias is not None and bias.device != x.device):
+        raise ModelLoadError(f"{name}: x, qweight and bias must be on one device, got {x.device}, "
+                             f"{qweight.device}{'' if bias is None else f', {bias.device}'}")
+    return block, type_bytes
+
+
+def gguf_linear_ref(x: torch.Tensor, qweight: torch.Tensor, ggml_type: int,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch twin (and CPU path): x [R, K] @ W^T (+ bias) -> [R, N] in x's dtype, W dequantized from
+    qweight's blocks (``gguf_blocks``, bit-exact with gguf-py) ``TWIN_CHUNK_ELEMS`` elements of rows at a
+    time, rounded to x's dtype, multiplied by x in fp32 (sums in fp32), bias added in fp32, rounded once.
+    Errors: ``check_gguf_linear``."""
+    block, type_bytes = check_gguf_linear(x, qweight, ggml_type, bias, "gguf_linear_ref")
+    (rows, k), n = x.shape, qweight.shape[0]
+    yt = torch.empty(n, rows, dtype=torch.float32, device=x.device)  # y^T: each chunk's rows are contiguous
+    if n and k and rows:
+        fn = gguf_blocks._BLOCK_FNS[T(int(ggml_type))]
+        xt = x.float().t()
+        step = max(1, TWIN_CHUNK_ELEMS.get(x.device.type, 1 << 16) // k)
+        for n0 in range(0, n, step):
+            chunk = qweight[n0:n0 + step]
+            w = fn(chunk.reshape(-1, type_bytes)).view(chunk.shape[0], k)
+            if x.dtype != torch.float32:
+                w = w.to(x.dtype).float()
+            torch.mm(w, xt, out=yt[n0:n0 + chunk.shape[0]])
+    else:
+        yt.zero_()
+    if bias is not None:
+        yt += bias.float()[:, None]
+    return yt.t().to(x.dtype)
+
+
+def gguf_linear_triton(x: torch.Tensor, qweight: torch.Tensor, ggml_type: int,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton launcher of ``gguf_linear_ref`` (same contract and errors): ``gguf_matmul_kernel`` with the
+    config for R (FMA GEMV, dot GEMV or GEMM). Raises ValueError for a forced config the kernel cannot run."""
+    from sparrow.kernels.gemm._gguf_jit import gguf_matmul_kernel
+
+    check_gguf_linear(x, qweight, ggml_type, bias, "gguf_linear")
+    (rows, k), n = x.shape, qweight.shape[0]
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_() if bias is None else y.copy_(bias.to(x.dtype).expand(rows, n))
+    cfg = pick_config(rows, torch.cuda.get_device_name(x.device) if x.is_cuda else None)
+    _check_config(cfg)
+    interp = interpreting()
+    m_tiles, n_tiles = cdiv(rows, cfg.block_m), cdiv(n, cfg.block_n)
+    split, ws, locks = split_k.plan(x.device, n_tiles, cdiv(k, cfg.block_k), cfg.split_k if m_tiles == 1 else 1,
+                                    cfg.block_m * cfg.block_n, y)
+    gguf_matmul_kernel[(n_tiles, m_tiles, split)](
+        x, qweight, bias if bias is not None else y, y, ws, locks, rows, n, k, x.stride(0), qweight.stride(0),
+        GGML_TYPE=int(ggml_type), HAS_BIAS=bias is not None, FMA=cfg.fma,
+        UPCAST=interp or x.dtype == torch.float32, RNE=interp and x.dtype == torch.bfloat16,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_kwargs(x))
+    return y
+
+
+def _check_config(cfg: GgufConfig) -> None:
+    def pow2(v: int) -> bool:
+        return v > 0 and v & (v - 1) == 0
+
+    ok = pow2(cfg.block_n) and pow2(cfg.block_k) and cfg.block_k >= 32 and (
+        cfg.block_m in (1, 2, 4) if cfg.fma else pow2(cfg.block_m) and cfg.block_m >= 16 and cfg.block_n >= 16)
+    if not ok:
+        raise ValueError(f"gguf_linear: {cfg} does not fit the kernel (block_k a power of two >= 32; FMA: block_m "
+                         "1, 2 or 4; dots: block_m and block_n powers of two >= 16)")
+
+
+gguf_linear = dispatch("gguf_linear", gguf_linear_triton, gguf_linear_ref, """y = x [R, K] @ W^T (+ bias) -> [R, N]
+    in x's dtype for a GGUF weight qweight uint8 [N, K // B * T] of ggml type ``ggml_type`` (the module doc;
+    ``gguf_linear_ref``'s signature): ``gguf_linear_triton`` where ``use_triton(x)``, else the twin.""")
