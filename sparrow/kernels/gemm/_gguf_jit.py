@@ -67,15 +67,17 @@ def gguf_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # a multiple of 32
     SPLIT_K: tl.constexpr,  # programs per N tile (grid axis 2, with one M tile)
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,  # launched with launch_pdl (sparrow.kernels.use_pdl)
 ):
+    """y [R, N] = x [R, K] @ W^T (+ bias) for a GGUF weight; grid (cdiv(N, BLOCK_N), cdiv(R, BLOCK_M), SPLIT_K).
+    With one M tile (the GEMV configs) every weight byte is read once for all rows."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     pdl_enter(USE_PDL)
+    rk = tl.arange(0, BLOCK_K)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
     m_mask = rm < R
     row_off = tl.minimum(rn, N - 1).to(tl.int64) * stride_wn
