@@ -35,8 +35,8 @@ def _dequant_kernel(w_ptr, out_ptr, N, K, stride_w, GGML_TYPE: tl.constexpr, BN:
 def triton_dequantize(qweight: torch.Tensor, qtype: T, k: int, bn: int = 4, bk: int = 64) -> torch.Tensor:
     n = qweight.shape[0]
     out = torch.empty(n, k, dtype=torch.float32, device=qweight.device)
-    _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](qweight, out, n, k, qweight.stride(0), GGML_TYPE=int(qtype),
-                                                              BN=bn, BK=bk)
+    grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
+    _dequant_kernel[grid](qweight, out, n, k, qweight.stride(0), GGML_TYPE=int(qtype), BN=bn, BK=bk)
     return out
 
 
