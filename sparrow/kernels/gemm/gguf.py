@@ -37,11 +37,12 @@ GEMV_MAX_ROWS = 16
 """Rows up to which the kernel runs as a GEMV (one M tile: each weight byte read once per call)."""
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-TWIN_CHUNK_ELEMS = {"cpu": 1 << 16, "cuda": 1 << 25}
-"""Weight elements the twin dequantizes per step (rows of that many elements, at least one row), by device
-type. CPU: measured on 2 cores (gguf_linear_ref, Q8_0 640 x 262144 and Q6_K 2048 x 640, R = 1): chunks of
-2^14 .. 2^18 elements are within a few % of each other, and all beat 2^20+ (temporaries that leave L2) by
-10-30 %; a GPU wants few, large launches."""
+TWIN_CHUNK_ELEMS = {"cpu": 1 << 21, "cuda": 1 << 25}
+"""Weight elements the twin dequantizes per step (whole rows, at least one), by device type, into buffers kept
+between calls (``_twin_buffers``: 8 + 2 MB on CPU). CPU, 2-core machine, R = 1, one torch thread (Q4_K
+2048 x 1024, Q6_K 2048 x 1024 and 640 x 2048, Q5_0 640 x 640, Q8_0 640 x 262144): 2^20 .. 2^22 are best, 2^21
+by a few %, 2^16 and below 2-4x slower (a dozen torch ops per chunk, each with its fixed cost); a GPU wants
+few, large launches."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,22 +145,112 @@ def check_gguf_linear(x: torch.Tensor, qweight: torch.Tensor, ggml_type: int, bi
     return block, type_bytes
 
 
+def _f16_field(b: torch.Tensor, start: int) -> torch.Tensor:
+    """(nb, T) uint8 blocks -> (nb, 1) fp32: the fp16 field at byte ``start``."""
+    return b[:, start:start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles_into(u: torch.Tensor, qs: torch.Tensor) -> None:
+    """u [..., 2, G] uint8 (contiguous, G % 4 == 0) <- the low nibbles of qs [..., G], then its high nibbles:
+    qs copied contiguous once, then both read as int32 words (4 bytes an operation: uint8 ops on strided views
+    are 3-4x slower on CPU)."""
+    words = qs.contiguous().view(torch.int32)
+    out = u.view(torch.int32)
+    torch.bitwise_and(words, 0x0F0F0F0F, out=out[..., 0, :])
+    torch.bitwise_right_shift(words, 4, out=out[..., 1, :]).bitwise_and_(0x0F0F0F0F)
+
+
+def _fast_q8_0(b, out, u):
+    out.copy_(b[:, 2:].view(torch.int8))
+    out.mul_(_f16_field(b, 0))
+
+
+def _fast_q4_0(b, out, u):
+    _nibbles_into(u.view(-1, 2, 16), b[:, 2:])
+    out.copy_(u).sub_(8).mul_(_f16_field(b, 0))
+
+
+def _fast_q5_0(b, out, u):
+    _nibbles_into(u.view(-1, 2, 16), b[:, 6:])
+    qh = b[:, 2:6].contiguous().view(torch.int32)  # little-endian: bit j is element j's 5th bit
+    u |= (((qh >> _BIT_SHIFTS) & 1) << 4).to(torch.uint8)
+    out.copy_(u).sub_(16).mul_(_f16_field(b, 0))
+
+
+def _fast_q4_k(b, out, u):
+    nb = b.shape[0]
+    sc, mn = gguf_blocks._scale_min_k4(b[:, 4:16])
+    _nibbles_into(u.view(nb, 4, 2, 32), b[:, 16:].view(nb, 4, 32))
+    out.copy_(u)
+    out.view(nb, 8, 32).mul_((_f16_field(b, 0) * sc).unsqueeze(-1)).sub_((_f16_field(b, 2) * mn).unsqueeze(-1))
+
+
+def _fast_q6_k(b, out, u):
+    nb = b.shape[0]
+    _nibbles_into(u.view(nb, 2, 2, 64), b[:, :128].view(nb, 2, 64))
+    qh = b[:, 128:192].contiguous().view(torch.int32).view(nb, 2, 8)  # 4 bytes a word, as _nibbles_into
+    planes = u.view(torch.int32).view(nb, 2, 4, 8)
+    for p in range(4):  # bit pair p of qh is the top 2 bits of the p-th 32 elements of each half
+        planes[:, :, p] |= ((qh >> (2 * p)) & 0x03030303) << 4
+    dl = _f16_field(b, 208) * b[:, 192:208].view(torch.int8).float()
+    out.copy_(u).sub_(32).view(nb, 16, 16).mul_(dl.unsqueeze(-1))
+
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+_FAST_DECODERS = {T.Q8_0: _fast_q8_0, T.Q4_0: _fast_q4_0, T.Q5_0: _fast_q5_0, T.Q4_K: _fast_q4_k,
+                  T.Q6_K: _fast_q6_k}
+"""The twin's CPU dequantizers of the packaged models' hot types (Gemma 3 270M Q4_K_M: Q8_0, Q5_0, Q4_K, Q6_K;
+plus Q4_0): the formulas and float-op order of ``gguf_blocks`` (bit-exact: tests/kernels/gemm/test_gguf_linear.py),
+written into reused buffers with scalar shifts and in-place ops, 2-4x faster on CPU; other types use
+``gguf_blocks`` as is. Each takes blocks (nb, T) uint8, out fp32 (nb, B), scratch u uint8 (nb, B)."""
+
+
+def dequantize_rows(qweight: torch.Tensor, ggml_type: int, out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """Rows qweight [c, K // B * T] (contiguous) dequantized into out fp32 [c, K] (bit-exact with
+    ``gguf_blocks.dequantize``), using scratch uint8 [>= c * K] on the hot types; returns out."""
+    qtype = T(int(ggml_type))
+    _, type_bytes = gguf_blocks.block_bytes(qtype)
+    blocks = qweight.reshape(-1, type_bytes)
+    flat = out.view(blocks.shape[0], -1)
+    fast = _FAST_DECODERS.get(qtype) if qweight.device.type == "cpu" else None
+    if fast is not None:
+        fast(blocks, flat, scratch[:out.numel()].view(flat.shape))
+    else:
+        flat.copy_(gguf_blocks._BLOCK_FNS[qtype](blocks))
+    return out
+
+
+_TWIN_BUFFERS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _twin_buffers(device: torch.device, elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin's (fp32, uint8) chunk buffers of at least ``elems`` elements on ``device``, kept between calls:
+    a fresh multi-MB buffer per call costs its page faults on every token. Calls run one at a time per process
+    (the engine's step loop); a kernel call never keeps a reference past its return."""
+    bufs = _TWIN_BUFFERS.get(device)
+    if bufs is None or bufs[0].numel() < elems:
+        bufs = _TWIN_BUFFERS[device] = (torch.empty(elems, dtype=torch.float32, device=device),
+                                        torch.empty(elems, dtype=torch.uint8, device=device))
+    return bufs
+
+
 def gguf_linear_ref(x: torch.Tensor, qweight: torch.Tensor, ggml_type: int,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """The torch twin (and CPU path): x [R, K] @ W^T (+ bias) -> [R, N] in x's dtype, W dequantized from
-    qweight's blocks (``gguf_blocks``, bit-exact with gguf-py) ``TWIN_CHUNK_ELEMS`` elements of rows at a
-    time, rounded to x's dtype, multiplied by x in fp32 (sums in fp32), bias added in fp32, rounded once.
-    Errors: ``check_gguf_linear``."""
-    block, type_bytes = check_gguf_linear(x, qweight, ggml_type, bias, "gguf_linear_ref")
+    qweight's blocks (bit-exact with gguf-py: ``dequantize_rows``) ``TWIN_CHUNK_ELEMS`` elements of rows at a
+    time into one reused buffer, rounded to x's dtype, multiplied by x in fp32 (sums in fp32), bias added in
+    fp32, rounded once. Errors: ``check_gguf_linear``."""
+    check_gguf_linear(x, qweight, ggml_type, bias, "gguf_linear_ref")
     (rows, k), n = x.shape, qweight.shape[0]
     yt = torch.empty(n, rows, dtype=torch.float32, device=x.device)  # y^T: each chunk's rows are contiguous
     if n and k and rows:
-        fn = gguf_blocks._BLOCK_FNS[T(int(ggml_type))]
         xt = x.float().t()
-        step = max(1, TWIN_CHUNK_ELEMS.get(x.device.type, 1 << 16) // k)
+        step = min(n, max(1, TWIN_CHUNK_ELEMS.get(x.device.type, 1 << 16) // k))
+        wbuf, scratch = _twin_buffers(x.device, step * k)
+        wbuf = wbuf[:step * k].view(step, k)
         for n0 in range(0, n, step):
-            chunk = qweight[n0:n0 + step]
-            w = fn(chunk.reshape(-1, type_bytes)).view(chunk.shape[0], k)
+            chunk = qweight[n0:n0 + step].contiguous()
+            w = dequantize_rows(chunk, ggml_type, wbuf[:chunk.shape[0]], scratch)
             if x.dtype != torch.float32:
                 w = w.to(x.dtype).float()
             torch.mm(w, xt, out=yt[n0:n0 + chunk.shape[0]])

@@ -123,6 +123,18 @@ def test_gguf_linear_twin_vs_fp64(qtype, dtype, monkeypatch):
     _assert_within(got, exact, _bound(x, w, exact, sums=1))
 
 
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_twin_dequantize_rows_bit_exact(qtype):
+    """The twin's own CPU decoders (``dequantize_rows``: fast paths for the hot types) equal gguf-py's
+    dequantization bit for bit, written into a reused, larger buffer."""
+    n, k = 6, 512
+    qweight = _qweight(qtype, n, k, seed=13, device="cpu")
+    out = torch.full((n, k), float("nan"))
+    scratch = torch.full((2 * n * k,), 255, dtype=torch.uint8)
+    got = gg.dequantize_rows(qweight, qtype, out, scratch)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(got, _gguf_py_weight(qweight, qtype))
+
+
 def test_gguf_linear_empty_and_bytes():
     qweight = _qweight(T.Q4_0, 8, 64, seed=0, device="cpu")
     assert gguf_weight_bytes(qweight) == 8 * 2 * 18
@@ -161,15 +173,18 @@ GPU_ROWS = (1, 2, 3, 4, 8, 16, 17, 64, 256)
 @pytest.mark.gpu
 @pytest.mark.parametrize("qtype,n,k", GPU_SHAPES, ids=lambda v: getattr(v, "name", str(v)))
 def test_gguf_linear_gpu(qtype, n, k):
+    """Every path on CUDA against the twin on CUDA (rows 1-4: FMA GEMV, 8 and 16: dot GEMV, including the 2-,
+    3- and m-row verify batches of speculative decoding; 17+: GEMM), bf16 / fp16 / fp32 x, bias on odd R."""
     qweight = _qweight(qtype, n, k, seed=1, device="cuda")
     bias = torch.randn(n, device="cuda")
-    for rows in GPU_ROWS:
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    w32 = _gguf_py_weight(qweight, qtype)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        w = w32.to(dtype).float()
+        for rows in GPU_ROWS:
             x = _x(rows, k, dtype, seed=rows, device="cuda")
             got = gguf_linear(x, qweight, qtype, bias if rows % 2 else None)
             with backend("torch"):
                 want = gguf_linear(x, qweight, qtype, bias if rows % 2 else None)
-            w = _gguf_py_weight(qweight, qtype).to(dtype).float()
             _assert_within(got, want, _bound(x.cpu(), w, want, sums=4))
 
 
