@@ -226,7 +226,11 @@ _TWIN_BUFFERS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 def _twin_buffers(device: torch.device, elems: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The twin's (fp32, uint8) chunk buffers of at least ``elems`` elements on ``device``, kept between calls:
     a fresh multi-MB buffer per call costs its page faults on every token. Calls run one at a time per process
-    (the engine's step loop); a kernel call never keeps a reference past its return."""
+    (the engine's step loop); a kernel call never keeps a reference past its return. CUDA: fresh buffers (the
+    caching allocator reuses them; the twin is only the GPU's test oracle, so nothing is held for it)."""
+    if device.type != "cpu":
+        return (torch.empty(elems, dtype=torch.float32, device=device),
+                torch.empty(elems, dtype=torch.uint8, device=device))
     bufs = _TWIN_BUFFERS.get(device)
     if bufs is None or bufs[0].numel() < elems:
         bufs = _TWIN_BUFFERS[device] = (torch.empty(elems, dtype=torch.float32, device=device),
