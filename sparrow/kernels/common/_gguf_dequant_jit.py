@@ -22,13 +22,12 @@ bytes: vectorizable loads where the row offset's divisibility allows it), its sc
 16-element half for Q2_K, Q3_K, Q6_K), and the decoded nibbles / bit pairs are put in element order by
 ``tl.join`` + ``tl.permute`` + ``tl.reshape`` (register moves). fp16 fields are two byte loads combined into
 a uint16 and bitcast. Float operations follow the twin's order (scale products first, then ``dl * q - ml``);
-the product before the add is ``_mul_rn`` (no FMA contraction on the GPU), so the tile is bit-exact with
+the products beside an add or subtract are ``_mul_rn`` (no FMA contraction on the GPU), so the tile is bit-exact with
 ``gguf_blocks.dequantize`` on the GPU as in the interpreter.
 """
 import triton
 import triton.language as tl
 from gguf.constants import GGMLQuantizationType as _T
-from triton.language.extra import libdevice
 
 from sparrow import switches
 
@@ -48,12 +47,14 @@ Q6_K = tl.constexpr(int(_T.Q6_K))
 
 @triton.jit
 def _mul_rn(a, b):
-    """a * b rounded to fp32 on its own (never fused with a following add into an FMA, which would change
-    the rounding of ``dl * q - ml``)."""
+    """a * b (fp32) rounded on its own, never fused with a following add into an FMA (which would change the
+    rounding of ``dl * q - ml``): PTX ``mul.rn.f32`` in inline asm, which neither LLVM nor ptxas contracts
+    (``libdevice.mul_rn`` is folded into a plain fmul by LLVM and then contracted: seen in the sm_90 PTX)."""
     if _INTERPRET:
         return a * b
     else:
-        return libdevice.mul_rn(a, b)
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
 
 
 @triton.jit
@@ -180,7 +181,7 @@ def dequant_q2_k(w_ptr, row_off, offs_k):
     q = _halves(_crumbs(w_ptr, base + 16, s).to(tl.float32))
     sc = tl.load(w_ptr + base[:, :, None] + _half_index(s))
     dl = _f16(w_ptr, base + 80)[:, :, None] * (sc & 0x0F).to(tl.float32)
-    ml = _f16(w_ptr, base + 82)[:, :, None] * (sc >> 4).to(tl.float32)
+    ml = _mul_rn(_f16(w_ptr, base + 82)[:, :, None], (sc >> 4).to(tl.float32))
     y = _mul_rn(dl[:, :, :, None], q) - ml[:, :, :, None]
     return _flat(y, row_off.shape[0], offs_k.shape[0])
 
@@ -225,7 +226,7 @@ def _dl_q_ml(w_ptr, base, s, q):
     """(d sc) q - (dmin m) of Q4_K / Q5_K: q [BN, G, 32] fp32 -> [BN, G, 32]."""
     sc, mn = _scale_min_k4(w_ptr, base, s)
     dl = _f16(w_ptr, base) * sc
-    ml = _f16(w_ptr, base + 2) * mn
+    ml = _mul_rn(_f16(w_ptr, base + 2), mn)
     return _mul_rn(dl[:, :, None], q) - ml[:, :, None]
 
 

@@ -62,15 +62,15 @@ class GgufConfig:
     """fp32 FMAs on the decoded tile instead of a tensor-core dot (GEMV of a few rows)."""
 
 
-# (largest R, config), smallest bound first. Defaults, not tuned on a GPU: the int4 FMA GEMV's tuned shape
-# (sparrow/kernels/configs/w4_linear_int4_*.json: 128 x 128 tiles, 8 warps, split-K) scaled to a few rows,
-# automatic split-K to fill the SMs, and a 64 x 64 x 64 GEMM tile (the decoded weight tile in registers).
+# (largest R, config), smallest bound first. Defaults, not timed on a GPU: tiles whose sm_90 build (ptxas,
+# Triton 3.9, bf16 x) has no register spills for any type (Q6_K, the largest decoder, needs up to 254 registers
+# at these sizes; 64 x 256 FMA tiles and 64 x 128 dot tiles spill), automatic split-K to fill the SMs.
 GGUF_CONFIGS: tuple[tuple[int, GgufConfig], ...] = (
-    (1, GgufConfig(block_m=1, block_n=64, block_k=256, num_warps=8, split_k=0, fma=True)),
-    (2, GgufConfig(block_m=2, block_n=32, block_k=256, num_warps=4, split_k=0, fma=True)),
+    (1, GgufConfig(block_m=1, block_n=64, block_k=128, num_warps=8, split_k=0, fma=True)),
+    (2, GgufConfig(block_m=2, block_n=16, block_k=256, num_warps=4, split_k=0, fma=True)),
     (4, GgufConfig(block_m=4, block_n=16, block_k=256, num_warps=4, split_k=0, fma=True)),
-    (GEMV_MAX_ROWS, GgufConfig(block_m=16, block_n=64, block_k=128, num_warps=4, split_k=0)),
-    (1 << 62, GgufConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)),
+    (GEMV_MAX_ROWS, GgufConfig(block_m=16, block_n=32, block_k=64, num_warps=4, split_k=0)),
+    (1 << 62, GgufConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)),
 )
 forced_config = ForcedConfig()  # ``with forced_config(GgufConfig(...)):`` overrides the table
 
