@@ -17,13 +17,14 @@ multiple of the block, so a wrapped run is a whole group) and the caller zeroes 
 rows past N need a valid ``row_off`` (clamp the row index).
 
 Design: the tile is decoded per 32-element group (a Q*_0 / Q*_1 block, or one sub-block of a 256-element
-K-quant super-block). Each group's bytes are loaded as contiguous runs built on ``tl.arange`` (16 or 32
-bytes: vectorizable loads where the row offset's divisibility allows it), its scales once per group (or per
-16-element half for Q2_K, Q3_K, Q6_K), and the decoded nibbles / bit pairs are put in element order by
-``tl.join`` + ``tl.permute`` + ``tl.reshape`` (register moves). fp16 fields are two byte loads combined into
-a uint16 and bitcast. Float operations follow the twin's order (scale products first, then ``dl * q - ml``);
-the products beside an add or subtract are ``_mul_rn`` (no FMA contraction on the GPU), so the tile is bit-exact with
-``gguf_blocks.dequantize`` on the GPU as in the interpreter.
+K-quant super-block). Each group's bytes are loaded as contiguous runs built on ``tl.arange`` (16 or 32 bytes;
+in the sm_90 build still byte loads, since Triton cannot prove their alignment: ``_gguf_jit``'s tuning notes),
+its scales once per group (or per 16-element half for Q2_K, Q3_K, Q6_K), and the decoded nibbles / bit pairs are
+put in element order by ``tl.join`` + ``tl.permute`` + ``tl.reshape`` (layout moves, no memory traffic). fp16
+fields are two byte loads combined into a uint16 and bitcast. Float operations follow the twin's order (scale
+products first, then ``dl * q - ml``); the products beside an add or subtract are ``_mul_rn`` (no FMA
+contraction on the GPU), so the tile is bit-exact with ``gguf_blocks.dequantize`` on the GPU as in the
+interpreter.
 """
 import triton
 import triton.language as tl

@@ -19,10 +19,14 @@ tiles of 32 gives too few programs for an H100's 132 SMs otherwise. Accumulation
 to x's dtype. Interpreter workarounds (``_fp8_jit``): UPCAST (the dot on exactly widened fp32 operands, the
 interpreter misreads bf16 dots) and RNE (fp32 -> bf16 by ``rne_bf16``, its cast truncates).
 
-To tune on the GPU (not done: no GPU here): BLOCK_N / BLOCK_K / num_warps / split-K of the FMA GEMV per type
-(bytes per step: BLOCK_N x BLOCK_K / B x T; 32-element types have 2-byte aligned blocks, so their loads are
-byte or 2-byte vectors, the K-quants' 144 / 176-byte blocks allow 16-byte vectors), the R bound between FMA and
-dot GEMV, num_stages (software pipelining of the byte loads), and the GEMM tile; see ``gguf.GGUF_CONFIGS``.
+To tune on the GPU (not done: no GPU here). The sm_90 build (ptxas, Triton 3.9) of GGUF_CONFIGS has no register
+spills (Q4_K's dot GEMV: 16 bytes of stack) and no FMA contraction in the decoders, but every weight byte is an
+``ld.global.b8``: Triton cannot prove the runs' alignment (group offsets come from a reduction over offs_k), so
+the loads are not vectorized. First item: read the qs runs as int32 words (K-quants: 144 / 176 / 84-byte blocks
+keep 4-byte alignment when qweight's pointer and row bytes do; Q8_0 / Q4_0 / Q5_0 / Q6_K / Q3_K blocks are only
+2-byte aligned: 16-bit words) with ``tl.multiple_of`` hints and a launcher check. Then per type and R: BLOCK_N /
+BLOCK_K / num_warps / split-K of the FMA GEMV (bytes per step: BLOCK_N x BLOCK_K / B x T), the R bound between
+FMA and dot GEMV, num_stages, and the GEMM tile (``gguf.GGUF_CONFIGS``, or a card's ``gguf.config_file``).
 """
 import triton
 import triton.language as tl
