@@ -11,7 +11,7 @@ import triton.language as tl
 
 from sparrow.kernels.common._fp8_jit import dot_upcast as _dot, rne_bf16 as _rne_bf16
 from sparrow.kernels.common._pdl_jit import pdl_enter
-from sparrow.kernels.moe._gguf_standin_jit import dequant_tile
+from sparrow.kernels.common._gguf_dequant_jit import dequant_tile
 from sparrow.kernels.moe._moe_jit import _block_pairs, _chunk_split_k, _epilogue, _expert_leader, _grouped_program, \
     _leader_chunk, _leader_tiles
 
