@@ -67,6 +67,14 @@ def _gguf_mm_rows(
 
 
 @triton.jit
+def _small_program(ids_ptr, P, P_PAD: tl.constexpr):
+    """The small path's program (pair p, N tile, K split) and its expert's leader (``_moe_jit._expert_leader``)."""
+    p = tl.program_id(0)
+    q, member, first, mine = _expert_leader(ids_ptr, p, P, P_PAD)
+    return p, tl.program_id(1), tl.program_id(2), q, member, first, mine
+
+
+@triton.jit
 def gguf_moe_gemv_kernel(
     a_ptr,  # GATED: x [R, H]; else the activations [P, I]; unit last stride
     w_ptr,  # uint8 blocks, GATED: gate_up [E, 2I, H / B * T]; else down [E, H, I / B * T]; unit last stride
@@ -82,11 +90,8 @@ def gguf_moe_gemv_kernel(
     of each expert (its leader) gathers the pairs routed to it, BLOCK_R at a time, and streams the expert's blocks
     of its N tile and K range once for each BLOCK_R of them; the other programs exit at once. act(gate) * up
     fused into the gate|up store; K splits reduced in the kernel (``_split_k_jit``)."""
-    p = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
     pdl_enter(USE_PDL)
-    q, member, first, mine = _expert_leader(ids_ptr, p, P, P_PAD)
+    p, pid_n, pid_k, q, member, first, mine = _small_program(ids_ptr, P, P_PAD)
     if first == p:
         count, rank, rn, n_mask, sl, k_start, k_end = _leader_tiles(member, pid_n, pid_k, N, K, SPLIT_K, BLOCK_R,
                                                                     BLOCK_N, BLOCK_K)
