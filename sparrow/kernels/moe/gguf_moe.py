@@ -19,22 +19,24 @@ to x's dtype and runs the float twins of ``moe_ref`` (grouped for P > pair_thres
 The Triton path (``gguf_fused_moe_triton``, bodies in ``_gguf_moe_jit``) never writes a float weight: each program
 dequantizes its weight tiles in registers (``dequant_tile``) and multiplies them at once.
 - small path (P <= min(pair_threshold, moe.SMALL_MAX_PAIRS), decode): program per (pair, N tile, K split); the
-  first pair of each expert leads, so each used expert's blocks are read once (per BLOCK_R of its pairs: 1-4
-  rows take fp32 FMAs, ``Tile.fma_rows``, and an expert has at most R pairs) as BN contiguous row segments of
-  BLOCK_K / B blocks (coalesced); automatic split-K fills the GPU (gemma4 at R = 1: 8 experts x 22 gate|up
-  tiles of 32 rows x splits), reduced in the kernel; act(gate) * up fused in the gate|up store; then
-  ``moe_reduce``. Three launches, no host sync.
-- grouped path: ``moe_align`` then a grouped GEMM per GEMM (each block of BLOCK_M sorted pairs dequantizes its
-  expert's tiles once, rounded to x's dtype, tl.dot), then ``moe_reduce``.
-BLOCK_K is the tile's, halved until it divides the GEMM's K (>= 32, a whole number of 32-element groups).
-To tune on the GPU (``forced_config``; tuned files ``configs/E{E}_H{H}_I{I}_gguf_{device}.json``): BLOCK_N and
-BLOCK_K per type (a K-quant's 256-element super-block at BLOCK_K 256 decodes its scales once a step), num_warps
-and num_stages of the byte loads, the split-K target, the FMA row limit vs dots for 2-4 rows, swapped dots on
-the grouped path, and from which row count dequantizing the experts once to x's dtype and running the float
-grouped GEMM (``int4_moe.DEQUANT_MIN_ROWS``'s trade) wins. Not measured yet.
+  first pair of each expert leads and the others exit, so each used expert's blocks are read once per BLOCK_R of
+  its pairs (an expert has at most R pairs: up to 4 rows, ``Tile.fma_rows`` rows of fp32 FMAs on the exact fp32
+  weights, so once; from 5 rows dots on 16 padded rows), as BN contiguous row segments of BLOCK_K / B blocks
+  (coalesced); automatic split-K (``split_k.plan``) fills the GPU (gemma4 at R = 1: 8 experts x 22 gate|up tiles
+  of 32 rows x splits), reduced in the kernel; act(gate) * up fused in the gate|up store; then ``moe_reduce``.
+  Three launches, no host sync (CUDA-graph safe).
+- grouped path: ``moe_align`` then one grouped GEMM per projection (each block of BLOCK_M sorted pairs
+  dequantizes its expert's tiles once, rounded to x's dtype for tl.dot), then ``moe_reduce``. Six launches.
+BLOCK_K is the tile's, halved until it divides the GEMM's K (>= 32: whole 32-element groups, no tail tile).
+
+To tune on the GPU (``moe_configs.forced_config``; tuned files
+``configs/E{E}_H{H}_I{I}_gguf_{w13 type}_{w2 type}_{device}.json``): BLOCK_N / BLOCK_K per type pair, num_warps
+and num_stages of the byte loads, the split-K target (``split_k.FILL_PROGRAMS``), FMA rows vs dots for 2-4
+rows, swapped dots and BLOCK_M on the grouped path, and the row count from which dequantizing the experts once
+to x's dtype and running the float grouped GEMM wins (``int4_moe.DEQUANT_MIN_ROWS``'s trade). None measured yet.
 
 Errors: UnsupportedGGUFTypeError for a type outside GGUF_MOE_TYPES, ModelLoadError naming the weight for a
-shape or byte count that does not fit x and the type, ValueError for bad x / routing / activation (``moe_ref``).
+shape or byte count that does not fit x and the type, ValueError for bad x / routing / activation.
 """
 from __future__ import annotations
 
@@ -170,15 +172,18 @@ def default_gguf_config(rows: int, pairs: int, num_experts: int, small: bool):
     return default_w4_config(rows, pairs, num_experts, small)
 
 
-def _pick_config(x, topk_ids, num_experts, hidden, width, small):
-    """The forced config, else the nearest row count of the tuned file (kind "gguf"), else the default."""
+def _pick_config(x, topk_ids, num_experts, hidden, width, small, kind: str):
+    """The forced config, else the nearest row count of the tuned file of ``kind`` (``gguf_{w13 type}_{w2 type}``;
+    the grouped path skips FMA entries, as ``moe_configs.pick_config`` does), else ``default_gguf_config``."""
     from sparrow.kernels.moe.moe_configs import forced_config, tuned_configs
 
     rows = x.shape[0]
     if forced_config.value is not None:
         return forced_config.value
     if x.is_cuda:
-        table = tuned_configs(num_experts, hidden, width, False, torch.cuda.get_device_name(x.device), "gguf")
+        table = tuned_configs(num_experts, hidden, width, False, torch.cuda.get_device_name(x.device), kind)
+        if not small:
+            table = {r: c for r, c in table.items() if not (c.gate_up.fma_rows or c.down.fma_rows)}
         if table:
             return table[min(table, key=lambda r: (abs(r - rows), r))]
     return default_gguf_config(rows, topk_ids.numel(), num_experts, small)
@@ -216,7 +221,8 @@ def gguf_fused_moe_triton(x, w13, w13_type, w2, w2_type, topk_weights, topk_ids,
     if rows == 0:
         return torch.zeros_like(x) if reduce else x.new_zeros(0, hidden)
     small = pairs <= min(pair_threshold, SMALL_MAX_PAIRS)
-    cfg = _pick_config(x, topk_ids, num_experts, hidden, width, small)
+    cfg = _pick_config(x, topk_ids, num_experts, hidden, width, small,
+                       f"gguf_{_type_name(w13_type)}_{_type_name(w2_type)}")
     x = x if x.stride(1) == 1 else x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
     act = torch.empty(pairs, width, dtype=x.dtype, device=x.device)  # [P, I]

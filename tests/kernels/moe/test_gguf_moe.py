@@ -264,7 +264,7 @@ def bench() -> None:
         for rows in (1, 8, 64):
             x, wts, ids = _routing(rows, experts, top_k, hidden, torch.bfloat16, seed=rows, device="cuda")
             used = int(torch.unique(ids).numel())
-            nbytes = used * (w13[0].numel() + w2[0].numel()) + 2 * x.numel() * 2 + 2 * ids.numel() * (hidden + width)
+            nbytes = used * (w13[0].numel() + w2[0].numel()) + 4 * x.numel() + 4 * ids.numel() * (hidden + width)
             sec = time_s(lambda: gguf_fused_moe(x, w13, t13, w2, t2, wts, ids))
             print(f"{model} R={rows:3d}: {sec * 1e6:8.1f} us, {nbytes / sec / 1e9:7.0f} GB/s "
                   f"({100 * nbytes / sec / peak:5.1f} % of copy) for {nbytes / 1e6:.1f} MB of {used} experts")
