@@ -129,6 +129,8 @@ def gguf_fused_moe_ref(x, w13, w13_type, w2, w2_type, topk_weights, topk_ids, ac
                        pair_threshold=64, swiglu_limit=None, reduce=True, lora=None):
     """The torch twin of ``gguf_fused_moe`` (module doc)."""
     hidden, width = _check(x, w13, w13_type, w2, w2_type, topk_weights, topk_ids, activation)
+    if x.shape[0] == 0:  # as the launcher (moe_ref's twins cannot view 0 rows as [0, K, H])
+        return torch.zeros_like(x) if reduce else x.new_zeros(0, hidden)
     used = torch.unique(topk_ids.reshape(-1))
     gate_up = dequantize_gguf_experts(w13, w13_type, hidden, x.dtype, used)
     down = dequantize_gguf_experts(w2, w2_type, width, x.dtype, used)

@@ -149,6 +149,17 @@ def test_gguf_moe_lora_on_triton():
     _check(got, want, torch.float32)
 
 
+def test_gguf_moe_zero_rows():
+    """An empty batch gives an empty result on the twin and the kernels alike."""
+    w13, w2 = _weights(T.Q8_0, T.Q8_0, 4, 256, 64)
+    x = torch.zeros(0, 256, dtype=torch.bfloat16, device=DEVICE)
+    ids, wts = torch.zeros(0, 2, dtype=torch.int64, device=DEVICE), torch.zeros(0, 2, device=DEVICE)
+    for fn in (gguf_fused_moe_ref, gguf_fused_moe_triton):
+        for reduce in (True, False):
+            out = fn(x, w13, T.Q8_0, w2, T.Q8_0, wts, ids, reduce=reduce)
+            assert out.shape == (0, 256) and out.dtype == torch.bfloat16
+
+
 def _act64(h: np.ndarray, activation: str) -> np.ndarray:
     gate, up = np.split(h, 2, axis=-1)
     if activation == "silu":
