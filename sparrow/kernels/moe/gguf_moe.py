@@ -161,17 +161,25 @@ def gguf_fused_moe(x, w13, w13_type, w2, w2_type, topk_weights, topk_ids, activa
 
 
 def default_gguf_config(rows: int, pairs: int, num_experts: int, small: bool):
-    """Heuristic tiles (not yet tuned on a GPU): the small path with at most 4 rows - fp32 FMAs on 32 x 128 tiles,
-    ``fma_rows`` = rows (an expert has at most one pair a row, so its blocks are read once), automatic split-K;
-    otherwise the 4-bit experts' tiles (``moe_configs.default_w4_config``: swapped dots, BLOCK_M by pairs an
-    expert), which also dequantize a tile in registers before each dot."""
-    from sparrow.kernels.common.tiles import next_pow2
-    from sparrow.kernels.moe.moe_configs import MoeConfig, Tile, default_w4_config
+    """Heuristic tiles, chosen from sm_90 builds on a machine without a GPU (ptxas register and spill counts of
+    Triton 3.9's code, Q4_K gate|up and Q8_0 / Q6_K down; not timed yet): the smallest tiles hold 32 x 32 bytes
+    a step, the dequantized tile lives in registers, so tiles stay at 2-4 K elements per thread. Small path:
+    up to 2 rows fp32 FMAs on 32 x 64 tiles, 3-4 rows on 16 x 64 (``fma_rows`` 4), 8 warps (Q4_K gate|up: 128
+    registers at 1 row, 174 at 2, 103 at 4, no spills; 32 x 128 tiles or 4 warps spill); from 5 rows swapped 64 x 32 dots on 16 padded rows, 8
+    warps (180 registers on Q4_K gate|up); automatic split-K. Grouped path: BLOCK_M 16 / 32 / 64 by the mean
+    pairs an expert (as the float and 4-bit experts), swapped 64 x 32 tiles on 8 warps (<= 190 registers, no
+    spills; the 4-bit experts' 64 x 128 / 128 x 64 tiles spill here)."""
+    from sparrow.kernels.moe.moe_configs import MoeConfig, Tile
 
-    if small and rows <= 4:
-        tile = Tile(block_n=32, block_k=128, num_warps=4, num_stages=3, split_k=0, fma_rows=next_pow2(rows))
-        return MoeConfig(16, tile, tile)
-    return default_w4_config(rows, pairs, num_experts, small)
+    if small and rows <= 2:
+        tile = Tile(block_n=32, block_k=64, num_warps=8, num_stages=2, split_k=0, fma_rows=rows)
+    elif small and rows <= 4:
+        tile = Tile(block_n=16, block_k=64, num_warps=8, num_stages=2, split_k=0, fma_rows=4)
+    else:
+        tile = Tile(block_n=64, block_k=32, num_warps=8, num_stages=2, split_k=0, swap_ab=True)
+    per_expert = pairs / max(num_experts, 1)
+    block_m = 16 if small or per_expert <= 16 else 32 if per_expert <= 48 else 64
+    return MoeConfig(block_m, tile, tile)
 
 
 def _pick_config(x, topk_ids, num_experts, hidden, width, small, kind: str):
