@@ -162,13 +162,13 @@ def gguf_fused_moe(x, w13, w13_type, w2, w2_type, topk_weights, topk_ids, activa
 
 def default_gguf_config(rows: int, pairs: int, num_experts: int, small: bool):
     """Heuristic tiles, chosen from sm_90 builds on a machine without a GPU (ptxas register and spill counts of
-    Triton 3.9's code, Q4_K gate|up and Q8_0 / Q6_K down; not timed yet): the smallest tiles hold 32 x 32 bytes
-    a step, the dequantized tile lives in registers, so tiles stay at 2-4 K elements per thread. Small path:
-    up to 2 rows fp32 FMAs on 32 x 64 tiles, 3-4 rows on 16 x 64 (``fma_rows`` 4), 8 warps (Q4_K gate|up: 128
-    registers at 1 row, 174 at 2, 103 at 4, no spills; 32 x 128 tiles or 4 warps spill); from 5 rows swapped 64 x 32 dots on 16 padded rows, 8
-    warps (180 registers on Q4_K gate|up); automatic split-K. Grouped path: BLOCK_M 16 / 32 / 64 by the mean
-    pairs an expert (as the float and 4-bit experts), swapped 64 x 32 tiles on 8 warps (<= 190 registers, no
-    spills; the 4-bit experts' 64 x 128 / 128 x 64 tiles spill here)."""
+    Triton 3.9's code for Q4_K gate|up and Q8_0 / Q6_K down; not timed yet). The dequantized fp32 tile lives in
+    registers, so tiles stay small. Small path: up to 2 rows fp32 FMAs on 32 x 64 tiles, 3-4 rows on 16 x 64
+    (``fma_rows`` 4), 8 warps (Q4_K gate|up: 128 registers at 1 row, 174 at 2, 103 at 4, no spills; 32 x 128
+    tiles or 4 warps spill); from 5 rows swapped 64 x 32 dots on 16 padded rows, 8 warps (180 registers on Q4_K
+    gate|up); automatic split-K. Grouped path: BLOCK_M 16 / 32 / 64 by the mean pairs an expert (as the float
+    and 4-bit experts), swapped 64 x 32 tiles on 8 warps (<= 190 registers, no spills; the 4-bit experts'
+    64 x 128 / 128 x 64 tiles spill on ggml tiles)."""
     from sparrow.kernels.moe.moe_configs import MoeConfig, Tile
 
     if small and rows <= 2:
