@@ -188,7 +188,7 @@ def write_gguf(model: torch.nn.Module, family: str, path: Path, seed: int = 0, d
     tied = cfg.tie_word_embeddings or getattr(cfg.get_text_config(), "tie_word_embeddings", False)
     loaded: dict[str, torch.Tensor] = {}
     for index, (hf_name, t) in enumerate(state.items()):
-        if hf_name == "lm_head.weight" and tied or "rotary_emb" in hf_name:
+        if (hf_name == "lm_head.weight" and tied) or "rotary_emb" in hf_name:
             continue
         parts = []
         for name, g in _to_gguf(family, cfg, hf_name, t.detach()):

@@ -66,6 +66,27 @@ def test_greedy_matches_transformers_on_the_dequantized_blocks(family, tmp_path)
     assert compared >= NEW * len(PROMPTS) // 2, f"only {compared} steps free of near-ties"
 
 
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "shared_expert_intermediate_size", "mlp_only_layers", "router_scoring", "attention_k_eq_v")
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_config_matches_the_hf_config_json(family, tmp_path):
+    """ModelConfig from the GGUF metadata and tensor names == ModelConfig.from_hf of the HF model's own
+    config.json (shapes, per-layer types / head dims / KV heads / RoPE, MoE fields)."""
+    import json
+
+    from sparrow.config import ModelConfig
+    from tests.loader.test_gguf_config import assert_same_config
+
+    write_gguf(tiny(family, tmp_path), family, tmp_path / "m.gguf")
+    got = load_model(tmp_path / "m.gguf").config
+    want = ModelConfig.from_hf(json.loads((tmp_path / f"{family}-hf" / "config.json").read_text()))
+    assert_same_config(got, want)
+    for f in MOE_FIELDS:
+        assert getattr(got, f) == getattr(want, f), (f, getattr(got, f), getattr(want, f))
+
+
 def test_mixtral_gguf_builds_mixtral_and_qwen3moe_keeps_its_dense_layer(tmp_path):
     """llama + expert_count is Mixtral; qwen3moe's layer without a router is a dense MLP (mlp_only_layers)."""
     write_gguf(tiny("mixtral", tmp_path), "mixtral", tmp_path / "m.gguf")
