@@ -5,16 +5,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from sparrow.config.gguf_moe import gemma4_fields, moe_fields
 from sparrow.errors import ModelLoadError, UnsupportedArchitectureError
 
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
     "mistral": "MistralForCausalLM",
 }
-"""GGUF ``general.architecture`` -> the HF architecture name sparrow builds for it."""
+"""GGUF ``general.architecture`` -> the HF architecture name sparrow builds for it (a llama file with
+``llama.expert_count`` > 0 is Mixtral: ``MixtralForCausalLM``)."""
+
+_MODEL_TYPES = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+"""GGUF architecture -> HF model_type, where the two differ."""
 
 GEMMA3_27B_BLOCKS = 62
 """Block count of Gemma 3 27B, the one Gemma 3 size whose query_pre_attn_scalar is not its head_dim."""
@@ -29,18 +37,38 @@ class _Metadata:
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(f"{self.arch}.{key}", default)
 
-    def num(self, key: str, default: Any = None, kind: type = int) -> Any:
-        """``{arch}.key`` as ``kind``; ModelLoadError naming the key for a value that is not a number >= 1
-        (a float key: > 0)."""
-        v = self.get(key, default)
+    def num(self, key: str, default: Any = None, kind: type = int, value: Any = None) -> Any:
+        """``{arch}.key`` (or ``value`` read from it) as ``kind``; ModelLoadError naming the key for a value that
+        is not a number >= 1 (a float key: > 0)."""
+        v = self.get(key, default) if value is None else value
         if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)) \
                 or (v < 1 if kind is int else not v > 0):
             raise ModelLoadError(f"GGUF metadata has {self.arch}.{key}={v!r}; it must be a "
                                  f"{'positive integer' if kind is int else 'positive number'}")
         return kind(v)
 
+    def layer_values(self, key: str, default: Any = None) -> list:
+        """``{arch}.key`` per layer: its array (one entry per block; ModelLoadError otherwise), or its scalar
+        (``default`` when absent) repeated for every block."""
+        v, n = self.get(key, default), self.num("block_count")
+        if not isinstance(v, list):
+            return [v] * n
+        if len(v) != n:
+            raise ModelLoadError(f"GGUF metadata has {self.arch}.{key} with {len(v)} entries for {n} blocks")
+        return v
 
-def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: set[str] | None = None) -> dict[str, Any]:
+    def uniform(self, key: str, default: Any = None) -> int:
+        """``{arch}.key`` as one positive integer: a scalar, or an array whose entries are all equal;
+        ModelLoadError naming the key for differing per-layer values."""
+        values = self.layer_values(key, default)
+        if len(set(values)) > 1:
+            raise ModelLoadError(f"GGUF metadata has per-layer {self.arch}.{key}={values}; sparrow builds "
+                                 f"{self.arch} with one value for every layer")
+        return self.num(key, value=values[0])
+
+
+def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: set[str] | None = None,
+                        rope_freqs: list[float] | None = None) -> dict[str, Any]:
     """An HF ``config.json``-style dict for GGUF ``metadata`` ({key: python value}, as ``GGUFCheckpoint``
     reads it), for ``ModelConfig.from_hf``.
 
@@ -54,8 +82,8 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: set[str] | None 
     reference loader):
     - tie_word_embeddings: the file has no ``output.weight`` (llama.cpp then reuses ``token_embd``); left to
       from_hf's default when ``tensor_names`` is None.
-    - hidden_act: gelu_pytorch_tanh for gemma3 (GeGLU), silu for the others.
-    - attention_bias (q/k/v biases): qwen2 only; a bias tensor in another architecture's file is then an
+    - hidden_act: gelu_pytorch_tanh for gemma3 / gemma4 (GeGLU), silu for the others.
+    - attention_bias (q/k/v biases): qwen2 and qwen2moe only; a bias tensor in another architecture's file is then an
       unused tensor, which the weight loader refuses.
     - attention scale: gemma3's query_pre_attn_scalar is hidden_size / num_attention_heads for the 27B
       (62 blocks: 5376 / 32 = 168, head_dim 128) and head_dim for every other size (270M, 1B, 4B, 12B:
@@ -69,10 +97,18 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: set[str] | None 
       absent or 'none' is unscaled; another type (yarn, ...) is refused. Llama 3's frequency bands are not
       metadata but the ``rope_freqs.weight`` tensor, which the model loader applies.
     - rotary dims: rope.dimension_count, when present, must equal head_dim (partial rotary is refused).
+    - per-layer arrays (feed_forward_length, attention.head_count_kv) must hold one value for every layer
+      (Gemma 4's head_count_kv: one per layer type).
     - value head dim: attention.value_length, when present, must equal head_dim.
 
+    - MoE (qwen2moe, qwen3moe, gemma4, llama with expert_count > 0 = Mixtral) and Gemma 4: the rules of
+      ``sparrow.config.gguf_moe`` (its docstring lists them); ``tensor_names`` then also tells which layers
+      have experts and checks that each has all its expert tensors, and ``rope_freqs`` (the values of the
+      ``rope_freqs.weight`` tensor) gives Gemma 4's proportional RoPE.
+
     Raises UnsupportedArchitectureError for an architecture outside GGUF_ARCHITECTURES, ModelLoadError for
-    missing shape keys, a numeric key that is not a positive number, or refused values (each named)."""
+    missing shape keys, a numeric key that is not a positive number, or refused values (each named), and for
+    a MoE file that lacks an expert tensor (named)."""
     arch = metadata.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedArchitectureError(
@@ -82,6 +118,9 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: set[str] | None 
     if tensor_names is not None:
         cfg["tie_word_embeddings"] = "output.weight" not in tensor_names
     _add_sliding_window(meta, cfg)
+    if arch == "gemma4":
+        cfg.update(gemma4_fields(meta, cfg, tensor_names, rope_freqs))
+    cfg.update(moe_fields(meta, cfg, tensor_names))
     scaling = meta.get("rope.scaling.type")
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": meta.num("rope.scaling.factor", 1.0, float)}
@@ -105,19 +144,19 @@ def _shape_fields(meta: _Metadata) -> dict[str, Any]:
              or len(metadata.get("tokenizer.ggml.tokens", [])) or None)
     if vocab is None:
         raise ModelLoadError("GGUF metadata gives no vocab size (no vocab_size, no tokenizer.ggml.tokens)")
-    head_dim = num("attention.key_length", hidden // n_heads)
+    head_dim = num("attention.key_length", hidden // n_heads)  # Gemma 4: its full layers' (gguf_moe)
     for key in ("attention.value_length", "rope.dimension_count"):
         if m(key) is not None and num(key) != head_dim:
             raise ModelLoadError(f"GGUF metadata has {arch}.{key}={m(key)} for head_dim {head_dim}; sparrow "
                                  "needs them equal")
     return {
         "architectures": [GGUF_ARCHITECTURES[arch]],
-        "model_type": {"gemma3": "gemma3_text"}.get(arch, arch),
+        "model_type": _MODEL_TYPES.get(arch, arch),
         "hidden_size": hidden,
-        "intermediate_size": num("feed_forward_length", 1) if m("feed_forward_length") else 0,
+        "intermediate_size": meta.uniform("feed_forward_length") if m("feed_forward_length") else 0,
         "num_hidden_layers": n_layers,
         "num_attention_heads": n_heads,
-        "num_key_value_heads": num("attention.head_count_kv", n_heads),
+        "num_key_value_heads": n_heads if arch == "gemma4" else meta.uniform("attention.head_count_kv", n_heads),
         "head_dim": head_dim,
         "rms_norm_eps": num("attention.layer_norm_rms_epsilon", 1e-6, float),
         "max_position_embeddings": num("context_length", 4096),
@@ -125,8 +164,8 @@ def _shape_fields(meta: _Metadata) -> dict[str, Any]:
         "rope_theta": num("rope.freq_base", 10000.0, float),
         "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
-        "hidden_act": "gelu_pytorch_tanh" if arch == "gemma3" else "silu",
-        "attention_bias": arch == "qwen2",
+        "hidden_act": "gelu_pytorch_tanh" if arch in ("gemma3", "gemma4") else "silu",
+        "attention_bias": arch in ("qwen2", "qwen2moe"),
     }
 
 

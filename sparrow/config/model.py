@@ -221,10 +221,13 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_gguf(cls, metadata: dict[str, Any], tensor_names: set[str] | None = None) -> "ModelConfig":
-        """Normalize GGUF metadata: ``config.gguf.hf_config_from_gguf`` (its docstring lists the rule for each
-        field the metadata lacks), then ``from_hf``. Raises UnsupportedArchitectureError / ModelLoadError."""
-        return cls.from_hf(hf_config_from_gguf(metadata, tensor_names), source="the GGUF metadata (as HF fields)")
+    def from_gguf(cls, metadata: dict[str, Any], tensor_names: set[str] | None = None,
+                  rope_freqs: list[float] | None = None) -> "ModelConfig":
+        """Normalize GGUF metadata (with the file's tensor names and ``rope_freqs.weight`` values):
+        ``config.gguf.hf_config_from_gguf`` (its docstring lists the rule for each field the metadata lacks),
+        then ``from_hf``. Raises UnsupportedArchitectureError / ModelLoadError."""
+        return cls.from_hf(hf_config_from_gguf(metadata, tensor_names, rope_freqs),
+                           source="the GGUF metadata (as HF fields)")
 
 
 def _decoder_fields(cfg: dict, source: str) -> dict:

@@ -1,19 +1,16 @@
-"""GGUF checkpoints: tensors renamed and reshaped to HF conventions, in one place (the metadata's mapping onto
-HF config fields is ``sparrow.config.gguf.hf_config_from_gguf``).
+"""GGUF checkpoints: the file's metadata, and its tensors renamed and reshaped to HF conventions (the metadata's
+mapping onto HF config fields is ``sparrow.config.gguf.hf_config_from_gguf``).
 
 Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md, read with the ``gguf`` package
-(memory-mapped). GGUF conventions that differ from HF, undone here:
-- tensor names (``blk.N.attn_q.weight`` -> ``model.layers.N.self_attn.q_proj.weight``);
-- shapes: GGUF lists dims fastest-first (ne0 = columns); we reverse them to torch's row-major order;
-- Llama-family Q/K rows are permuted for llama.cpp's interleaved RoPE (convert_hf_to_gguf.py
-  ``LlamaModel.permute``); we apply the inverse permutation to get HF's rotate-half layout;
-- Gemma norm weights are stored as 1 + w (convert_hf_to_gguf.py, Gemma2/3); we subtract 1 in fp32.
+(memory-mapped). Shapes: GGUF lists dims fastest-first (ne0 = columns); we reverse them to torch's row-major
+order. The GGUF conventions that differ from HF (tensor names, merged expert tensors, Llama-family Q/K row
+order, Gemma's 1 + w norms, squeezed and relocated MoE tensors) are undone by the per-tensor rules of
+``sparrow.loader.gguf_names`` (its docstring lists each, with its source in convert_hf_to_gguf.py).
 """
 from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import dataclass
 import warnings
 from pathlib import Path
@@ -24,26 +21,9 @@ import torch
 
 from sparrow.cache import cache_dir, file_key
 from sparrow.errors import ModelLoadError
+from sparrow.loader.gguf_names import GGUFNames, apply_rule, rename, tensor_rule
 
 log = logging.getLogger(__name__)
-
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-
 
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 """GGUF metadata value type -> bytes (gguf.md: uint8 .. float64; 8 = string, 9 = array are variable)."""
@@ -209,49 +189,38 @@ class GGUFCheckpoint:
         return {"metadata": meta, "tensors": tensors}
 
     def rename(self, gguf_name: str) -> str | None:
-        """HF name of a GGUF tensor, or None when it has no HF counterpart (e.g. rope_freqs)."""
-        base, _, kind = gguf_name.rpartition(".")
-        if base in _GLOBAL_NAMES:
-            return f"{_GLOBAL_NAMES[base]}.{kind}"
-        m = _BLK.match(gguf_name)
-        if not m:
-            return None
-        layer, short, kind = m.groups()
-        if short == "ffn_norm":
-            # Gemma 3 has sandwich norms: its ffn_norm is the pre-FF norm; elsewhere it is the post-attention norm
-            hf = "pre_feedforward_layernorm" if self.arch == "gemma3" else "post_attention_layernorm"
-        elif short in _LAYER_NAMES:
-            hf = _LAYER_NAMES[short]
-        else:
-            return None
-        return f"model.layers.{layer}.{hf}.{kind}"
+        """HF name of a GGUF tensor that maps one to one, or None (merged experts, rope_freqs, unknown names)."""
+        return rename(self.arch, gguf_name)
 
-    def tensors(self, device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, float32 tensor on ``device``), dequantized and converted to HF conventions.
-
-        Raises ModelLoadError for a tensor GGUF names that sparrow does not know, and
-        UnsupportedGGUFTypeError for an unsupported quantization type."""
+    def rope_freqs(self) -> list[float] | None:
+        """The values of the ``rope_freqs.weight`` tensor (llama.cpp's per-frequency RoPE divisors), None when
+        the file has none; ``ModelConfig.from_gguf`` reads Gemma 4's proportional RoPE from them."""
         from sparrow.kernels.common.gguf_blocks import dequantize
 
-        n_head = self.metadata.get(f"{self.arch}.attention.head_count")
-        n_kv = self.metadata.get(f"{self.arch}.attention.head_count_kv", n_head)
-        permute_qk = self.arch in ("llama", "mistral")
+        t = next((t for t in self.tensor_infos if t.name == "rope_freqs.weight"), None)
+        if t is None:
+            return None
+        return dequantize(self._raw(t), t.tensor_type, tuple(reversed(t.shape)), name=t.name).flatten().tolist()
+
+    def _raw(self, t: TensorInfo) -> torch.Tensor:
+        """The bytes of tensor ``t`` (uint8, a view of the read-only memory map)."""
+        with warnings.catch_warnings():  # the memory map is read-only; we only read it
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(self._mmap[t.data_offset:t.data_offset + t.n_bytes])
+
+    def tensors(self, device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, float32 tensor on ``device``), dequantized and converted to HF conventions by the
+        rules of ``sparrow.loader.gguf_names`` (merged expert tensors as per-expert views).
+
+        Raises ModelLoadError for a tensor GGUF names that sparrow does not know or whose expert count is not
+        the metadata's, and UnsupportedGGUFTypeError for an unsupported quantization type."""
+        from sparrow.kernels.common.gguf_blocks import dequantize
+
+        names = GGUFNames.from_metadata(self.metadata)
         for t in self.tensor_infos:
-            name = self.rename(t.name)
-            with warnings.catch_warnings():  # the memory map is read-only; we only read it
-                warnings.simplefilter("ignore", UserWarning)
-                raw = torch.from_numpy(self._mmap[t.data_offset:t.data_offset + t.n_bytes])
-            if name is None:
-                if t.name == "rope_freqs.weight":
-                    yield "rope_freqs", dequantize(raw, t.tensor_type, tuple(reversed(t.shape)), name=t.name)
-                    continue
-                raise ModelLoadError(f"GGUF tensor {t.name!r} has no known HF counterpart for {self.arch}")
             shape = tuple(reversed(t.shape))
-            w = dequantize(raw.to(device), t.tensor_type, shape, name=t.name)
-            if permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
-                heads = n_head if "q_proj" in name else n_kv
-                # inverse of llama.cpp's reshape(heads, 2, D/2, K).swapaxes(1, 2)
-                w = w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-            if self.arch == "gemma3" and name.endswith("norm.weight"):
-                w = w - 1
-            yield name, w
+            rule = tensor_rule(names, t.name, shape)
+            if not rule.pieces:
+                continue
+            w = dequantize(self._raw(t).to(device), t.tensor_type, shape, name=t.name)
+            yield from apply_rule(rule, t.name, w)

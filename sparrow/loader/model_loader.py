@@ -47,7 +47,8 @@ def read_model_config(path: str | Path) -> tuple[ModelConfig, bool, object]:
         from sparrow.loader.gguf import GGUFCheckpoint
 
         ckpt = GGUFCheckpoint(path)
-        return ModelConfig.from_gguf(ckpt.metadata, ckpt.tensor_names), True, ckpt
+        rope_freqs = ckpt.rope_freqs() if ckpt.arch == "gemma4" else None  # Gemma 4's proportional RoPE
+        return ModelConfig.from_gguf(ckpt.metadata, ckpt.tensor_names, rope_freqs), True, ckpt
     from sparrow.loader.safetensors import read_config
 
     return ModelConfig.from_hf(read_config(path)), False, None
