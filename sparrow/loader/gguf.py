@@ -163,6 +163,8 @@ class GGUFCheckpoint:
         if end > st.st_size:
             raise ModelLoadError(f"GGUF file {self.path} is truncated: tensor data ends at byte {end}, "
                                  f"file has {st.st_size}")
+        self.tensor_bytes = sum(t.n_bytes for t in self.tensor_infos)
+        """Bytes of tensor data in the file."""
         self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
 
     def _parse(self) -> dict:
@@ -208,19 +210,30 @@ class GGUFCheckpoint:
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(self._mmap[t.data_offset:t.data_offset + t.n_bytes])
 
-    def tensors(self, device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, float32 tensor on ``device``), dequantized and converted to HF conventions by the
-        rules of ``sparrow.loader.gguf_names`` (merged expert tensors as per-expert views).
+    def tensors(self, device: str | torch.device = "cpu", packed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, tensor on ``device``) converted to HF conventions by the rules of
+        ``sparrow.loader.gguf_names`` (merged expert tensors as per-expert views). ``packed``: a quantized tensor
+        comes as its packed rows, uint8 [..., K // B * T] (views of the file's bytes) carrying its ggml type in
+        ``ggml_type`` (the GGUF format, ``sparrow.quant.gguf``); float tensors, and every tensor without ``packed``,
+        come dequantized to float32.
 
         Raises ModelLoadError for a tensor GGUF names that sparrow does not know or whose expert count is not
         the metadata's, and UnsupportedGGUFTypeError for an unsupported quantization type."""
-        from sparrow.kernels.common.gguf_blocks import dequantize
+        from sparrow.kernels.common.gguf_blocks import SUPPORTED_TYPES, block_bytes, dequantize
 
         names = GGUFNames.from_metadata(self.metadata)
         for t in self.tensor_infos:
             shape = tuple(reversed(t.shape))
             rule = tensor_rule(names, t.name, shape)
             if not rule.pieces:
+                continue
+            elems, type_bytes = block_bytes(t.tensor_type)
+            if packed and elems > 1 and t.tensor_type in SUPPORTED_TYPES and not rule.norm_shift \
+                    and len(shape) >= 2 and shape[-1] % elems == 0:
+                rows = self._raw(t).view(*shape[:-1], shape[-1] // elems * type_bytes)
+                for name, w in apply_rule(rule, t.name, rows):
+                    w.ggml_type = t.tensor_type
+                    yield name, w
                 continue
             w = dequantize(self._raw(t).to(device), t.tensor_type, shape, name=t.name)
             yield from apply_rule(rule, t.name, w)

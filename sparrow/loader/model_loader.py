@@ -65,6 +65,10 @@ def resolve_quant_config(path: Path, is_gguf: bool, quantization: str | None):
     from sparrow.quant.registry import normalize_quantization
 
     quantization = normalize_quantization(quantization)
+    if is_gguf and quantization in (None, "gguf"):  # the file's own blocks, kept packed
+        from sparrow.quant.gguf import GGUFConfig
+
+        return GGUFConfig()
     if not is_gguf:
         from sparrow.loader.safetensors import read_config
 
@@ -138,16 +142,20 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     check_quantize_lm_head(quantize_lm_head, quant_config)
     cls = get_model_class(config.architecture)
     model = build_model(cls, config, dtype, device, quant_config)
-    if is_gguf:
-        tensors = ckpt.tensors(device="cpu")
+    native_gguf = is_gguf and quant_config.name == "gguf"
+    if is_gguf:  # quantization=<another format>: dequantized here, re-quantized by that format (lossy twice)
+        tensors = ckpt.tensors(device="cpu", packed=native_gguf)
     else:
         from sparrow.loader.safetensors import iter_safetensors
 
         tensors = iter_safetensors(path, device="cpu")
     rope_freqs, kv_scales = [], {}
+    params = dict(model.named_parameters())
 
     def filtered():
         for name, t in tensors:
+            if native_gguf:
+                t = _packed_or_float(model, params, name, t)
             if name == "rope_freqs":
                 rope_freqs.append(t)
                 continue
@@ -170,7 +178,24 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
             if hasattr(mod, "set_freq_factors"):
                 mod.set_freq_factors(rope_freqs[0])
     finish_loading(model, quant_config, quantize_lm_head)
+    if native_gguf:
+        from sparrow.quant.gguf import weight_bytes
+
+        packed, other = weight_bytes(model)
+        log.info("GGUF weights: %.1f MB of packed blocks + %.1f MB of other parameters (%s dtype), file tensors "
+                 "%.1f MB", packed / 1e6, other / 1e6, str(dtype).removeprefix("torch."), ckpt.tensor_bytes / 1e6)
     return LoadedModel(model, config, path, is_gguf, ckpt.metadata if is_gguf else None, quant_config)
+
+
+def _packed_or_float(model, params: dict, name: str, t: torch.Tensor) -> torch.Tensor:
+    """GGUF tensor ``t`` as its packed rows where its parameter takes them (``gguf_blocks``), else dequantized."""
+    from sparrow.quant.gguf import dequantize_packed, is_packed
+
+    if not is_packed(t):
+        return t
+    target = model.resolve_weight(name)
+    param = params.get(target[0]) if target is not None else None
+    return t if getattr(param, "gguf_blocks", False) else dequantize_packed(t, name)
 
 
 def build_model(cls, config, dtype: torch.dtype, device, quant_config) -> torch.nn.Module:
