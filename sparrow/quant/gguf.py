@@ -93,6 +93,7 @@ class GGUFLinearMethod(LinearMethodBase):
         from sparrow.kernels.gemm.gguf import gguf_linear
 
         x2 = x.reshape(-1, x.shape[-1])
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()  # the kernels read K with unit stride
         outs = []
         for ggml_type, _, buf in layer.gguf_segments:
             w = getattr(layer, buf)

@@ -58,12 +58,27 @@ def test_greedy_matches_transformers_on_the_dequantized_blocks(family, tmp_path)
     path = tmp_path / f"{family}.gguf"
     oracle = write_gguf(tiny(family, tmp_path), family, path)
     llm = make_llm(path, max_model_len=128)
+    assert_packed(llm.engine.runner.model)
     compared = 0
     for p in PROMPTS:
         ids, logits = hf_greedy(oracle, p, NEW)
         out = llm.generate({"prompt_token_ids": p}, _params())[0].outputs[0]
         compared += compare(ids, logits, out, tie_gap=GAP, atol=LOGPROB_ATOL)
     assert compared >= NEW * len(PROMPTS) // 2, f"only {compared} steps free of near-ties"
+
+
+def assert_packed(model) -> None:
+    """Every Linear and expert layer of ``model`` runs the GGUF format on uint8 blocks (no float copy)."""
+    from sparrow.quant.gguf import GGUFLinearMethod, GGUFMoEMethod
+
+    layers = [m for m in model.modules() if getattr(m, "quant_kind", None) is not None]
+    assert layers
+    for m in layers:
+        assert isinstance(m.quant_method, (GGUFLinearMethod, GGUFMoEMethod)), type(m.quant_method)
+        if isinstance(m.quant_method, GGUFMoEMethod):
+            assert m.gate_up_proj.dtype == m.down_proj.dtype == torch.uint8
+        else:
+            assert all(t is not None for t, _, _ in m.gguf_segments)
 
 
 MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
