@@ -139,6 +139,18 @@ def test_twin_dequantize_rows_bit_exact(qtype):
     assert got.data_ptr() == out.data_ptr() and torch.equal(got, _gguf_py_weight(qweight, qtype))
 
 
+def test_pick_config_batch1_by_type():
+    """One row takes the type's GEMV1_BY_TYPE tile (Q6_K, Q8_0; run at rows = 1 by the kernel tests above),
+    other types and rows GGUF_CONFIGS; a forced config overrides both."""
+    for qtype, tile in gg.GEMV1_BY_TYPE.items():
+        assert gg.pick_config(1, None, qtype) == tile and tile.fma and tile.block_m == 1
+        assert gg.pick_config(2, None, qtype) == gg.GGUF_CONFIGS[1][1]
+    assert gg.pick_config(1, None, T.Q4_K) == gg.pick_config(1) == gg.GGUF_CONFIGS[0][1]
+    forced = GgufConfig(block_m=1, block_n=16, block_k=32, fma=True)
+    with forced_config(forced):
+        assert gg.pick_config(1, None, T.Q6_K) == forced
+
+
 def test_gguf_linear_empty_and_bytes():
     qweight = _qweight(T.Q4_0, 8, 64, seed=0, device="cpu")
     assert gguf_weight_bytes(qweight) == 8 * 2 * 18
