@@ -27,6 +27,10 @@ keep 4-byte alignment when qweight's pointer and row bytes do; Q8_0 / Q4_0 / Q5_
 2-byte aligned: 16-bit words) with ``tl.multiple_of`` hints and a launcher check. Then per type and R: BLOCK_N /
 BLOCK_K / num_warps / split-K of the FMA GEMV (bytes per step: BLOCK_N x BLOCK_K / B x T), the R bound between
 FMA and dot GEMV, num_stages, and the GEMM tile (``gguf.GGUF_CONFIGS``, or a card's ``gguf.config_file``).
+Seen on an H100 (Triton 3.6, benchmarks/gguf_gemv_sweep.py): the Triton 3.6 and 3.9 sm_90 builds already read
+Q4_K's qs as LDG.E.128 and Q8_0 / Q6_K as 16-bit loads (sass_report-style count); Q6_K's R = 1 time fell 1.7x with
+8-row tiles (``gguf.GEMV1_BY_TYPE``); at 4096 x 4096 and below, eager calls are bound by the host (a 0.9 MB Q5_0
+weight takes ~100 us a call, ~27 us of it sparrow's Python launcher), so time those under a CUDA graph.
 """
 import triton
 import triton.language as tl

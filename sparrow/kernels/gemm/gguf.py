@@ -13,7 +13,8 @@ dtype, multiplied by x with fp32 sums, the fp32 bias added, and y rounded once t
 Paths (``gguf_linear``): Triton where ``use_triton(x)`` (CUDA tensors, or ``backend("triton")`` under the
 interpreter): FMA GEMV for R <= 4, tensor-core GEMV for R <= GEMV_MAX_ROWS (decode and speculative verify),
 a GEMM past it; else the twin ``gguf_linear_ref`` (the CPU path). Tile configs: ``GGUF_CONFIGS`` (defaults,
-not tuned on a GPU), overridden per card by ``config_file`` if present, or by ``with forced_config(cfg):``.
+not tuned on a GPU) with ``GEMV1_BY_TYPE`` ahead of it for one row (Q6_K, Q8_0: timed on an H100), overridden
+per card by ``config_file`` if present, or by ``with forced_config(cfg):``.
 """
 from __future__ import annotations
 
@@ -72,7 +73,16 @@ GGUF_CONFIGS: tuple[tuple[int, GgufConfig], ...] = (
     (GEMV_MAX_ROWS, GgufConfig(block_m=16, block_n=32, block_k=64, num_warps=4, split_k=0)),
     (1 << 62, GgufConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)),
 )
-forced_config = ForcedConfig()  # ``with forced_config(GgufConfig(...)):`` overrides the table
+# Batch-1 decode tiles by type, ahead of GGUF_CONFIGS' R = 1 entry. Eager timings, H100 80GB HBM3, Triton 3.6,
+# bf16 x (benchmarks/gguf_gemv_sweep.py's tiles): Q6_K 14336 x 4096 264 -> 158 us (8 x 256, 2 warps: fewer
+# registers a program, more programs resident; every 4..16-row tile measured 158-179 us), Q8_0 4096 x 4096
+# 74 -> 56 us (16 x 256, no split-K: no partials / counter round trip). Q4_K and Q5_0 kept: their eager times at
+# these shapes vary by 1.5x between runs of one tile (host-bound), so no tile was shown better.
+GEMV1_BY_TYPE: dict[T, GgufConfig] = {
+    T.Q6_K: GgufConfig(block_m=1, block_n=8, block_k=256, num_warps=2, split_k=0, fma=True),
+    T.Q8_0: GgufConfig(block_m=1, block_n=16, block_k=256, num_warps=4, split_k=1, fma=True),
+}
+forced_config = ForcedConfig()  # ``with forced_config(GgufConfig(...)):`` overrides the tables
 
 
 def config_file(device_name: str) -> pathlib.Path:
@@ -91,12 +101,17 @@ def tuned_configs(device_name: str) -> tuple[tuple[int, GgufConfig], ...]:
     return tuple(sorted((int(r), GgufConfig(**c)) for r, c in data.items()))
 
 
-def pick_config(rows: int, device_name: str | None = None) -> GgufConfig:
-    """The forced config, else the first entry covering ``rows`` of the card's file, else of GGUF_CONFIGS."""
+def pick_config(rows: int, device_name: str | None = None, ggml_type: int | None = None) -> GgufConfig:
+    """The forced config, else the first entry covering ``rows`` of the card's file, else for one row the
+    type's GEMV1_BY_TYPE tile, else the first entry of GGUF_CONFIGS covering ``rows``."""
     if forced_config.value is not None:
         return forced_config.value
-    table = tuned_configs(device_name) if device_name else ()
-    return next(c for bound, c in table + GGUF_CONFIGS if rows <= bound)
+    tuned = next((c for bound, c in (tuned_configs(device_name) if device_name else ()) if rows <= bound), None)
+    if tuned is not None:
+        return tuned
+    if rows == 1 and ggml_type is not None and int(ggml_type) in GEMV1_BY_TYPE:
+        return GEMV1_BY_TYPE[T(int(ggml_type))]
+    return next(c for bound, c in GGUF_CONFIGS if rows <= bound)
 
 
 def gguf_weight_bytes(qweight: torch.Tensor) -> int:
@@ -278,7 +293,7 @@ def gguf_linear_triton(x: torch.Tensor, qweight: torch.Tensor, ggml_type: int,
         return y
     if k == 0:
         return y.zero_() if bias is None else y.copy_(bias.to(x.dtype).expand(rows, n))
-    cfg = pick_config(rows, torch.cuda.get_device_name(x.device) if x.is_cuda else None)
+    cfg = pick_config(rows, torch.cuda.get_device_name(x.device) if x.is_cuda else None, ggml_type)
     _check_config(cfg)
     interp = interpreting()
     m_tiles, n_tiles = cdiv(rows, cfg.block_m), cdiv(n, cfg.block_n)

@@ -29,13 +29,14 @@ ALL_TYPES = tuple(sorted(SUPPORTED_TYPES))
 SHAPES = [(256,), (1, 256), (2, 512), (3, 512), (17, 768), (2, 3, 256)]
 
 
-def random_blocks(qtype: T, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    """Random bytes for a tensor of `shape`, fp16 fields set to finite values in [-2, 2]."""
+def random_blocks(qtype: T, shape: tuple[int, ...], rng: np.random.Generator, fp16_max: float = 2.0) -> np.ndarray:
+    """Random bytes for a tensor of `shape`, fp16 fields (scales d, mins dmin / m) set to finite values in
+    [-fp16_max, fp16_max]."""
     block_elems, type_bytes = block_bytes(qtype)
     n_blocks = int(np.prod(shape)) // block_elems
     blocks = rng.integers(0, 256, size=(n_blocks, type_bytes), dtype=np.uint8)
     for off in FP16_FIELDS[qtype]:
-        blocks[:, off:off + 2] = rng.uniform(-2, 2, size=(n_blocks, 1)).astype(np.float16).view(np.uint8)
+        blocks[:, off:off + 2] = rng.uniform(-fp16_max, fp16_max, size=(n_blocks, 1)).astype(np.float16).view(np.uint8)
     return blocks.reshape(-1)
 
 

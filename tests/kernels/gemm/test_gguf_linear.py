@@ -3,7 +3,10 @@ an fp64 matmul of gguf-py-dequantized weights, and the errors. CPU: TRITON_INTER
 (tests/conftest.py); GPU-marked tests at model shapes (and the same small tests run the compiled kernel there).
 
 Weights are random GGUF blocks (tests/kernels/common/test_gguf_blocks.py ``random_blocks``: random bytes, fp16
-fields finite in [-2, 2]), so every bit pattern of the quants is reached.
+fields finite in [-2, 2]), so every bit pattern of the quants is reached. The GPU tests at model shapes keep
+the fp16 fields (d, dmin) in [-MODEL_D, MODEL_D], the scale of a real model's blocks: gguf-py's quantizer sets d
+= max |w| / max |q| per block, about 1e-4 .. 1e-3 for LLM weights (|w| <= ~0.1 .. 1). With [-2, 2] a K-quant
+weight reaches ~2000 and a 4096-long fp16 output overflows (inf in the reference, nan in the difference).
 
 Tolerance (``_bound``), per output element, from the standard bound on a computed dot product (Higham, Accuracy
 and Stability of Numerical Algorithms, 3.1): an fp32 sum of K products, each product rounded once, is within
@@ -39,8 +42,9 @@ CPU_CASES = ((1, torch.float32, True), (2, torch.bfloat16, False), (3, torch.flo
              (16, torch.bfloat16, True), (17, torch.float32, True), (40, torch.bfloat16, False))
 
 
-def _qweight(qtype: T, n: int, k: int, seed: int, device: str = DEVICE) -> torch.Tensor:
-    return torch.from_numpy(random_blocks(qtype, (n, k), np.random.default_rng(seed))).reshape(n, -1).to(device)
+def _qweight(qtype: T, n: int, k: int, seed: int, device: str = DEVICE, fp16_max: float = 2.0) -> torch.Tensor:
+    blocks = random_blocks(qtype, (n, k), np.random.default_rng(seed), fp16_max)
+    return torch.from_numpy(blocks).reshape(n, -1).to(device)
 
 
 def _gguf_py_weight(qweight: torch.Tensor, qtype: T) -> torch.Tensor:
@@ -135,6 +139,18 @@ def test_twin_dequantize_rows_bit_exact(qtype):
     assert got.data_ptr() == out.data_ptr() and torch.equal(got, _gguf_py_weight(qweight, qtype))
 
 
+def test_pick_config_batch1_by_type():
+    """One row takes the type's GEMV1_BY_TYPE tile (Q6_K, Q8_0; run at rows = 1 by the kernel tests above),
+    other types and rows GGUF_CONFIGS; a forced config overrides both."""
+    for qtype, tile in gg.GEMV1_BY_TYPE.items():
+        assert gg.pick_config(1, None, qtype) == tile and tile.fma and tile.block_m == 1
+        assert gg.pick_config(2, None, qtype) == gg.GGUF_CONFIGS[1][1]
+    assert gg.pick_config(1, None, T.Q4_K) == gg.pick_config(1) == gg.GGUF_CONFIGS[0][1]
+    forced = GgufConfig(block_m=1, block_n=16, block_k=32, fma=True)
+    with forced_config(forced):
+        assert gg.pick_config(1, None, T.Q6_K) == forced
+
+
 def test_gguf_linear_empty_and_bytes():
     qweight = _qweight(T.Q4_0, 8, 64, seed=0, device="cpu")
     assert gguf_weight_bytes(qweight) == 8 * 2 * 18
@@ -168,6 +184,8 @@ def test_gguf_linear_errors(op):
 GPU_SHAPES = ((T.Q4_K, 4096, 4096), (T.Q6_K, 14336, 4096), (T.Q8_0, 4096, 4096), (T.Q2_K, 4096, 4096),
               (T.Q5_0, 2048, 640))
 GPU_ROWS = (1, 2, 3, 4, 8, 16, 17, 64, 256)
+MODEL_D = 2.0 ** -10
+"""fp16 scale fields of the model-shape weights (module doc): |w| <= 63 * 15 * 2^-10 (Q4_K) .. 4 (Q6_K)."""
 
 
 @pytest.mark.gpu
@@ -175,7 +193,7 @@ GPU_ROWS = (1, 2, 3, 4, 8, 16, 17, 64, 256)
 def test_gguf_linear_gpu(qtype, n, k):
     """Every path on CUDA against the twin on CUDA (rows 1-4: FMA GEMV, 8 and 16: dot GEMV, including the 2-,
     3- and m-row verify batches of speculative decoding; 17+: GEMM), bf16 / fp16 / fp32 x, bias on odd R."""
-    qweight = _qweight(qtype, n, k, seed=1, device="cuda")
+    qweight = _qweight(qtype, n, k, seed=1, device="cuda", fp16_max=MODEL_D)
     bias = torch.randn(n, device="cuda")
     w32 = _gguf_py_weight(qweight, qtype)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -185,6 +203,7 @@ def test_gguf_linear_gpu(qtype, n, k):
             got = gguf_linear(x, qweight, qtype, bias if rows % 2 else None)
             with backend("torch"):
                 want = gguf_linear(x, qweight, qtype, bias if rows % 2 else None)
+            assert torch.isfinite(want).all(), f"{qtype.name} {dtype} R={rows}: the reference overflowed"
             _assert_within(got, want, _bound(x.cpu(), w, want, sums=4))
 
 
@@ -194,7 +213,7 @@ def test_gguf_gemv_bandwidth_gpu(qtype, n, k):
     """Batch-1 decode GEMV: correct, and its achieved bandwidth printed (run with -s, or this file as a script)
     beside a device copy's measured in the same run (target: >= 60 % for Q4_K / Q8_0 on an H100; not asserted:
     the tiles are untuned)."""
-    qweight = _qweight(qtype, n, k, seed=2, device="cuda")
+    qweight = _qweight(qtype, n, k, seed=2, device="cuda", fp16_max=MODEL_D)
     x = _x(1, k, torch.bfloat16, seed=0, device="cuda")
     got = gguf_linear(x, qweight, qtype)
     with backend("torch"):
