@@ -7,7 +7,7 @@ dequantization (``gguf.quants.dequantize``) of exactly those blocks, mapped back
 Block types: a mix of Q4_K / Q6_K / Q8_0 where a row's length is a multiple of 256, Q8_0 / Q5_0 where only of
 32; routers, norms, biases and scales stay F32 (as llama.cpp's quantizer leaves them). Random blocks are random
 bytes whose fp16 scale fields (ggml-common.h offsets, ``FP16_FIELDS``) are finite and sized so weights stay
-within about +-0.1. Used by tests/loader/test_gguf_moe.py; any family of tests/models/_hf_tiny.py whose
+within about +-0.1. Used by tests/loader/test_gguf_moe_files.py; any family of tests/models/_hf_tiny.py whose
 GGUF architecture is in ``GGUF_ARCH`` can be written.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 file: the blocks stay packed (bytes in memory equal to the file's bytes for those tensors), a packed projection
 whose shards have different types runs one segment per type, ``quantization=`` re-quantizes from the dequantized
 weights, and bad GGUF expert slices are refused by name. Token-exactness against transformers is
-tests/models/test_packaged_models.py's and tests/loader/test_gguf_moe.py's."""
+tests/models/test_packaged_models.py's and tests/loader/test_gguf_moe_files.py's."""
 from __future__ import annotations
 
 import pytest
