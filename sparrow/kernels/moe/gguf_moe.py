@@ -85,7 +85,7 @@ def _check_weight(name: str, w: torch.Tensor, ggml_type, rows: int, cols: int, n
 
 def _check(x, w13, w13_type, w2, w2_type, topk_weights, topk_ids, activation) -> tuple[int, int]:
     """(hidden, width) of a valid call; raises the module doc's errors."""
-    from sparrow.kernels.activation.act import ACTIVATIONS
+    from sparrow.kernels.moe.moe_ref import check_routing
 
     if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"gguf_fused_moe: x must be [R, H] fp32 / bf16 / fp16, got {tuple(x.shape)} {x.dtype}")
@@ -94,15 +94,7 @@ def _check(x, w13, w13_type, w2, w2_type, topk_weights, topk_ids, activation) ->
     hidden, width = x.shape[1], w13.shape[1] // 2
     _check_weight("w13", w13, w13_type, 2 * width, hidden, None)
     _check_weight("w2", w2, w2_type, hidden, width, w13.shape[0])
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"gguf_fused_moe: topk_ids must be [R={x.shape[0]}, K] int32 / int64, got "
-                         f"{tuple(topk_ids.shape)} {topk_ids.dtype}")
-    if topk_weights.shape != topk_ids.shape or not topk_weights.is_floating_point():
-        raise ValueError(f"gguf_fused_moe: topk_weights must be a float [R, K] = {tuple(topk_ids.shape)}, got "
-                         f"{tuple(topk_weights.shape)} {topk_weights.dtype}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"gguf_fused_moe: unsupported activation {activation!r}; expected one of "
-                         f"{sorted(ACTIVATIONS)}")
+    check_routing("gguf_fused_moe", x.shape[0], topk_weights, topk_ids, activation)
     for name, t in (("w13", w13), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
         if t.device != x.device:
             raise ValueError(f"gguf_fused_moe: {name} is on {t.device}, x on {x.device}")

@@ -139,6 +139,19 @@ def fused_moe_ref(x, gate_up_proj, down_proj, topk_weights, topk_ids, activation
                lora=lora)
 
 
+def check_routing(op: str, rows: int, topk_weights, topk_ids, activation: str) -> None:
+    """Raise ValueError (naming ``op``) unless topk_ids is [rows, K] int32 / int64, topk_weights a float tensor of
+    its shape and ``activation`` a known name."""
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != rows or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{op}: topk_ids must be [R={rows}, K] int32 / int64, got "
+                         f"{tuple(topk_ids.shape)} {topk_ids.dtype}")
+    if topk_weights.shape != topk_ids.shape or not topk_weights.is_floating_point():
+        raise ValueError(f"{op}: topk_weights must be a float [R, K] = {tuple(topk_ids.shape)}, got "
+                         f"{tuple(topk_weights.shape)} {topk_weights.dtype}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: unsupported activation {activation!r}; expected one of {sorted(ACTIVATIONS)}")
+
+
 def _check_moe(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale) -> None:
     if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"fused_moe: x must be [R, H] fp32 / bf16 / fp16, got {tuple(x.shape)} {x.dtype}")
@@ -149,14 +162,7 @@ def _check_moe(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_sca
     if tuple(w2.shape) != (num_experts, hidden, width):
         raise ValueError(f"fused_moe: down_proj must be [E={num_experts}, H={hidden}, I={width}], got "
                          f"{tuple(w2.shape)}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != rows or topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"fused_moe: topk_ids must be [R={rows}, K] int32 / int64, got "
-                         f"{tuple(topk_ids.shape)} {topk_ids.dtype}")
-    if topk_weights.shape != topk_ids.shape or not topk_weights.is_floating_point():
-        raise ValueError(f"fused_moe: topk_weights must be a float [R, K] = {tuple(topk_ids.shape)}, got "
-                         f"{tuple(topk_weights.shape)} {topk_weights.dtype}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"fused_moe: unsupported activation {activation!r}; expected one of {sorted(ACTIVATIONS)}")
+    check_routing("fused_moe", rows, topk_weights, topk_ids, activation)
     if (w13_scale is None) != (w2_scale is None):
         raise ValueError("fused_moe: FP8 needs both w13_scale and w2_scale")
     if w13_scale is None:
