@@ -42,6 +42,11 @@ def _per_expert_copy(src, dst, experts: int, experts_module: str) -> None:
     its B columns j E + e: PeftModel's ParamWrapper layout)."""
     dst.mkdir()
     cfg = json.loads((src / "adapter_config.json").read_text())
+    for key in ("rank_pattern", "alpha_pattern"):  # PEFT >= 0.22 keys the fused gate_up_proj's rank 2r / alpha 2a
+        pattern = cfg.get(key) or {}
+        for name, value in list(pattern.items()):
+            if name.endswith("gate_up_proj"):
+                pattern[name.removesuffix("gate_up_proj") + r"\d+\.(gate_proj|up_proj)"] = value
     (dst / "adapter_config.json").write_text(json.dumps(cfg))
     out = {}
     for key, t in load_file(str(src / "adapter_model.safetensors")).items():

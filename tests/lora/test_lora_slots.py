@@ -93,7 +93,8 @@ def test_host_copies_in_the_buffer_dtype_fill_slots_as_fp32_factors_did(tmp_path
     base = base_model("qwen2_moe", tmp_path / "base")
     path = make_adapter("qwen2_moe", base, tmp_path / "a", 3, r=4, lora_alpha=8, target_modules=DENSE_TARGETS,
                         target_parameters=EXPERT_PARAMS + ROUTER_PARAMS)
-    llm = make_llm(base, dtype="bfloat16", max_model_len=64, enable_lora=True, max_loras=2, max_lora_rank=4)
+    # PEFT >= 0.22 stacks target_modules gate_proj / up_proj on the fused experts as gate_up_proj of rank 2r
+    llm = make_llm(base, dtype="bfloat16", max_model_len=64, enable_lora=True, max_loras=2, max_lora_rank=8)
     mgr = llm.engine.runner.lora
     req = LoRARequest("a", 1, str(path))
     adapter = mgr.load(req)

@@ -241,15 +241,17 @@ _TWIN_BUFFERS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 def _twin_buffers(device: torch.device, elems: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The twin's (fp32, uint8) chunk buffers of at least ``elems`` elements on ``device``, kept between calls:
     a fresh multi-MB buffer per call costs its page faults on every token. Calls run one at a time per process
-    (the engine's step loop); a kernel call never keeps a reference past its return. CUDA: fresh buffers (the
+    (the engine's step loop); a kernel call never keeps a reference past its return. They are made outside
+    inference mode: one made by an engine step (inference mode) could not be written by a later plain call. CUDA: fresh buffers (the
     caching allocator reuses them; the twin is only the GPU's test oracle, so nothing is held for it)."""
     if device.type != "cpu":
         return (torch.empty(elems, dtype=torch.float32, device=device),
                 torch.empty(elems, dtype=torch.uint8, device=device))
     bufs = _TWIN_BUFFERS.get(device)
     if bufs is None or bufs[0].numel() < elems:
-        bufs = _TWIN_BUFFERS[device] = (torch.empty(elems, dtype=torch.float32, device=device),
-                                        torch.empty(elems, dtype=torch.uint8, device=device))
+        with torch.inference_mode(False):  # normal tensors: written in place both inside and outside inference mode
+            bufs = _TWIN_BUFFERS[device] = (torch.empty(elems, dtype=torch.float32, device=device),
+                                            torch.empty(elems, dtype=torch.uint8, device=device))
     return bufs
 
 

@@ -127,6 +127,18 @@ def test_gguf_linear_twin_vs_fp64(qtype, dtype, monkeypatch):
     _assert_within(got, exact, _bound(x, w, exact, sums=1))
 
 
+def test_twin_buffers_made_in_inference_mode_serve_plain_calls(monkeypatch):
+    """The twin's reused CPU buffers, first made by a call in inference mode (an engine step), are written again
+    by a later call outside it (a layer called directly), with the same result."""
+    monkeypatch.setattr(gg, "_TWIN_BUFFERS", {})
+    qtype = BLOCK_TYPES[0]
+    qweight = _qweight(qtype, 8, 256, seed=3, device="cpu")
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        first = gg.gguf_linear_ref(x, qweight, qtype)
+    assert torch.equal(gg.gguf_linear_ref(x, qweight, qtype), first)
+
+
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
 def test_twin_dequantize_rows_bit_exact(qtype):
     """The twin's own CPU decoders (``dequantize_rows``: fast paths for the hot types) equal gguf-py's
