@@ -9,12 +9,13 @@
 The config package sits below every package that runs a model: it imports none of them (the kernels' table of
 activations aside), so a config can be read and checked before anything is built.
 """
-from sparrow.config.engine import DEFAULT_MAX_MODEL_LEN_CAP, CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
+from sparrow.config.engine import DEFAULT_MAX_MODEL_LEN_CAP, EXPERT_DISPATCH_MODES, CacheConfig, EngineConfig, \
+    LoRAConfig, ParallelConfig, SchedulerConfig
 from sparrow.config.model import LayerSpec, ModelConfig
 from sparrow.config.speculative import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS, SpeculativeConfig
 from sparrow.devices import TORCH_DTYPES  # re-exported: EngineConfig.dtype name -> torch dtype
 
 __all__ = [
-    "DEFAULT_MAX_MODEL_LEN_CAP", "MAX_SPECULATIVE_TOKENS", "SPECULATIVE_METHODS", "TORCH_DTYPES", "CacheConfig",
-    "EngineConfig", "LayerSpec", "LoRAConfig", "ModelConfig", "SchedulerConfig", "SpeculativeConfig",
+    "DEFAULT_MAX_MODEL_LEN_CAP", "EXPERT_DISPATCH_MODES", "MAX_SPECULATIVE_TOKENS", "SPECULATIVE_METHODS", "TORCH_DTYPES", "CacheConfig",
+    "EngineConfig", "LayerSpec", "LoRAConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig", "SpeculativeConfig",
 ]

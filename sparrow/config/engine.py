@@ -100,6 +100,35 @@ class LoRAConfig:
                                       f"{self.max_loras}")
 
 
+EXPERT_DISPATCH_MODES = ("all_reduce", "all_to_all")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor and expert parallelism over several processes (vLLM's ``tensor_parallel_size`` and
+    ``enable_expert_parallel``). Raises InvalidRequestError for a size below 1 or an unknown dispatch mode."""
+
+    tensor_parallel_size: int = 1
+    """Processes (one GPU each on CUDA) that split every layer: attention heads, MLP widths, the vocabulary."""
+    enable_expert_parallel: bool = False
+    """MoE layers split their experts across the ranks (each rank holds whole experts) instead of splitting every
+    expert's width; attention and dense layers stay tensor-parallel."""
+    expert_dispatch: str = "all_reduce"
+    """With expert parallelism: 'all_reduce' (every rank routes all tokens through its own experts, one all-reduce
+    after the weighted sum) or 'all_to_all' (each token's rows are sent to the ranks holding its experts and the
+    results returned to the token's rank)."""
+
+    def __post_init__(self):
+        check_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.expert_dispatch not in EXPERT_DISPATCH_MODES:
+            raise InvalidRequestError(f"expert_dispatch={self.expert_dispatch!r} is not one of "
+                                      f"{', '.join(EXPERT_DISPATCH_MODES)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 """max_model_len=None takes the model's positions, at most this many (a smaller KV pool by default)."""
 
@@ -130,6 +159,8 @@ class EngineConfig:
     """Speculative decoding; None: off."""
     lora: LoRAConfig | None = None
     """LoRA adapters (LLM's ``enable_lora``); None: off."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Tensor / expert parallelism (one process per rank)."""
 
     def __post_init__(self):
         device = resolve_device(self.device)
