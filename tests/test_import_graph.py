@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("switches", "devices", "cache", "structured_outputs", "outputs"),
     ("sampling_params", "tokenizer", "default_model"),
     ("kernels",),
+    ("distributed",),
     ("config",),
     ("quant",),
     ("layers",),
@@ -44,6 +45,8 @@ is:
 - errors; then the leaf modules (switches, devices, the file cache, the request and output types); then the
   modules that use them (sampling parameters, the tokenizer, the packaged default model);
 - kernels: the Triton kernels and their torch twins (they never import layers: the layers call them);
+- distributed: the process group, the Communicator every collective goes through, rank / world and shard
+  arithmetic (the formats' loaders and the layers shard by it);
 - config: the frozen config dataclasses, normalized from HF config.json or GGUF metadata;
 - quant: the weight formats' method objects (the layers hold them, so quant never imports layers);
 - layers: attention, linear, MoE, norms, logits, the per-layer LoRA buffers;
