@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine",),
     ("spec_decode",),
     ("llm", "__init__"),
-    ("model_shapes", "bench", "cli_support", "server"),
+    ("model_shapes", "random_gguf", "bench", "cli_support", "server"),
     ("cli_args", "cli", "__main__"),
 )
 """sparrow's package layers, lowest first; a unit may import units of its own layer or below, never above, and
@@ -55,8 +55,8 @@ is:
 - engine: scheduler, block manager, model runner, the step plan and the speculator interface;
 - spec_decode: the speculator, whose draft model runs on the engine's model runner;
 - llm (``LLM``: loads the model, builds the engine and its speculator) and the package's public API;
-- the front ends: model shapes and benchmarks, the CLI's shared helpers, the HTTP server; then the CLI (its
-  parser and commands).
+- the front ends: model shapes (and their random GGUF blocks) and benchmarks, the CLI's shared helpers, the HTTP
+  server; then the CLI (its parser and commands).
 """
 
 
