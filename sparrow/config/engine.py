@@ -124,10 +124,6 @@ class ParallelConfig:
             raise InvalidRequestError(f"expert_dispatch={self.expert_dispatch!r} is not one of "
                                       f"{', '.join(EXPERT_DISPATCH_MODES)}")
 
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size
-
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 """max_model_len=None takes the model's positions, at most this many (a smaller KV pool by default)."""

@@ -23,10 +23,6 @@ class Communicator:
         self.rank, self.world_size, self.group = rank, world_size, group
         self.device = torch.device(device)
 
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of ``x`` over the ranks, in place (x any shape and float dtype); returns x. CUDA-graph capturable
         under NCCL."""
