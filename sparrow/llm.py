@@ -54,9 +54,9 @@ def engine_config(model: ModelConfig, *, device: str = _E.device, dtype: str = _
 
 
 def _model_placement(model: torch.nn.Module) -> tuple[str, str]:
-    """(device, dtype name) of a built model: those of its embedding table (``model.embed_tokens``, never
-    quantized; a model without one: its first parameter of a TORCH_DTYPES dtype). Raises InvalidRequestError
-    when there is no such parameter."""
+    """(device, dtype name) of a built model: those of its embedding table (``model.embed_tokens``) where it is a
+    float table; else (a GGUF file's packed table, a model without one) its first parameter of a TORCH_DTYPES
+    dtype. Raises InvalidRequestError when there is no such parameter."""
     names = {v: k for k, v in TORCH_DTYPES.items()}
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     params = [embed.weight] if isinstance(getattr(embed, "weight", None), torch.Tensor) else []

@@ -244,10 +244,10 @@ def random_model(cfg: dict, dtype: torch.dtype, device: str, quantization: str |
                  quantize_lm_head: bool = False, seed: int = 0) -> torch.nn.Module:
     """sparrow's model of the shape dict ``cfg`` on ``device`` in ``dtype`` (eval mode), loaded from a stream made one
     module at a time (the float model never exists whole): ``random_weights`` for ``seed``, quantized at load by
-    ``quantization`` (None: float), or for a GGUF recipe ``random_gguf_weights`` in the GGUF format, blocks whose
-    parameter takes float (embedding, LM head) dequantized as the loader does a file's. Raises InvalidRequestError
-    for an unknown ``quantization`` or a ``quantize_lm_head`` its format lacks, UnsupportedArchitectureError when
-    sparrow lacks the architecture."""
+    ``quantization`` (None: float), or for a GGUF recipe ``random_gguf_weights`` in the GGUF format (the linears',
+    experts' and vocab tables' blocks kept packed), blocks whose parameter takes float dequantized as the loader does
+    a file's. Raises InvalidRequestError for an unknown ``quantization`` or a ``quantize_lm_head`` its format lacks,
+    UnsupportedArchitectureError when sparrow lacks the architecture."""
     from sparrow import random_gguf
     from sparrow.config import ModelConfig
     from sparrow.loader.model_loader import _packed_or_float, build_model, check_quantize_lm_head, finish_loading

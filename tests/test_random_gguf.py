@@ -129,11 +129,14 @@ def test_recipe_types_and_float_oracle(case):
     segments, _, _ = _expected(cfg, want)
     got = {name: [T(t) for t, _, _ in m.gguf_segments] for name, m in model.named_modules()
            if hasattr(m, "gguf_segments")}
+    tables = {name: got.pop(name) for name in ("model.embed_tokens", "lm_head") if name in got}
     assert got == segments
+    # the vocab tables stay packed too: the LM head ``output`` Q6_K, an untied embedding Q4_K (tied: it is the head)
+    tied = model.config.tie_word_embeddings
+    assert tables == ({"model.embed_tokens": [Q6]} if tied else {"model.embed_tokens": [Q4], "lm_head": [Q6]})
     moe = {name: (T(m.gate_up_type), T(m.down_type)) for name, m in model.named_modules() if hasattr(m, "down_type")}
     if case != "dense":
         assert moe and all(v == (Q4, want(int(k.split(".")[2]), "experts.down_proj")) for k, v in moe.items()), moe
-    assert model.model.embed_tokens.weight.dtype == torch.float32  # the embedding takes float: dequantized blocks
 
     mcfg = ModelConfig.from_hf(full_config_dict(cfg))
     oracle = build_model(get_model_class(mcfg.architecture), mcfg, torch.float32, "cpu", None)
@@ -194,7 +197,8 @@ def test_unknown_quantization_names_the_recipes(capsys):
 
 def test_bench_bytes_are_the_packed_bytes(tmp_path, monkeypatch):
     """``sparrow bench --quantization gguf-q4_k_m``: the dense group is the linears' packed bytes plus the float
-    norms / routers, the experts group the stacks' packed bytes, a step reading the hit fraction of them."""
+    norms / routers, the experts group the stacks' packed bytes, a step reading the hit fraction of them, the
+    embedding group (tied: the LM head) the table's packed bytes."""
     from sparrow.cli import main
 
     cfg = _gemma4()
@@ -211,7 +215,8 @@ def test_bench_bytes_are_the_packed_bytes(tmp_path, monkeypatch):
     weights = report["meta"]["bytes_model"]["weight_bytes"]
     assert weights["experts"] == experts
     assert weights["dense"] == dense + floats
-    assert weights["embedding"] == cfg["vocab_size"] * cfg["hidden_size"] * 4  # tied: the float LM head too
+    # tied: the LM head too, packed (Q6_K, the recipe's ``output``)
+    assert weights["embedding"] == _packed_bytes(Q6, (cfg["vocab_size"], cfg["hidden_size"]))
     e, k = cfg["num_experts"], cfg["top_k_experts"]
     for r in report["results"]:
         by = r["bytes_per_step_by_group"]

@@ -74,9 +74,10 @@ def footprint(model: torch.nn.Module, cfg: dict, tied: bool, hidden: int) -> Foo
     experts' uint8 stacks), so a step's bytes are those the kernels read."""
     n_exp, top_k = int(_first(cfg, _EXPERT_COUNT_KEYS)), int(_first(cfg, _TOP_K_KEYS))
     groups: dict[str, int] = {}
-    elt = 2
     tensors = list(model.named_parameters())
     tensors += [(n, b) for n, b in model.named_buffers() if "weight" in n.rsplit(".", 1)[-1]]  # quantized weights
+    floats = [p for _, p in tensors if p.is_floating_point()]  # a packed table's model dtype: its norms' (any float)
+    elt = floats[0].element_size() if floats else 2
     for name, p in tensors:
         nbytes = p.numel() * p.element_size()
         if "embed_tokens" in name:

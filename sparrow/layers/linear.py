@@ -8,7 +8,8 @@ loader fills each shard through ``weight_loader(param, tensor, shard_id, name)``
 Choosing the weight format: model code builds every Linear without naming a format; a Linear
 built inside ``sparrow.quant.quant_config_scope(cfg)`` takes ``cfg.get_linear_method(None)`` and
 ``sparrow.quant.bind_quant_config`` later gives it the method for its name (see ``sparrow.quant.base``).
-Routers (``nn.Linear``), norms, embeddings and the LM head are not ``Linear`` and stay in the model dtype.
+Routers (``nn.Linear``) and norms are not ``Linear`` and stay in the model dtype; the embedding and an untied
+LM head are vocab tables with a method of their own (``sparrow.layers.embedding.VocabEmbedding``).
 """
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
 """LM head: hidden [S, H] -> logits [S, V] in fp32, with Gemma's optional final soft-cap
 (logits = cap * tanh(logits / cap)). The product is the model's LM head method (``CausalLM.lm_head_method``):
-``UnquantizedLMHeadMethod`` (``F.linear`` on the model-dtype LM weight, tied or not) unless
-``quantize_lm_head`` gave the model a ``QuantizedLMHeadMethod`` on a format's linear method
-(``QuantizationConfig.get_lm_head_linear_method``)."""
+``TableLMHeadMethod`` (the LM table's own weight method: ``F.linear`` on a float table, the GGUF kernel on a
+GGUF file's blocks; tied, the embedding's table) unless ``quantize_lm_head`` gave the model a
+``QuantizedLMHeadMethod`` on a format's linear method (``QuantizationConfig.get_lm_head_linear_method``)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sparrow.layers.linear import Linear
@@ -27,11 +26,12 @@ class LMHeadMethodBase:
         raise NotImplementedError
 
 
-class UnquantizedLMHeadMethod(LMHeadMethodBase):
-    """logits [S, V] = hidden [S, H] @ ``model.lm_weight`` [V, H].T in the model dtype."""
+class TableLMHeadMethod(LMHeadMethodBase):
+    """logits [S, V] = hidden [S, H] @ table [V, H].T in the model dtype, computed by the weight method of the
+    vocab table ``model.lm_table`` (``VocabEmbedding.logits``): one copy of the table when tied."""
 
     def apply(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, model.lm_weight)
+        return model.lm_table.logits(hidden)
 
 
 class QuantizedLMHeadMethod(LMHeadMethodBase):

@@ -20,7 +20,7 @@ from torch import nn
 from sparrow.config import ModelConfig
 from sparrow.layers.embedding import VocabEmbedding
 from sparrow.layers.forward_batch import ForwardBatch
-from sparrow.layers.logits import LogitsProcessor, UnquantizedLMHeadMethod
+from sparrow.layers.logits import LogitsProcessor, TableLMHeadMethod
 from sparrow.layers.mlp import GatedMLP
 from sparrow.layers.moe import FusedMoE, MoEBlock
 from sparrow.layers.router import Router
@@ -104,19 +104,23 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config, self.layer_cls, dtype)
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Module()
-            self.lm_head.weight = nn.Parameter(
-                torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
+        if not config.tie_word_embeddings:  # a vocab table of its own weight format, read by logits() only
+            self.lm_head = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.logits_processor = LogitsProcessor(config.final_logit_softcapping)
-        self.lm_head_method = UnquantizedLMHeadMethod()
+        self.lm_head_method = TableLMHeadMethod()
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)
 
     @property
+    def lm_table(self) -> VocabEmbedding:
+        """The vocab table the logits read: the embedding when tied, else ``lm_head``."""
+        return self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+
+    @property
     def lm_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        """The LM table's float weight [V, H] (a float-table format's; ``QuantizedLMHeadMethod`` copies it)."""
+        return self.lm_table.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits_processor(self.lm_head_method.apply(self, hidden))

@@ -1,12 +1,12 @@
 """What a weight format is (``docs/architecture.md``, "The quant-method contract"): a ``QuantizationConfig`` (one
-per model) that gives a method object for each dense ``Linear``, each routed-expert layer (``FusedMoE``) and the LM
-head. A method owns its layer's weight parameters: ``create_weights`` allocates them (with their checkpoint
+per model) that gives a method object for each dense ``Linear``, each routed-expert layer (``FusedMoE``), each vocab
+table (``VocabEmbedding``: the token embedding, and an untied LM head) and the quantized LM head. A method owns its layer's weight parameters: ``create_weights`` allocates them (with their checkpoint
 loaders), ``process_weights_after_loading`` finishes them once every tensor is in (on-load quantization, kernel
 layouts), ``apply`` computes the layer. Model code calls the layer; the layer calls its method; nothing outside
 ``sparrow.quant`` names a format. The unquantized path is a method object too (``UnquantizedConfig``).
 
 Choosing the methods: the loader builds the model inside ``with quant_config_scope(cfg):``; each Linear /
-FusedMoE created there takes ``cfg.get_method(kind, None)``. A layer does not know its own name while it is
+FusedMoE / VocabEmbedding created there takes ``cfg.get_method(kind, None)``. A layer does not know its own name while it is
 built, so afterwards ``bind_quant_config(model, cfg)`` walks ``named_modules()``, stores each layer's
 ``prefix`` and gives the layers the config treats differently by name (routers, ignored layers) their own
 method, before any checkpoint tensor is read. A method that cannot take a layer's shape raises naming the layer:
@@ -23,6 +23,7 @@ import contextlib
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sparrow.errors import InvalidRequestError
@@ -31,12 +32,13 @@ KV_CACHE_SCALES = (".k_scale", ".v_scale")
 """Suffixes of the per-layer KV-cache scales of a checkpoint exported for an FP8 KV cache (ModelOpt:
 ``self_attn.k_proj.k_scale``; compressed-tensors: ``self_attn.k_scale``)."""
 
-LAYER_KINDS = ("linear", "moe")
-"""``quant_kind`` of the layers that hold a method: ``sparrow.layers.linear.Linear``, ``layers.moe.FusedMoE``."""
+LAYER_KINDS = ("linear", "moe", "embedding")
+"""``quant_kind`` of the layers that hold a method: ``sparrow.layers.linear.Linear``, ``layers.moe.FusedMoE``,
+``layers.embedding.VocabEmbedding``."""
 
 
 def set_layer_method(layer: nn.Module, method, device: torch.device | None = None) -> None:
-    """Give ``layer`` (a Linear or FusedMoE) the weight method ``method``: drop the parameters its previous method
+    """Give ``layer`` (a Linear, FusedMoE or VocabEmbedding) the weight method ``method``: drop the parameters its previous method
     created (named in ``layer._quant_param_names``), then let ``method`` create its own in ``layer.params_dtype`` on
     ``device`` (default: the device of the dropped ones; the current default device when there were none)."""
     for name in getattr(layer, "_quant_param_names", ()):
@@ -107,6 +109,42 @@ class FusedMoEMethodBase:
         raise NotImplementedError
 
 
+class EmbeddingMethodBase:
+    """Weights of a vocab table [V, H] (``VocabEmbedding``: ``num_embeddings`` V, ``embedding_dim`` H): its rows
+    looked up for token ids, and the logits of hidden states against it (the LM head, tied or not; vLLM's
+    ``VocabParallelEmbedding`` / ``ParallelLMHead`` methods alike). ``dtype`` of create_weights is the model dtype."""
+
+    def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """ids [R] int64 in [0, V) -> rows [R, H] in the model dtype. An id >= V fails as indexing a float table
+        does (IndexError on CPU, a device-side assert on CUDA)."""
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, H] -> logits [S, V] in hidden's dtype (hidden @ table.T)."""
+        raise NotImplementedError
+
+
+class UnquantizedEmbeddingMethod(EmbeddingMethodBase):
+    """Every format's default table (``QuantizationConfig.get_embedding_method``): ``weight`` [V, H] in the model
+    dtype; rows by indexing, logits by ``F.linear``."""
+
+    def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
+        layer.weight = nn.Parameter(torch.empty(layer.num_embeddings, layer.embedding_dim, dtype=dtype),
+                                    requires_grad=False)
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return layer.weight[ids]
+
+    def apply(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, layer.weight)
+
+
 class QuantizationConfig:
     """A weight format and its per-model settings. Subclasses register themselves with
     ``sparrow.quant.registry.register_quantization`` under ``name``, the checkpoint's
@@ -171,6 +209,11 @@ class QuantizationConfig:
         """The method of the FusedMoE named ``prefix`` (None: not known yet)."""
         raise NotImplementedError
 
+    def get_embedding_method(self, prefix: str | None) -> EmbeddingMethodBase:
+        """The method of the vocab table named ``prefix`` (``model.embed_tokens``, an untied ``lm_head``; None: not
+        known yet). Default: the table in the model dtype (``UnquantizedEmbeddingMethod``)."""
+        return UnquantizedEmbeddingMethod()
+
     def get_lm_head_linear_method(self) -> LinearMethodBase | None:
         """The linear method of the LM head under ``quantize_lm_head=True``: the loaded LM weight is copied into a
         ``Linear`` of this method (``sparrow.layers.logits.QuantizedLMHeadMethod``); None where the format has
@@ -178,7 +221,7 @@ class QuantizationConfig:
         return None
 
     def get_method(self, kind: str, prefix: str | None):
-        """``get_linear_method`` / ``get_moe_method`` by the layer's ``quant_kind``."""
+        """``get_linear_method`` / ``get_moe_method`` / ``get_embedding_method`` by the layer's ``quant_kind``."""
         if kind not in LAYER_KINDS:
             raise ValueError(f"unknown layer kind {kind!r} (known: {LAYER_KINDS})")
         return getattr(self, f"get_{kind}_method")(prefix)

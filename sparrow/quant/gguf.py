@@ -11,7 +11,9 @@ with the tensor's ggml type in the attribute ``ggml_type``; a parameter that tak
 Linear: each shard (q, k, v of ``qkv_proj``) may have its own type (a Q4_K_M file mixes Q4_K, Q5_0, Q6_K, Q8_0);
 after loading, consecutive shards of one type are concatenated into one segment and ``apply`` runs one kernel a
 segment. Experts: ``gate_up_proj`` [E, 2I, H // B * T] and ``down_proj`` [E, H, I // B * T], one type each
-(gate and up must share theirs). Shapes: R rows, K in features, N out features, E experts, H hidden, I expert width.
+(gate and up must share theirs). Vocab tables (the token embedding, an untied ``output.weight``): one segment
+[V, H // B * T]; a lookup dequantizes only the rows it reads, the logits run the linears' kernel on the same bytes
+(tied: the embedding's). Shapes: R rows, K in features, N out features, E experts, H hidden, I expert width, V vocab.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from torch import nn
 
 from sparrow.errors import ModelLoadError
 from sparrow.kernels.common.gguf_blocks import block_bytes, dequantize
-from sparrow.quant.base import FusedMoEMethodBase, LinearMethodBase, QuantizationConfig
+from sparrow.quant.base import EmbeddingMethodBase, FusedMoEMethodBase, LinearMethodBase, QuantizationConfig
 from sparrow.quant.registry import register_quantization
 
 
@@ -53,6 +55,18 @@ def _type_name(ggml_type: int | None) -> str:
     from gguf.constants import GGMLQuantizationType
 
     return "float" if ggml_type is None else GGMLQuantizationType(ggml_type).name
+
+
+def _segments_matmul(layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
+    """x2 [R, K] @ W.T -> [R, N] in x2's dtype over ``layer.gguf_segments`` (one kernel a segment, concatenated)."""
+    from sparrow.kernels.gemm.gguf import gguf_linear
+
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()  # the kernels read K with unit stride
+    outs = []
+    for ggml_type, _, buf in layer.gguf_segments:
+        w = getattr(layer, buf)
+        outs.append(F.linear(x2, w) if ggml_type is None else gguf_linear(x2, w, ggml_type))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
 class GGUFLinearMethod(LinearMethodBase):
@@ -90,15 +104,8 @@ class GGUFLinearMethod(LinearMethodBase):
         del layer.gguf_shards
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        from sparrow.kernels.gemm.gguf import gguf_linear
-
         x2 = x.reshape(-1, x.shape[-1])
-        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()  # the kernels read K with unit stride
-        outs = []
-        for ggml_type, _, buf in layer.gguf_segments:
-            w = getattr(layer, buf)
-            outs.append(F.linear(x2, w) if ggml_type is None else gguf_linear(x2, w, ggml_type))
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        y = _segments_matmul(layer, x2)
         if layer.bias is not None:
             y = y + layer.bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -162,6 +169,44 @@ class GGUFMoEMethod(FusedMoEMethodBase):
                               swiglu_limit=layer.swiglu_limit, reduce=reduce, lora=lora)
 
 
+class GGUFEmbeddingMethod(EmbeddingMethodBase):
+    """A vocab table on a GGUF file's rows: ``weight`` is a placeholder whose loader keeps the tensor as it comes;
+    after loading the table is one segment ``layer.gguf_segments`` = [(ggml type or None, V, "gguf_weight_0")], its
+    buffer uint8 [V, H // B * T] (a float file type: [V, H] in the model dtype). ``embedding``: the rows' blocks
+    gathered and dequantized (``gguf_blocks.dequantize``: bit-exact with gguf-py), cast to the model dtype as the
+    float table would hold them; torch ops on the device with no host sync (a CUDA graph captures it).
+    ``apply``: the linears' GGUF kernel (``gguf_linear``) on the same bytes."""
+
+    def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
+        shape = (layer.num_embeddings, layer.embedding_dim)
+
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id, name: str) -> None:
+            got = logical_shape(loaded) if is_packed(loaded) else tuple(loaded.shape)
+            if got != shape:
+                raise ModelLoadError(f"tensor {name!r} has shape {got}, expected {shape}")
+            kept = loaded.contiguous() if is_packed(loaded) else loaded.to(layer.params_dtype)
+            layer.gguf_table = (getattr(loaded, "ggml_type", None), kept)
+
+        layer.weight = _placeholder(load)
+        layer.weight.checkpoint_shape = shape  # for the missing-tensor message
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        ggml_type, t = layer.gguf_table
+        layer.register_buffer("gguf_weight_0", t.to(layer.weight.device, copy=True).contiguous(), persistent=False)
+        layer.gguf_segments = [(ggml_type, t.shape[0], "gguf_weight_0")]
+        del layer.gguf_table
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        ggml_type, _, buf = layer.gguf_segments[0]
+        rows = getattr(layer, buf)[ids]  # [R, H // B * T]: an id >= V raises here, as a float table's index does
+        if ggml_type is None:
+            return rows
+        return dequantize(rows, ggml_type, (*ids.shape, layer.embedding_dim)).to(layer.params_dtype)
+
+    def apply(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        return _segments_matmul(layer, hidden)
+
+
 @register_quantization
 class GGUFConfig(QuantizationConfig):
     """A GGUF file's own blocks, kept packed (module doc). Chosen by the loader for a ``.gguf`` file loaded with
@@ -176,6 +221,9 @@ class GGUFConfig(QuantizationConfig):
 
     def get_moe_method(self, prefix: str | None) -> FusedMoEMethodBase:
         return GGUFMoEMethod()
+
+    def get_embedding_method(self, prefix: str | None) -> EmbeddingMethodBase:
+        return GGUFEmbeddingMethod()
 
 
 def weight_bytes(model: nn.Module) -> tuple[int, int]:

@@ -1,5 +1,6 @@
 """The unquantized format: weights in the model dtype (``quantization=None`` on a float checkpoint; GGUF,
-dequantized at load). Its method objects are the defaults of ``Linear`` and ``FusedMoE``."""
+dequantized at load). Its method objects are the defaults of ``Linear`` and ``FusedMoE`` (a vocab table's,
+``base.UnquantizedEmbeddingMethod``, is every format's default)."""
 from __future__ import annotations
 
 import torch

@@ -68,13 +68,15 @@ def test_greedy_matches_transformers_on_the_dequantized_blocks(family, tmp_path)
 
 
 def assert_packed(model) -> None:
-    """Every Linear and expert layer of ``model`` runs the GGUF format on uint8 blocks (no float copy)."""
-    from sparrow.quant.gguf import GGUFLinearMethod, GGUFMoEMethod
+    """Every Linear, expert layer and vocab table of ``model`` runs the GGUF format on uint8 blocks (no float
+    copy)."""
+    from sparrow.quant.gguf import GGUFEmbeddingMethod, GGUFLinearMethod, GGUFMoEMethod
 
     layers = [m for m in model.modules() if getattr(m, "quant_kind", None) is not None]
     assert layers
     for m in layers:
-        assert isinstance(m.quant_method, (GGUFLinearMethod, GGUFMoEMethod)), type(m.quant_method)
+        assert isinstance(m.quant_method, (GGUFLinearMethod, GGUFMoEMethod, GGUFEmbeddingMethod)), \
+            type(m.quant_method)
         if isinstance(m.quant_method, GGUFMoEMethod):
             assert m.gate_up_proj.dtype == m.down_proj.dtype == torch.uint8
         else:

@@ -58,7 +58,7 @@ def test_rank_over_max_lora_rank(llm, base, tmp_path):
 
 def test_target_that_cannot_be_adapted(llm, base, tmp_path):
     _refused(llm, make_adapter("llama", base, tmp_path / "head", 0, r=4, target_modules=["lm_head"]),
-             "'lm_head' is a Module, which LoRA cannot adapt")
+             "'lm_head' is a VocabEmbedding, which LoRA cannot adapt")
 
 
 def test_target_the_model_lacks(llm, base, tmp_path):

@@ -1,5 +1,6 @@
 """The GGUF format (sparrow.quant.gguf) on the packaged SmolLM2 Q4_1 file and the default Gemma 3 270M Q4_K_M
-file: the blocks stay packed (bytes in memory equal to the file's bytes for those tensors), a packed projection
+file: the blocks stay packed (bytes in memory equal to the file's bytes for those tensors, the token embedding's
+included, so a loaded model's resident weight bytes are within 1.1x of the file's tensor bytes), a packed projection
 whose shards have different types runs one segment per type, ``quantization=`` re-quantizes from the dequantized
 weights, and bad GGUF expert slices are refused by name. Token-exactness against transformers is
 tests/models/test_packaged_models.py's and tests/loader/test_gguf_moe_files.py's."""
@@ -15,10 +16,15 @@ from sparrow.quant.gguf import GGUFLinearMethod, GGUFMoEMethod, weight_bytes
 from tests.helpers import smollm2_gguf
 
 
-def _linear_bytes(path) -> int:
-    """Bytes of the file's quantized tensors that are Linear weights (blk.*, not norms, not the embedding)."""
+def _quantized_bytes(path) -> int:
+    """Bytes of the file's quantized tensors (the Linear weights blk.* and the token embedding; not norms)."""
     ckpt = GGUFCheckpoint(path)
-    return sum(t.n_bytes for t in ckpt.tensor_infos if t.name.startswith("blk.") and t.tensor_type not in (0, 1, 30))
+    return sum(t.n_bytes for t in ckpt.tensor_infos if t.tensor_type not in (0, 1, 30))  # F32, F16, BF16
+
+
+def _resident_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter and buffer of ``model`` (what the weights hold in memory)."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
 def test_smollm2_blocks_stay_packed():
@@ -26,12 +32,30 @@ def test_smollm2_blocks_stay_packed():
     loaded = load_model(path)
     assert loaded.quant_config.name == "gguf"
     packed, _ = weight_bytes(loaded.model)
-    assert packed == _linear_bytes(path)  # exactly the file's blocks, no float copy
+    assert packed == _quantized_bytes(path)  # exactly the file's blocks, no float copy
     for m in loaded.model.modules():
         if getattr(m, "quant_kind", None) == "linear":
             assert isinstance(m.quant_method, GGUFLinearMethod)
             assert [t for t, _, _ in m.gguf_segments] and all(
                 getattr(m, b).dtype == torch.uint8 for _, _, b in m.gguf_segments)
+
+
+def _packaged(name: str):
+    from sparrow.default_model import default_model_path
+
+    return smollm2_gguf() if name == "smollm2" else default_model_path()
+
+
+@pytest.mark.parametrize("name", ["smollm2", pytest.param("gemma3", marks=pytest.mark.slow)])
+def test_resident_weight_bytes_are_the_file_tensor_bytes(name):
+    """Issue 43: a packaged model's weights in memory (fp32 model dtype: the float copies cost most there) are at
+    most 1.1x the file's tensor bytes, and the load log's packed + other bytes are those resident bytes."""
+    path = _packaged(name)
+    ckpt = GGUFCheckpoint(path)
+    model = load_model(path, dtype=torch.float32).model
+    resident, file_bytes = _resident_bytes(model), ckpt.tensor_bytes
+    assert resident <= 1.1 * file_bytes, f"{name}: {resident / 1e6:.1f} MB resident vs {file_bytes / 1e6:.1f} MB"
+    assert sum(weight_bytes(model)) == resident
 
 
 @pytest.mark.slow

@@ -30,34 +30,36 @@ def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
 
 
-def _u8(values: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.uint8, device=like.device)
+def _shifts(step: int, count: int, like: torch.Tensor) -> torch.Tensor:
+    """uint8 [count] = 0, step, 2 step, ... on like's device, made on the device (no host copy: a CUDA graph
+    may capture it, as the GGUF embedding's row lookup does)."""
+    return torch.arange(0, step * count, step, dtype=torch.uint8, device=like.device)
 
 
 def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
     """(N, k*group) uint8 -> (N, k*2*group): each run of `group` bytes gives its low nibbles, then its high."""
     n = qs.shape[0]
-    q = qs.reshape(n, -1, 1, group) >> _u8((0, 4), qs).view(1, 1, 2, 1)
+    q = qs.reshape(n, -1, 1, group) >> _shifts(4, 2, qs).view(1, 1, 2, 1)
     return (q & 0x0F).reshape(n, -1)
 
 
 def _crumbs(qs: torch.Tensor, group: int) -> torch.Tensor:
     """(N, k*group) uint8 -> (N, k*4*group): each run of `group` bytes gives bits 0-1, 2-3, 4-5, 6-7."""
     n = qs.shape[0]
-    q = qs.reshape(n, -1, 1, group) >> _u8((0, 2, 4, 6), qs).view(1, 1, 4, 1)
+    q = qs.reshape(n, -1, 1, group) >> _shifts(2, 4, qs).view(1, 1, 4, 1)
     return (q & 0x03).reshape(n, -1)
 
 
 def _bit_planes(qh: torch.Tensor) -> torch.Tensor:
     """(N, k) uint8 -> (N, 8*k): bit b of byte j goes to element b*k + j (K-quant high-bit masks)."""
     n = qh.shape[0]
-    return ((qh.reshape(n, 1, -1) >> _u8(tuple(range(8)), qh).view(1, 8, 1)) & 1).reshape(n, -1)
+    return ((qh.reshape(n, 1, -1) >> _shifts(1, 8, qh).view(1, 8, 1)) & 1).reshape(n, -1)
 
 
 def _bits_le(qh: torch.Tensor) -> torch.Tensor:
     """(N, 4) uint8 holding a little-endian uint32 -> (N, 32): element j is bit j (Q5_0 / Q5_1 `qh`)."""
     n = qh.shape[0]
-    return ((qh.reshape(n, -1, 1) >> _u8(tuple(range(8)), qh).view(1, 1, 8)) & 1).reshape(n, -1)
+    return ((qh.reshape(n, -1, 1) >> _shifts(1, 8, qh).view(1, 1, 8)) & 1).reshape(n, -1)
 
 
 # --- 32-element blocks (ggml-common.h: block_q4_0, block_q4_1, block_q5_0, block_q5_1, block_q8_0) ---
@@ -108,7 +110,7 @@ def _q3_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     sc = b[:, 96:108]
     low = torch.cat((sc[:, :8] & 0x0F, sc[:, :8] >> 4), dim=1)  # scale i: low 4 bits
-    high = ((sc[:, 8:12].reshape(n, 1, 4) >> _u8((0, 2, 4, 6), b).view(1, 4, 1)) & 0x03).reshape(n, 16)
+    high = ((sc[:, 8:12].reshape(n, 1, 4) >> _shifts(2, 4, b).view(1, 4, 1)) & 0x03).reshape(n, 16)
     dl = (_f16(b, 108) * ((low | (high << 4)).float() - 32)).unsqueeze(-1)  # (N, 16, 1)
     ql = _crumbs(b[:, 32:96], 32).to(torch.int8)
     qh = ((_bit_planes(b[:, :32]) ^ 1) << 2).to(torch.int8)

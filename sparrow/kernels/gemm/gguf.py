@@ -38,12 +38,13 @@ GEMV_MAX_ROWS = 16
 """Rows up to which the kernel runs as a GEMV (one M tile: each weight byte read once per call)."""
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-TWIN_CHUNK_ELEMS = {"cpu": 1 << 21, "cuda": 1 << 25}
+TWIN_CHUNK_ELEMS = {"cpu": 1 << 20, "cuda": 1 << 25}
 """Weight elements the twin dequantizes per step (whole rows, at least one), by device type, into buffers kept
-between calls (``_twin_buffers``: 8 + 2 MB on CPU). CPU, 2-core machine, R = 1, one torch thread (Q4_K
-2048 x 1024, Q6_K 2048 x 1024 and 640 x 2048, Q5_0 640 x 640, Q8_0 640 x 262144): 2^20 .. 2^22 are best, 2^21
-by a few %, 2^16 and below 2-4x slower (a dozen torch ops per chunk, each with its fixed cost); a GPU wants
-few, large launches."""
+between calls (``_twin_buffers``: 4 + 1 MB on CPU). CPU, 2-core machine, R = 1, one torch thread: Gemma 3 270M's
+tied LM head (Q8_0 262144 x 640, streamed from DRAM) takes 78 ms at 2^20, 86 at 2^19, 92 at 2^21 (4 MB of fp32 rows
+stay in cache between the three passes over them: convert, scale, mm); its decoder layer's linears 8.0 ms at 2^20,
+7.5 at 2^21, 8.9 at 2^19 (thread CPU time, best of 3, machine loaded ~8); 2^16 and below are 2-4x slower (a dozen
+torch ops per chunk, each with its fixed cost); a GPU wants few, large launches."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,8 +162,22 @@ def check_gguf_linear(x: torch.Tensor, qweight: torch.Tensor, ggml_type: int, bi
 
 
 def _f16_field(b: torch.Tensor, start: int) -> torch.Tensor:
-    """(nb, T) uint8 blocks -> (nb, 1) fp32: the fp16 field at byte ``start``."""
-    return b[:, start:start + 2].contiguous().view(torch.float16).float()
+    """(nb, T) uint8 blocks (T and ``start`` even) -> (nb, 1) fp32: the fp16 field at byte ``start``, read in one
+    strided op through an int16 view of the blocks (no contiguous copy of the two bytes first)."""
+    if b.storage_offset() % 2:  # an int16 view needs an even byte offset
+        b = b.clone()
+    return b.view(torch.int16)[:, start // 2:start // 2 + 1].view(torch.float16).float()
+
+
+def _signed_words(words: torch.Tensor, sign_bits: torch.Tensor, width: int) -> None:
+    """words int32 (4 codes q of ``width`` bits a word, one per byte, without their top bit) <- q - 2^(width - 1)
+    as int8 bytes, in place: ``sign_bits`` int32 holds q's top bit at bit 0 of each byte; q - 2^(width - 1) is the
+    code's low bits where that bit is set, else the low bits with every higher bit set (two's complement). A
+    byte is 0 or 1 times the fill, so no carry crosses bytes. Saves the float pass that subtracts the offset."""
+    fill = 0x100 - (1 << (width - 1))  # Q5_0: 0xF0
+    sign_bits ^= 0x01010101
+    sign_bits *= fill
+    words |= sign_bits
 
 
 def _nibbles_into(u: torch.Tensor, qs: torch.Tensor) -> None:
@@ -186,10 +201,14 @@ def _fast_q4_0(b, out, u):
 
 
 def _fast_q5_0(b, out, u):
-    _nibbles_into(u.view(-1, 2, 16), b[:, 6:])
+    nb = b.shape[0]
+    _nibbles_into(u.view(nb, 2, 16), b[:, 6:])
     qh = b[:, 2:6].contiguous().view(torch.int32)  # little-endian: bit j is element j's 5th bit
-    u |= (((qh >> _BIT_SHIFTS) & 1) << 4).to(torch.uint8)
-    out.copy_(u).sub_(16).mul_(_f16_field(b, 0))
+    # word w of u holds elements 4w .. 4w + 3 (one a byte): qh's bits 4w .. 4w + 3 spread to bit 0 of each byte
+    # (x * 0x00204081 = x | x << 7 | x << 14 | x << 21 for x < 16: bit i lands on bit 8 i, no carries)
+    hi = torch.bitwise_right_shift(qh, _NIBBLE_SHIFTS).bitwise_and_(0xF).mul_(0x00204081).bitwise_and_(0x01010101)
+    _signed_words(u.view(torch.int32).view(nb, 8), hi, 5)
+    out.copy_(u.view(torch.int8)).mul_(_f16_field(b, 0))
 
 
 def _fast_q4_k(b, out, u):
@@ -211,13 +230,16 @@ def _fast_q6_k(b, out, u):
     out.copy_(u).sub_(32).view(nb, 16, 16).mul_(dl.unsqueeze(-1))
 
 
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+_NIBBLE_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 _FAST_DECODERS = {T.Q8_0: _fast_q8_0, T.Q4_0: _fast_q4_0, T.Q5_0: _fast_q5_0, T.Q4_K: _fast_q4_k,
                   T.Q6_K: _fast_q6_k}
 """The twin's CPU dequantizers of the packaged models' hot types (Gemma 3 270M Q4_K_M: Q8_0, Q5_0, Q4_K, Q6_K;
 plus Q4_0): the formulas and float-op order of ``gguf_blocks`` (bit-exact: tests/kernels/gemm/test_gguf_linear.py),
-written into reused buffers with scalar shifts and in-place ops, 2-4x faster on CPU; other types use
-``gguf_blocks`` as is. Each takes blocks (nb, T) uint8, out fp32 (nb, B), scratch u uint8 (nb, B)."""
+written into reused buffers with scalar shifts and in-place ops on int32 words, 2-4x faster on CPU (Q5_0 builds
+its signed codes q - 16 in the bytes, ``_signed_words``: its fifth bits spread by one multiply on a quarter of the
+elements, no float subtraction; 1024 x 640: 1.7-6.6 -> 1.0 ms, 2048 x 640: 3.9-10 -> 1.9 ms, one thread, loaded
+2-core machine); other types use ``gguf_blocks`` as is. Each takes blocks (nb, T) uint8, out fp32 (nb, B), scratch
+u uint8 (nb, B)."""
 
 
 def dequantize_rows(qweight: torch.Tensor, ggml_type: int, out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
