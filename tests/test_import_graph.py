@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("switches", "devices", "cache", "structured_outputs", "outputs"),
     ("sampling_params", "tokenizer", "default_model"),
     ("kernels",),
-    ("config",),
+    ("config", "distributed"),
     ("quant",),
     ("layers",),
     ("models", "kv_cache"),
@@ -44,7 +44,8 @@ is:
 - errors; then the leaf modules (switches, devices, the file cache, the request and output types); then the
   modules that use them (sampling parameters, the tokenizer, the packaged default model);
 - kernels: the Triton kernels and their torch twins (they never import layers: the layers call them);
-- config: the frozen config dataclasses, normalized from HF config.json or GGUF metadata;
+- config: the frozen config dataclasses, normalized from HF config.json or GGUF metadata; beside it distributed
+  (the process group, its Communicator and this rank's place, read by the layers when they are built);
 - quant: the weight formats' method objects (the layers hold them, so quant never imports layers);
 - layers: attention, linear, MoE, norms, logits, the per-layer LoRA buffers;
 - models (built from layers) beside kv_cache (the paged pool the attention layers write);

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from sparrow.config import ModelConfig
-from sparrow.layers.embedding import VocabEmbedding
+from sparrow.layers.embedding import VocabEmbedding, make_vocab_param
 from sparrow.layers.forward_batch import ForwardBatch
-from sparrow.layers.logits import LogitsProcessor, UnquantizedLMHeadMethod
+from sparrow.layers.logits import LogitsProcessor, UnquantizedLMHeadMethod, gather_logits
 from sparrow.layers.mlp import GatedMLP
 from sparrow.layers.moe import FusedMoE, MoEBlock
 from sparrow.layers.router import Router
@@ -106,8 +106,7 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(config, self.layer_cls, dtype)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Module()
-            self.lm_head.weight = nn.Parameter(
-                torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
+            self.lm_head.weight = make_vocab_param(config.vocab_size, config.hidden_size, dtype)
         self.logits_processor = LogitsProcessor(config.final_logit_softcapping)
         self.lm_head_method = UnquantizedLMHeadMethod()
 
@@ -119,7 +118,8 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.logits_processor(self.lm_head_method.apply(self, hidden))
+        """hidden [S', H] -> fp32 logits [S', V] (vocab-parallel: this rank's [S', V'] gathered over the ranks)."""
+        return self.logits_processor(gather_logits(self.lm_head_method.apply(self, hidden), self.config.vocab_size))
 
     def quantize_lm_head(self, method) -> None:
         """Compute the logits with ``method`` (``layers.logits.QuantizedLMHeadMethod`` on a format's
