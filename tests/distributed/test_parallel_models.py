@@ -10,7 +10,8 @@ all_reduce and EP=2 all_to_all. Formats: FP8 and int4 on-load quantization on a 
 the formats' blocks (so a rank's quantized share is the share of the one-rank quantized weight: 1e-4 again); NVFP4
 on-load quantizes each share with its own global scale, so there a rank's weight must equal the NVFP4 round trip
 of its float share and the logits stay within quantization noise of the one-rank NVFP4 model; a GGUF file (packed
-Q4_K / Q6_K / Q8_0 / Q5_0 rows split by rows and by whole blocks of bytes). Errors: 3 heads on 2 ranks, and a GGUF
+Q4_K / Q6_K / Q8_0 / Q5_0 rows split by rows and by whole blocks of bytes); an FP8 block-scaled checkpoint and an
+int4 compressed-tensors one (asymmetric, group 32: packed words, groups and N-packed zero points cut). Errors: 3 heads on 2 ranks, and a GGUF
 K split inside a 256-element block, raise ModelLoadError naming them.
 
 Each ``run_ranks`` costs a few seconds of process start-up, so each test puts all its checks in one run.
@@ -109,7 +110,7 @@ def test_float_models_tp_and_ep_match_one_rank(tmp_path):
 
 # ---- weight formats --------------------------------------------------------------------------------------------------
 
-def _ranks_formats(rank, world, aligned, refs, nvfp4, gguf, gguf_ref, odd_heads, gguf_unaligned):
+def _ranks_formats(rank, world, aligned, refs, nvfp4, gguf, gguf_ref, odd_heads, gguf_unaligned, checkpoints):
     from sparrow.errors import ModelLoadError
     from sparrow.kernels.gemm.nvfp4 import dequantize_nvfp4_ref, quantize_nvfp4_ref
     from safetensors.torch import load_file
@@ -117,6 +118,8 @@ def _ranks_formats(rank, world, aligned, refs, nvfp4, gguf, gguf_ref, odd_heads,
     for quantization in ("fp8", "int4"):
         for mode in ("tp", "all_to_all"):
             _check(rank, f"{quantization} {mode}", _load(aligned, mode, quantization), refs[quantization])
+    for name, (path, ref) in checkpoints.items():  # block scales / packed words, groups, zero points cut
+        _check(rank, f"{name} checkpoint tp", _load(path, "tp"), ref)
     # NVFP4: each share quantized on its own (its own global scale)
     model = _load(aligned, "tp", "nvfp4")
     o_proj = model.model.layers[0].self_attn.o_proj
@@ -152,4 +155,13 @@ def test_weight_formats_tp_and_ep_match_one_rank(tmp_path):
     gguf_unaligned = tmp_path / "unaligned.gguf"
     write_gguf(build(FAMILIES, "qwen3_moe", tmp_path / "unaligned-hf", **{**GGUF, "num_attention_heads": 2}),
                "qwen3_moe", gguf_unaligned)
-    run_ranks(_ranks_formats, 2, aligned, refs, nvfp4, gguf, _reference(gguf), odd_heads, gguf_unaligned)
+    from tests.quant.test_fp8 import write_fp8_checkpoint
+    from tests.quant.test_int4 import write_ct_checkpoint
+
+    dense = tmp_path / "dense"
+    build(DENSE, "llama", dense, **{k: v for k, v in ALIGNED.items() if "expert" not in k})
+    fp8 = write_fp8_checkpoint(dense, tmp_path / "fp8")
+    ct = write_ct_checkpoint(build(FAMILIES, "qwen3_moe", tmp_path / "ct-hf", **ALIGNED), tmp_path / "ct", 32, False)
+    checkpoints = {"fp8": (fp8, _reference(fp8, greedy=False)), "int4": (ct, _reference(ct, greedy=False))}
+    run_ranks(_ranks_formats, 2, aligned, refs, nvfp4, gguf, _reference(gguf), odd_heads, gguf_unaligned,
+              checkpoints)
