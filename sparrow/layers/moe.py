@@ -86,18 +86,22 @@ class FusedMoE(nn.Module):
         the weighted reduce (down_proj). Over several ranks (``sparrow.layers.moe_parallel``) the outputs are
         combined here (``reduce=True`` only); ``reduce_results=False`` leaves the all-reduce of the tp / all_reduce
         ways to the caller (``MoEBlock`` sums a shared expert in first)."""
+        adapters = batch.adapter_ids if self.lora is not None and batch is not None else None
         mode = self.shards.mode
         if mode is not None:
             if not reduce:
                 raise ValueError("FusedMoE over several ranks combines its outputs itself: call it with reduce=True")
-            if mode == "all_to_all":
-                return self.shards.all_to_all(
-                    lambda xs, ids: self.quant_method.apply(self, xs, torch.ones(ids.shape, dtype=torch.float32,
-                                                                                 device=xs.device), ids),
-                    x, topk_weights, topk_ids)
+            if mode == "all_to_all":  # each pair's adapter travels with it
+                def compute(xs, ids, pair_adapters):
+                    ones = torch.ones(ids.shape, dtype=torch.float32, device=xs.device)
+                    lora = None if pair_adapters is None else self.lora.bind(pair_adapters, ids)
+                    return self.quant_method.apply(self, xs, ones, ids, lora=lora)
+
+                return self.shards.all_to_all(compute, x, topk_weights, topk_ids, adapters)
             if mode == "all_reduce":
                 topk_weights, topk_ids = self.shards.local_routing(topk_weights, topk_ids)
-            out = self.quant_method.apply(self, x, topk_weights, topk_ids)
+            lora = None if adapters is None else self.lora.bind(adapters, topk_ids)
+            out = self.quant_method.apply(self, x, topk_weights, topk_ids, lora=lora)
             return get_tp().all_reduce(out) if self.reduce_results else out
         if self.lora is not None and batch is not None and batch.adapter_ids is not None:
             lora = self.lora.bind(batch.adapter_ids, topk_ids)

@@ -106,9 +106,11 @@ class ExpertShards:
         mine = (local >= 0) & (local < self.num_experts)
         return torch.where(mine, topk_weights, 0.0), torch.where(mine, local, 0)
 
-    def all_to_all(self, compute, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """all_to_all dispatch (module doc): ``compute(x [P, H], ids [P, 1]) -> [P, H]`` runs this rank's experts on
-        the pairs it receives (each with weight 1). Returns the combined [R, H] in x's dtype, equal on every rank."""
+    def all_to_all(self, compute, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   adapter_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """all_to_all dispatch (module doc): ``compute(x [P, H], ids [P, 1], adapters [P] or None) -> [P, H]`` runs
+        this rank's experts on the pairs it receives (each with weight 1; ``adapter_ids`` [R]: each row's LoRA slot,
+        sent with its pairs). Returns the combined [R, H] in x's dtype, equal on every rank."""
         comm, world = get_tp(), self.world
         rows, k = topk_ids.shape
         chunk = -(-rows // world)
@@ -123,7 +125,9 @@ class ExpertShards:
         got_x = comm.all_to_all(x[pair_rows], send_counts, recv_counts)
         got_ids = comm.all_to_all((ids[order] - dest[order] * self.num_experts).reshape(-1, 1), send_counts,
                                   recv_counts)
-        y = compute(got_x, got_ids) if got_x.shape[0] else got_x.new_zeros(0, x.shape[1])
+        got_adapters = None if adapter_ids is None else \
+            comm.all_to_all(adapter_ids[pair_rows].reshape(-1, 1), send_counts, recv_counts).reshape(-1)
+        y = compute(got_x, got_ids, got_adapters) if got_x.shape[0] else got_x.new_zeros(0, x.shape[1])
         back = comm.all_to_all(y, recv_counts, send_counts)  # [pairs of this rank's rows, H], in ``order``
         pairs = torch.empty_like(back)
         pairs[order] = back

@@ -11,8 +11,9 @@ BLOCK = 16
 
 
 @torch.inference_mode()
-def prefill_logits(model, prompts: list[list[int]]) -> torch.Tensor:
-    """fp32 logits [sum(len(p)), V] of every row of ``prompts`` run as one prefill step (sequences in order)."""
+def prefill_logits(model, prompts: list[list[int]], adapter_slot: int | None = None) -> torch.Tensor:
+    """fp32 logits [sum(len(p)), V] of every row of ``prompts`` run as one prefill step (sequences in order);
+    ``adapter_slot``: every row runs the LoRA adapter in that slot."""
     dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
     blocks = [-(-len(p) // BLOCK) for p in prompts]
     KVCache(model, sum(blocks), BLOCK, dtype, "cpu")
@@ -32,7 +33,8 @@ def prefill_logits(model, prompts: list[list[int]]) -> torch.Tensor:
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
         seq_lens=torch.tensor([len(p) for p in prompts], dtype=torch.int32),
         block_tables=torch.tensor(tables, dtype=torch.int32), max_query_len=max(map(len, prompts)),
-        max_seq_len=max(map(len, prompts)), sample_rows=torch.arange(rows))
+        max_seq_len=max(map(len, prompts)), sample_rows=torch.arange(rows),
+        adapter_ids=None if adapter_slot is None else torch.full((rows,), adapter_slot, dtype=torch.int32))
     return model.compute_logits(model(batch))
 
 

@@ -165,3 +165,43 @@ def test_weight_formats_tp_and_ep_match_one_rank(tmp_path):
     checkpoints = {"fp8": (fp8, _reference(fp8, greedy=False)), "int4": (ct, _reference(ct, greedy=False))}
     run_ranks(_ranks_formats, 2, aligned, refs, nvfp4, gguf, _reference(gguf), odd_heads, gguf_unaligned,
               checkpoints)
+
+
+# ---- LoRA shards --------------------------------------------------------------------------------------------------
+
+def _with_adapter(model, folder):
+    from sparrow.lora.manager import LoRAManager
+    from sparrow.lora.request import LoRARequest
+
+    manager = LoRAManager(model, 1, 8, torch.float32, torch.device("cpu"))
+    request = LoRARequest("a", 1, str(folder))
+    manager.load(request)
+    slots, errors = manager.assign({1: request})
+    assert not errors, errors
+    return prefill_logits(model, prompts(), slots[1])
+
+
+def _ranks_lora(rank, world, cases):
+    for family, path, adapter, modes, want in cases:
+        for mode in modes:
+            diff = float((_with_adapter(_load(path, mode), adapter) - want).abs().max())
+            assert diff <= ATOL, f"rank {rank} {family} {mode} + LoRA: logits differ from one rank's by {diff}"
+
+
+def test_lora_shards_match_one_rank(tmp_path):
+    """Dense adapters (q/k/v/o, gate/up/down: column B rows, row A columns) and fused expert adapters (PEFT
+    target_parameters: width cut under TP, experts under EP, pairs' adapters sent with them under all_to_all)."""
+    from tests.lora._adapters import DENSE_TARGETS, EXPERT_PARAMS, ROUTER_PARAMS, make_adapter
+
+    cases = []
+    for family, table, modes, params in (("llama", DENSE, ("tp",), None),
+                                         ("qwen3_moe", FAMILIES, MODES, EXPERT_PARAMS + ROUTER_PARAMS)):
+        path = tmp_path / family
+        build(table, family, path)
+        adapter = make_adapter(family, path, tmp_path / f"{family}-lora", 1, scale=1.0, r=4, lora_alpha=8,
+                               target_modules=DENSE_TARGETS, target_parameters=params)
+        base = prefill_logits(_load(path, None), prompts())
+        want = _with_adapter(_load(path, None), adapter)
+        assert float((want - base).abs().max()) > 1e-2  # the adapter changes the logits
+        cases.append((family, path, adapter, modes, want))
+    run_ranks(_ranks_lora, 2, cases)
