@@ -68,7 +68,8 @@ class SelfAttention(nn.Module):
 
     x [R, H] -> [R, H]. HF names: qkv_proj packs q_proj | k_proj | v_proj; q_norm, k_norm, o_proj.
     Tensor parallel: qkv_proj is column-parallel over heads (``local_heads``), o_proj row-parallel (one all-reduce);
-    the Attention (and so the KV cache sized from it) holds this rank's heads.
+    the Attention (and so the KV cache sized from it) holds this rank's heads; whole-projection q/k norms sum their
+    squares over the ranks (``ShardedRMSNorm``).
     Config flags read here: ``qk_norm`` / ``qk_norm_per_head`` (MiniMax-M2 norms the whole [Hq*D] / [Hkv*D]
     projection), ``attention_k_eq_v`` (Gemma 4 full layers: no v_proj, V = the raw K projection), Gemma 4's
     scale-free v_norm, per-layer head dim / KV heads / window / rope / rotary dim from ``config.layers``.
@@ -80,7 +81,7 @@ class SelfAttention(nn.Module):
     def __init__(self, config, layer_idx: int, dtype: torch.dtype):
         super().__init__()
         from sparrow.layers.linear import Linear
-        from sparrow.layers.norm import RMSNorm
+        from sparrow.layers.norm import RMSNorm, ShardedRMSNorm
         from sparrow.layers.rotary import RotaryEmbedding
 
         spec = config.layers[layer_idx]
@@ -97,10 +98,14 @@ class SelfAttention(nn.Module):
                              dtype=dtype, parallel="row")
         kind = config.norm_kind
         self.per_head_norm = config.qk_norm_per_head
-        if config.qk_norm and not self.per_head_norm and tp_size() > 1:
-            raise ModelLoadError(f"layer {layer_idx}: q/k norms over the whole projection (MiniMax-M2) are not "
-                                 "supported with tensor_parallel_size > 1 yet")
-        if config.qk_norm:
+        if config.qk_norm and not self.per_head_norm and tp_size() > 1:  # over the ranks' shares of the projection
+            if kind != "llama":
+                raise ModelLoadError(f"layer {layer_idx}: whole-projection q/k norms of kind {kind!r} are not "
+                                     "supported with tensor_parallel_size > 1")
+            eps = config.rms_norm_eps
+            self.q_norm = ShardedRMSNorm(full_hq * d, q_range[0], hq * d, eps, dtype)
+            self.k_norm = ShardedRMSNorm(full_hkv * d, kv_range[0], hkv * d, eps, dtype)
+        elif config.qk_norm:
             qn, kn = (d, d) if self.per_head_norm else (hq * d, hkv * d)
             self.q_norm = RMSNorm(qn, config.rms_norm_eps, kind=kind, dtype=dtype)
             self.k_norm = RMSNorm(kn, config.rms_norm_eps, kind=kind, dtype=dtype)

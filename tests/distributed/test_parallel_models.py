@@ -6,7 +6,8 @@ prefill step (``tests.distributed._forward``). Checked: the logits of every row 
 1e-4 on both ranks, and greedy ids equal up to the first step whose one-rank top-2 gap is < 1e-4; the KV cache is
 sized from the rank's heads. Models: tiny Llama (TP), Qwen3-MoE (no shared expert), Qwen2-MoE (sigmoid-gated
 shared expert), Gemma 4 (dense MLP beside the MoE, replicated KV head on full layers), each under TP=2, EP=2
-all_reduce and EP=2 all_to_all. Formats: FP8 and int4 on-load quantization on a Qwen3-MoE whose splits fall on
+all_reduce and EP=2 all_to_all; MiniMax-M2 (whole-projection q/k norms over the ranks' shares) under TP and
+all_to_all. Formats: FP8 and int4 on-load quantization on a Qwen3-MoE whose splits fall on
 the formats' blocks (so a rank's quantized share is the share of the one-rank quantized weight: 1e-4 again); NVFP4
 on-load quantizes each share with its own global scale, so there a rank's weight must equal the NVFP4 round trip
 of its float share and the logits stay within quantization noise of the one-rank NVFP4 model; a GGUF file (packed
@@ -101,7 +102,8 @@ def _ranks_float(rank, world, cases):
 def test_float_models_tp_and_ep_match_one_rank(tmp_path):
     cases = []
     for family, table, modes in (("llama", DENSE, ("tp",)), ("qwen3_moe", FAMILIES, MODES),
-                                 ("qwen2_moe", FAMILIES, MODES), ("gemma4", FAMILIES, MODES)):
+                                 ("qwen2_moe", FAMILIES, MODES), ("gemma4", FAMILIES, MODES),
+                                 ("minimax_m2", FAMILIES, ("tp", "all_to_all"))):
         path = tmp_path / family
         build(table, family, path)
         cases.append((family, path, modes, _reference(path)))
