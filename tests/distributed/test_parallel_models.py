@@ -11,8 +11,9 @@ all_to_all. Formats: FP8 and int4 on-load quantization on a Qwen3-MoE whose spli
 the formats' blocks (so a rank's quantized share is the share of the one-rank quantized weight: 1e-4 again); NVFP4
 on-load quantizes each share with its own global scale, so there a rank's weight must equal the NVFP4 round trip
 of its float share and the logits stay within quantization noise of the one-rank NVFP4 model; a GGUF file (packed
-Q4_K / Q6_K / Q8_0 / Q5_0 rows split by rows and by whole blocks of bytes); an FP8 block-scaled checkpoint and an
-int4 compressed-tensors one (asymmetric, group 32: packed words, groups and N-packed zero points cut). Errors: 3 heads on 2 ranks, and a GGUF
+Q4_K / Q6_K / Q8_0 / Q5_0 rows split by rows and by whole blocks of bytes); an FP8 block-scaled checkpoint, an
+int4 compressed-tensors one (asymmetric, group 32: packed words, groups and N-packed zero points cut) and NVFP4
+checkpoints of both layouts (codes and 16-groups cut, the tensor's global scale on every rank). Errors: 3 heads on 2 ranks, and a GGUF
 K split inside a 256-element block, raise ModelLoadError naming them.
 
 Each ``run_ranks`` costs a few seconds of process start-up, so each test puts all its checks in one run.
@@ -159,12 +160,16 @@ def test_weight_formats_tp_and_ep_match_one_rank(tmp_path):
                "qwen3_moe", gguf_unaligned)
     from tests.quant.test_fp8 import write_fp8_checkpoint
     from tests.quant.test_int4 import write_ct_checkpoint
+    from tests.quant.test_nvfp4 import write_nvfp4
 
     dense = tmp_path / "dense"
     build(DENSE, "llama", dense, **{k: v for k, v in ALIGNED.items() if "expert" not in k})
     fp8 = write_fp8_checkpoint(dense, tmp_path / "fp8")
     ct = write_ct_checkpoint(build(FAMILIES, "qwen3_moe", tmp_path / "ct-hf", **ALIGNED), tmp_path / "ct", 32, False)
     checkpoints = {"fp8": (fp8, _reference(fp8, greedy=False)), "int4": (ct, _reference(ct, greedy=False))}
+    for layout in ("modelopt", "compressed-tensors"):  # a whole tensor's global scale: shares as the whole's
+        nv, _ = write_nvfp4(dense, tmp_path / f"nvfp4-{layout}", layout)
+        checkpoints[f"nvfp4 {layout}"] = (nv, _reference(nv, greedy=False))
     run_ranks(_ranks_formats, 2, aligned, refs, nvfp4, gguf, _reference(gguf), odd_heads, gguf_unaligned,
               checkpoints)
 
