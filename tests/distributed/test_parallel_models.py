@@ -3,14 +3,15 @@
 Each rank builds and loads the model as a plain process does (``sparrow.loader.model_loader.load_model`` after
 ``init_distributed`` / ``set_expert_parallel``) and runs the prompts of ``tests.models._hf_tiny.prompts`` as one
 prefill step (``tests.distributed._forward``). Checked: the logits of every row equal the one-rank model's within
-1e-4 on both ranks, and greedy ids equal up to the first step whose one-rank top-2 gap is < 1e-4; the KV cache is
+1e-4 on both ranks, and (float models, one way each) greedy ids equal up to the first step whose one-rank top-2 gap is < 1e-4; the KV cache is
 sized from the rank's heads. Models: tiny Llama (TP), Qwen3-MoE (no shared expert), Qwen2-MoE (sigmoid-gated
 shared expert), Gemma 4 (dense MLP beside the MoE, replicated KV head on full layers), each under TP=2, EP=2
 all_reduce and EP=2 all_to_all; MiniMax-M2 (whole-projection q/k norms over the ranks' shares) under TP and
 all_to_all. Formats: FP8 and int4 on-load quantization on a Qwen3-MoE whose splits fall on
 the formats' blocks (so a rank's quantized share is the share of the one-rank quantized weight: 1e-4 again); NVFP4
 on-load quantizes each share with its own global scale, so there a rank's weight must equal the NVFP4 round trip
-of its float share and the logits stay within quantization noise of the one-rank NVFP4 model; a GGUF file (packed
+of its float share and its logits be as close to the float model's as the one-rank NVFP4 model's are (NMSE within
+1.5x); a GGUF file (packed
 Q4_K / Q6_K / Q8_0 / Q5_0 rows split by rows and by whole blocks of bytes); an FP8 block-scaled checkpoint, an
 int4 compressed-tensors one (asymmetric, group 32: packed words, groups and N-packed zero points cut) and NVFP4
 checkpoints of both layouts (codes and 16-groups cut, the tensor's global scale on every rank). Errors: 3 heads on 2 ranks, and a GGUF
@@ -28,11 +29,11 @@ from tests.distributed._ranks import run_ranks
 from tests.models._hf_tiny import DENSE, FAMILIES, TIE_GAP, build, prompts
 
 ATOL = 1e-4
-STEPS = 4
+STEPS = 3
 MODES = ("tp", "all_reduce", "all_to_all")
 # splits on 128-element blocks: FP8 (128 x 128) and int4 (groups of 128) quantize a share as the whole
 ALIGNED = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, num_attention_heads=2,
-               num_key_value_heads=2, head_dim=128, num_experts=4, vocab_size=256)
+               num_key_value_heads=2, head_dim=128, num_experts=4, vocab_size=256, num_hidden_layers=2)
 GGUF = dict(vocab_size=320, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
             head_dim=128, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
             mlp_only_layers=[], use_sliding_window=False, sliding_window=None)
@@ -75,11 +76,11 @@ def _reference(path, quantization=None, greedy=True):
                 kv=kv_bytes_per_token(model, torch.float32))
 
 
-def _check(rank, name, model, ref, atol=ATOL) -> None:
+def _check(rank, name, model, ref, atol=ATOL, greedy=True) -> None:
     got = prefill_logits(model, prompts())
     diff = float((got - ref["logits"]).abs().max())
     assert diff <= atol, f"rank {rank} {name}: logits differ from one rank's by {diff}"
-    if ref["greedy"] is not None:
+    if greedy and ref["greedy"] is not None:
         ids, _ = _greedy(model, prompts()[0])
         _same_greedy(ids, ref["greedy"][0], ref["greedy"][1], f"rank {rank} {name}")
 
@@ -92,7 +93,7 @@ def _ranks_float(rank, world, cases):
     for family, path, modes, ref in cases:
         for mode in modes:
             model = _load(path, mode)
-            _check(rank, f"{family} {mode}", model, ref)
+            _check(rank, f"{family} {mode}", model, ref, greedy=mode == modes[-1])
             if family == "llama":  # 2 KV heads: one a rank
                 assert kv_bytes_per_token(model, torch.float32) * world == ref["kv"]
             if family == "gemma4":  # full layers' single KV head is replicated
@@ -118,9 +119,8 @@ def _ranks_formats(rank, world, aligned, refs, nvfp4, gguf, gguf_ref, odd_heads,
     from sparrow.kernels.gemm.nvfp4 import dequantize_nvfp4_ref, quantize_nvfp4_ref
     from safetensors.torch import load_file
 
-    for quantization in ("fp8", "int4"):
-        for mode in ("tp", "all_to_all"):
-            _check(rank, f"{quantization} {mode}", _load(aligned, mode, quantization), refs[quantization])
+    for quantization, mode in (("fp8", "tp"), ("int4", "all_to_all")):
+        _check(rank, f"{quantization} {mode}", _load(aligned, mode, quantization), refs[quantization])
     for name, (path, ref) in checkpoints.items():  # block scales / packed words, groups, zero points cut
         _check(rank, f"{name} checkpoint tp", _load(path, "tp"), ref)
     # NVFP4: each share quantized on its own (its own global scale)
@@ -131,8 +131,9 @@ def _ranks_formats(rank, world, aligned, refs, nvfp4, gguf, gguf_ref, odd_heads,
     codes, scale, g = quantize_nvfp4_ref(full[:, rank * k:(rank + 1) * k], "modelopt")
     assert torch.equal(o_proj.quant_method.dequantized_weight(o_proj), dequantize_nvfp4_ref(codes, scale, g))
     got = prefill_logits(model, prompts())
-    err = float(((got - nvfp4["logits"]) ** 2).mean() / (nvfp4["logits"] ** 2).mean())
-    assert err < 0.5 * nvfp4["noise"], (err, nvfp4["noise"])
+    exact = nvfp4["float"]
+    err = float(((got - exact) ** 2).mean() / (exact ** 2).mean())
+    assert err < 1.5 * nvfp4["noise"], (err, nvfp4["noise"])  # as close to the float model as one rank's NVFP4
     # GGUF: packed rows split by rows (column) and by whole blocks of bytes (row)
     for mode in ("tp", "all_reduce"):
         _check(rank, f"gguf {mode}", _load(gguf, mode), gguf_ref, atol=1e-3)
@@ -147,16 +148,18 @@ def test_weight_formats_tp_and_ep_match_one_rank(tmp_path):
 
     aligned = tmp_path / "aligned"
     build(FAMILIES, "qwen3_moe", aligned, **ALIGNED)
-    refs = {q: _reference(aligned, q) for q in ("fp8", "int4")}
+    refs = {q: _reference(aligned, q, greedy=False) for q in ("fp8", "int4")}
     nvfp4 = _reference(aligned, "nvfp4", greedy=False)
     exact = _reference(aligned, greedy=False)["logits"]
     nvfp4["noise"] = float(((nvfp4["logits"] - exact) ** 2).mean() / (exact ** 2).mean())  # one rank's NVFP4 error
+    nvfp4["float"] = exact
     gguf = tmp_path / "m.gguf"
     write_gguf(build(FAMILIES, "qwen3_moe", tmp_path / "gguf-hf", **GGUF), "qwen3_moe", gguf)
     odd_heads = tmp_path / "odd"
     build(DENSE, "llama", odd_heads, num_attention_heads=3, num_key_value_heads=3, hidden_size=48)
     gguf_unaligned = tmp_path / "unaligned.gguf"
-    write_gguf(build(FAMILIES, "qwen3_moe", tmp_path / "unaligned-hf", **{**GGUF, "num_attention_heads": 2}),
+    write_gguf(build(FAMILIES, "qwen3_moe", tmp_path / "unaligned-hf", **{**GGUF, "num_attention_heads": 2,
+                                                                           "num_hidden_layers": 1}),
                "qwen3_moe", gguf_unaligned)
     from tests.quant.test_fp8 import write_fp8_checkpoint
     from tests.quant.test_int4 import write_ct_checkpoint
@@ -170,7 +173,8 @@ def test_weight_formats_tp_and_ep_match_one_rank(tmp_path):
     for layout in ("modelopt", "compressed-tensors"):  # a whole tensor's global scale: shares as the whole's
         nv, _ = write_nvfp4(dense, tmp_path / f"nvfp4-{layout}", layout)
         checkpoints[f"nvfp4 {layout}"] = (nv, _reference(nv, greedy=False))
-    run_ranks(_ranks_formats, 2, aligned, refs, nvfp4, gguf, _reference(gguf), odd_heads, gguf_unaligned,
+    run_ranks(_ranks_formats, 2, aligned, refs, nvfp4, gguf, _reference(gguf, greedy=False), odd_heads,
+              gguf_unaligned,
               checkpoints)
 
 
