@@ -4,8 +4,8 @@
 #   int4 w4fma w4e2e gemma4 llama fp8 eager ab verify spec serve lora
 # (no stage: tests gemma4 llama eager). Each stage has its own time limit (T_<STAGE> seconds). GPU_TESTS picks
 # the test files of the `tests` stage (default: tests without tests/server, whose `openai` import the device image
-# lacks) and TEST_ARGS adds pytest options (e.g. "-k 'bf16 and mixtral'"; "-n 8":
-# pytest-xdist, the whole suite in about 210 s instead of more than 470);
+# lacks) and TEST_ARGS sets pytest options (default "-n 8": pytest-xdist workers sharing the GPU, the suite in
+# about 210 s; pyproject's -n auto would start one per core; e.g. "-n 8 -k 'bf16 and mixtral'");
 # PACKAGED_ARGS likewise for the packaged-model stage. Both stages stop pytest at their limit with SIGINT, so its
 # summary of failures still prints, and write each failure's traceback as it happens to $OUT/gpu_test_failures.txt
 # (tests/conftest.py, SPARROW_TEST_FAILURES). Stage options: PREFILL_ARGS (extra `sparrow bench` flags of
@@ -81,9 +81,9 @@ for stage in ${@:-tests gemma4 llama eager}; do
   echo "=== $stage $(date +%T)"
   case $stage in
     tests) SPARROW_TEST_FAILURES="$OUT/gpu_test_failures.txt" eval timeout -s INT -k 30 "${T_TESTS:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short -rf \
-             "${TEST_ARGS:-}" ${GPU_TESTS:-tests --ignore=tests/server} 2>&1 | tee "$OUT/gpu_tests.log" | tail -60 ;;
+             "${TEST_ARGS:--n 8}" ${GPU_TESTS:-tests --ignore=tests/server} 2>&1 | tee "$OUT/gpu_tests.log" | tail -60 ;;
     packaged) SPARROW_TEST_FAILURES="$OUT/gpu_test_failures.txt" eval timeout -s INT -k 30 "${T_PACKAGED:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short -rf \
-             "${PACKAGED_ARGS:-}" tests/models/test_packaged_models_gpu.py 2>&1 | tee "$OUT/packaged_tests.log" | tail -30 ;;
+             "${PACKAGED_ARGS:--n 0}" tests/models/test_packaged_models_gpu.py 2>&1 | tee "$OUT/packaged_tests.log" | tail -30 ;;
     profile) for shape in ${PROFILE_SHAPES:-gemma4-26b-a4b llama3-8b}; do
                bench "profile_${shape%%-*}_b${PROFILE_BATCH:-1}${PROFILE_TAG:-}" "${T_PROFILE:-120}" --model-shape "$shape" \
                  --batch-sizes "${PROFILE_BATCH:-1}" --profile-batch "${PROFILE_BATCH:-1}" \

@@ -59,7 +59,9 @@ def json_object(text: str) -> dict:
     return value
 
 
-def add_model_args(p: argparse.ArgumentParser, kv_cache: bool = True) -> None:
+def add_model_args(p: argparse.ArgumentParser, kv_cache: bool = True, gguf_recipes: bool = False) -> None:
+    """The model, device and quantization flags (``kv_cache``: the KV-cache ones too; ``gguf_recipes``:
+    --quantization also takes the random-block GGUF recipes of a --model-shape, ``sparrow.random_gguf``)."""
     from sparrow.config import DEFAULT_MAX_MODEL_LEN_CAP, CacheConfig, EngineConfig  # the defaults are the config's
 
     p.add_argument("--model", default=None,
@@ -105,9 +107,17 @@ def add_model_args(p: argparse.ArgumentParser, kv_cache: bool = True) -> None:
     from sparrow.quant.registry import checkpoint_quantization
 
     names, methods = supported_quantization(), checkpoint_quantization()
-    p.add_argument("--quantization", default=None, choices=names + methods, type=str.lower,
-                   help="; ".join([*(get_quantization(n).help or n for n in names), f"{', '.join(methods)}: the "
-                                   "checkpoint's own format, named as its quantization_config does (optional)"]))
+    helps = [*(get_quantization(n).help or n for n in names), f"{', '.join(methods)}: the checkpoint's own format, "
+             "named as its quantization_config does"]
+    recipes = ()
+    if gguf_recipes:
+        from sparrow.random_gguf import RECIPES
+
+        recipes = tuple(RECIPES)
+        helps.append(f"{', '.join(recipes)}: with --model-shape, random GGUF blocks in llama.cpp's "
+                     f"{' / '.join(ftype for ftype, _ in RECIPES.values())} type mix")
+    p.add_argument("--quantization", default=None, choices=names + methods + recipes, type=str.lower,
+                   help="; ".join(helps) + " (optional)")
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="with quantized linears (e.g. --quantization fp8 or an FP8 checkpoint): the LM head in the "
                         "format too (FP8: half its bytes; rounds the logits)")
@@ -250,7 +260,7 @@ def _add_bench_parser(sub, verbose, func) -> None:
 
     b = sub.add_parser("bench", parents=[verbose],
                        help="prefill / decode tok/s of sparrow and of HF transformers on the same weights")
-    add_model_args(b, kv_cache=False)
+    add_model_args(b, kv_cache=False, gguf_recipes=True)
     b.add_argument("--batch-sizes", default=None, help="comma-separated batch sizes (default 1,8,64 on GPU, 1,8 on CPU)")
     b.add_argument("--prompt-len", "--prompt-lens", dest="prompt_len", default=None,
                    help="comma-separated prompt lengths in tokens (default 128,2048 on GPU, 128 on CPU)")

@@ -164,7 +164,7 @@ def hf_skeleton(cfg: dict, dtype: torch.dtype) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def random_weights(cfg: dict, dtype: torch.dtype, device: str, seed: int = 0, std: float = 0.02):
+def random_weights(cfg: dict, dtype: torch.dtype, device: str, seed: int = 0, std: float = 0.02, blocks=None):
     """Yield (name, tensor) for every parameter and persistent buffer of the shape's transformers model (its
     ``state_dict`` names, a tied LM head once, as ``save_pretrained`` writes it), each made on ``device`` only when
     its module comes up, so a consumer that copies and drops them (``loader.weights.load_weights``, on-load
@@ -172,7 +172,9 @@ def random_weights(cfg: dict, dtype: torch.dtype, device: str, seed: int = 0, st
     Values: every matrix / expert stack ~ N(0, std) from one ``torch.Generator(device)`` seeded with ``seed``, in
     ``model.parameters()`` order; every module holding a vector parameter (norms, biases, router scales) then gets
     transformers' own ``_init_weights`` (norm weights 1, or 0 for Gemma's 1 + w), which keeps bf16 activations
-    finite. Same arguments, same tensors. Raises RuntimeError if a tensor is left non-finite."""
+    finite. ``blocks(name, shape, gen)``: the (name, tensor) pairs to yield instead of matrix / expert stack
+    ``name``'s floats, which are then never made, or None to keep them (random GGUF blocks: ``random_gguf_weights``).
+    Same arguments, same tensors. Raises RuntimeError if a tensor is left non-finite."""
     model = hf_skeleton(cfg, dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
     hf_init = getattr(model, "_init_weights", None)
@@ -187,7 +189,11 @@ def random_weights(cfg: dict, dtype: torch.dtype, device: str, seed: int = 0, st
         if not own:
             continue
         seen.update(id(p) for _, p in own)
+        swapped = {}
         for n, p in own:  # materialize this module's parameters alone
+            swapped[n] = blocks(prefix + n, tuple(p.shape), gen) if blocks is not None and p.dim() >= 2 else None
+            if swapped[n] is not None:
+                continue  # left on meta: hf_init below touches no memory for it
             mod._parameters[n] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
                                                     requires_grad=False)
             if p.dim() >= 2:
@@ -195,6 +201,9 @@ def random_weights(cfg: dict, dtype: torch.dtype, device: str, seed: int = 0, st
         if hf_init is not None and any(p.dim() < 2 for _, p in own):
             hf_init(mod)
         for n, meta in own:
+            if swapped[n] is not None:
+                yield from swapped.pop(n)
+                continue
             t = mod._parameters[n].data
             if t.dim() < 2 and not torch.isfinite(t).all():
                 t.zero_() if n.endswith("bias") else t.fill_(1.0)
@@ -215,35 +224,73 @@ def build_random_hf_model(cfg: dict, dtype: torch.dtype, device: str, seed: int 
     return model.eval()
 
 
-def random_llm(name: str, *, device: str = "auto", dtype: str = "auto", quantization: str | None = None,
-               quantize_lm_head: bool = False, seed: int = 0, **engine_args):
-    """A tokenizer-less ``LLM`` of the named shape with random weights (``random_weights`` with ``seed``, streamed
-    into sparrow's model one module at a time and quantized at load when ``quantization`` names a format, so
-    the float model never exists whole): prompts are token ids, outputs carry token ids and no text. The same
-    arguments give the same weights, those of ``build_random_hf_model``. ``engine_args``: LLM's engine arguments (max_model_len default: the shape's
-    positions, capped as LLM caps them). Raises InvalidRequestError for an unknown name, device, dtype or
-    format, UnsupportedArchitectureError when sparrow lacks the shape's architecture."""
-    import gc
-
+def random_gguf_weights(cfg: dict, quantization: str, dtype: torch.dtype, device: str, seed: int = 0):
+    """``random_weights`` of the shape dict ``cfg`` with each weight that llama.cpp's recipe ``quantization``
+    ("gguf-q4_k_m", "gguf-q8_0") quantizes made as random GGUF blocks of its type instead (``random_gguf``): uint8
+    [rows, K // B * T] carrying ``ggml_type``, stacked experts as per-expert slices (``experts.N.gate_proj.weight``),
+    as ``GGUFCheckpoint.tensors(packed=True)`` yields a file; norms and routers float. Streamed one module at a
+    time; same arguments, same blocks. Raises InvalidRequestError for a ``quantization`` that is no recipe."""
+    from sparrow import random_gguf
     from sparrow.config import ModelConfig
-    from sparrow.devices import TORCH_DTYPES, peak_memory, reset_peak_memory, resolve_device, resolve_dtype
-    from sparrow.llm import LLM
-    from sparrow.loader.model_loader import build_model, finish_loading
+
+    mcfg = ModelConfig.from_hf(full_config_dict(cfg))
+    shapes = [(n, tuple(p.shape)) for n, p in hf_skeleton(cfg, dtype).named_parameters()]
+    plan = random_gguf.plan_types(quantization, shapes, mcfg.num_hidden_layers, mcfg.num_experts or 0,
+                                  mcfg.tie_word_embeddings)
+    return random_weights(cfg, dtype, device, seed=seed, blocks=random_gguf.block_maker(plan, device))
+
+
+def random_model(cfg: dict, dtype: torch.dtype, device: str, quantization: str | None = None,
+                 quantize_lm_head: bool = False, seed: int = 0) -> torch.nn.Module:
+    """sparrow's model of the shape dict ``cfg`` on ``device`` in ``dtype`` (eval mode), loaded from a stream made one
+    module at a time (the float model never exists whole): ``random_weights`` for ``seed``, quantized at load by
+    ``quantization`` (None: float), or for a GGUF recipe ``random_gguf_weights`` in the GGUF format, blocks whose
+    parameter takes float (embedding, LM head) dequantized as the loader does a file's. Raises InvalidRequestError
+    for an unknown ``quantization`` or a ``quantize_lm_head`` its format lacks, UnsupportedArchitectureError when
+    sparrow lacks the architecture."""
+    from sparrow import random_gguf
+    from sparrow.config import ModelConfig
+    from sparrow.loader.model_loader import _packed_or_float, build_model, check_quantize_lm_head, finish_loading
     from sparrow.loader.weights import load_weights
     from sparrow.models.registry import get_model_class
-    from sparrow.quant import check_quantization, config_for_quantization
+
+    quant_config = random_gguf.shape_quant_config(quantization)
+    check_quantize_lm_head(quantize_lm_head, quant_config)
+    mcfg = ModelConfig.from_hf(full_config_dict(cfg))
+    model = build_model(get_model_class(mcfg.architecture), mcfg, dtype, device, quant_config)
+    if random_gguf.is_recipe(quantization):
+        params = dict(model.named_parameters())
+        tensors = ((n, _packed_or_float(model, params, n, t))
+                   for n, t in random_gguf_weights(cfg, quantization, dtype, device, seed=seed))
+    else:
+        tensors = random_weights(cfg, dtype, device, seed=seed)
+    load_weights(model, tensors)
+    finish_loading(model, quant_config, quantize_lm_head)
+    return model
+
+
+def random_llm(name: str, *, device: str = "auto", dtype: str = "auto", quantization: str | None = None,
+               quantize_lm_head: bool = False, seed: int = 0, **engine_args):
+    """A tokenizer-less ``LLM`` of the named shape with random weights (``random_model``: ``random_weights`` with
+    ``seed`` streamed into sparrow's model one module at a time and quantized at load when ``quantization`` names
+    a format, or random GGUF blocks of llama.cpp's type mix for "gguf-q4_k_m" / "gguf-q8_0", so the float model
+    never exists whole): prompts are token ids, outputs carry token ids and no text. The same arguments give the
+    same weights (unquantized: those of ``build_random_hf_model``). ``engine_args``: LLM's engine arguments
+    (max_model_len default: the shape's positions, capped as LLM caps them). Raises InvalidRequestError for an
+    unknown name, device, dtype or format, UnsupportedArchitectureError when sparrow lacks the shape's
+    architecture."""
+    import gc
+
+    from sparrow.devices import TORCH_DTYPES, peak_memory, reset_peak_memory, resolve_device, resolve_dtype
+    from sparrow.llm import LLM
+    from sparrow.random_gguf import shape_quant_config
 
     cfg = shape_config(name)
-    check_quantization(quantization)
+    shape_quant_config(quantization)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    mcfg = ModelConfig.from_hf(full_config_dict(cfg))
-    cls = get_model_class(mcfg.architecture)
-    quant_config = config_for_quantization(quantization)
     reset_peak_memory(device)
-    model = build_model(cls, mcfg, TORCH_DTYPES[dtype], device, quant_config)
-    load_weights(model, random_weights(cfg, TORCH_DTYPES[dtype], device, seed=seed))
-    finish_loading(model, quant_config, quantize_lm_head)
+    model = random_model(cfg, TORCH_DTYPES[dtype], device, quantization, quantize_lm_head, seed)
     peak = peak_memory(device)
     gc.collect()
     if device.startswith("cuda"):

@@ -11,8 +11,10 @@ import pytest  # noqa: E402
 
 from sparrow.devices import set_cpu_threads  # noqa: E402
 
-# the suite keeps torch's own thread count (the machine's cores); LLM()'s default is tested in test_first_run
-set_cpu_threads(torch.get_num_threads())
+# the suite keeps torch's own thread count (the machine's cores), shared out among pytest-xdist's workers (the
+# default run: pyproject's addopts); LLM()'s default is tested in test_first_run
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+set_cpu_threads(max(1, torch.get_num_threads() // _WORKERS))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -24,7 +24,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("switches", "devices", "cache", "structured_outputs", "outputs"),
     ("sampling_params", "tokenizer", "default_model"),
     ("kernels",),
-    ("config", "distributed"),
+    ("distributed",),
+    ("config",),
     ("quant",),
     ("layers",),
     ("models", "kv_cache"),
@@ -32,7 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine",),
     ("spec_decode",),
     ("llm", "__init__"),
-    ("model_shapes", "bench", "cli_support", "server"),
+    ("model_shapes", "random_gguf", "bench", "cli_support", "server"),
     ("cli_args", "cli", "__main__"),
 )
 """sparrow's package layers, lowest first; a unit may import units of its own layer or below, never above, and
@@ -44,8 +45,9 @@ is:
 - errors; then the leaf modules (switches, devices, the file cache, the request and output types); then the
   modules that use them (sampling parameters, the tokenizer, the packaged default model);
 - kernels: the Triton kernels and their torch twins (they never import layers: the layers call them);
-- config: the frozen config dataclasses, normalized from HF config.json or GGUF metadata; beside it distributed
-  (the process group, its Communicator and this rank's place, read by the layers when they are built);
+- distributed: the process group, the Communicator every collective goes through, rank / world and shard
+  arithmetic (the formats' loaders and the layers shard by it);
+- config: the frozen config dataclasses, normalized from HF config.json or GGUF metadata;
 - quant: the weight formats' method objects (the layers hold them, so quant never imports layers);
 - layers: attention, linear, MoE, norms, logits, the per-layer LoRA buffers;
 - models (built from layers) beside kv_cache (the paged pool the attention layers write);
@@ -53,8 +55,8 @@ is:
 - engine: scheduler, block manager, model runner, the step plan and the speculator interface;
 - spec_decode: the speculator, whose draft model runs on the engine's model runner;
 - llm (``LLM``: loads the model, builds the engine and its speculator) and the package's public API;
-- the front ends: model shapes and benchmarks, the CLI's shared helpers, the HTTP server; then the CLI (its
-  parser and commands).
+- the front ends: model shapes (and their random GGUF blocks) and benchmarks, the CLI's shared helpers, the HTTP
+  server; then the CLI (its parser and commands).
 """
 
 

@@ -32,6 +32,8 @@ class Footprint:
     for ``element_size``: 1 in an fp8 KV cache)."""
     element_size: int = 2
     """Bytes per element of weights / KV cache."""
+    embedding_row_bytes: int = 0
+    """Bytes of one embedding row (a packed table's: its blocks); 0: hidden x ``element_size``."""
 
     def expert_hit_fraction(self, batch: int) -> float:
         """Expected fraction of a layer's experts that B tokens with uniform top-k routing touch:
@@ -52,7 +54,7 @@ class Footprint:
         lm_head = w["lm_head"] if "lm_head" in w else w.get("embedding", 0) if self.tied else 0
         out = {"dense": float(w.get("dense", 0)), "lm_head": float(lm_head),
                "experts": w.get("experts", 0) * self.expert_hit_fraction(batch),
-               "embedding": float(batch * self.hidden * self.element_size),  # the rows gathered
+               "embedding": float(batch * (self.embedding_row_bytes or self.hidden * self.element_size)),  # gathered
                "kv": self.kv_bytes(batch, context)}
         out["total"] = sum(out.values())
         return out
@@ -67,7 +69,9 @@ def _first(cfg: dict, keys, default=0):
 
 def footprint(model: torch.nn.Module, cfg: dict, tied: bool, hidden: int) -> Footprint:
     """Group ``model``'s parameters (sparrow's or transformers') for the bytes-per-step model; ``cfg`` is
-    the HF config dict (expert count and top-k)."""
+    the HF config dict (expert count, top-k, vocab size). Every parameter and every buffer named ``*weight*``
+    counts its stored bytes: packed GGUF blocks as they are (a GGUF linear's ``gguf_weight_0`` buffers, its
+    experts' uint8 stacks), so a step's bytes are those the kernels read."""
     n_exp, top_k = int(_first(cfg, _EXPERT_COUNT_KEYS)), int(_first(cfg, _TOP_K_KEYS))
     groups: dict[str, int] = {}
     elt = 2
@@ -76,7 +80,8 @@ def footprint(model: torch.nn.Module, cfg: dict, tied: bool, hidden: int) -> Foo
     for name, p in tensors:
         nbytes = p.numel() * p.element_size()
         if "embed_tokens" in name:
-            group, elt = "embedding", p.element_size()
+            group = "embedding"
+            elt = p.element_size() if p.is_floating_point() else elt  # packed rows (uint8) are not the model dtype
         elif name.startswith("lm_head"):  # lm_head.* or sparrow's FP8 copy lm_head_fp8.* (never both)
             group = "lm_head"
         elif n_exp and ".experts." in name and p.dim() >= 3 and p.shape[0] == n_exp:
@@ -84,7 +89,9 @@ def footprint(model: torch.nn.Module, cfg: dict, tied: bool, hidden: int) -> Foo
         else:
             group = "dense"
         groups[group] = groups.get(group, 0) + nbytes
-    return Footprint(groups, n_exp, top_k, tied, hidden, _kv_layers(model), elt)
+    vocab = int(cfg.get("vocab_size") or 0)
+    row_bytes = groups.get("embedding", 0) // vocab if vocab else 0  # whatever the table's format
+    return Footprint(groups, n_exp, top_k, tied, hidden, _kv_layers(model), elt, row_bytes)
 
 
 def _kv_layers(model) -> list[tuple[int, int, int, int | None, int | None]]:

@@ -64,7 +64,10 @@ def run_bench(args) -> int:
     report["meta"]["copy_bandwidth_GBps"] = bw / 1e9
     if s.hf_dtype:
         print(f"transformers runs in {s.hf_dtype}, sparrow in {s.dtype}")
-    quant = f", sparrow's weights quantized to {s.quantization} at load" if s.quantization else ""
+    from sparrow.random_gguf import describe, is_recipe
+
+    quant = (f", sparrow's weights {describe(s.quantization)}" if is_recipe(s.quantization) else
+             f", sparrow's weights quantized to {s.quantization} at load") if s.quantization else ""
     quant += ", LM head in FP8" if s.quantize_lm_head else ""
     quant += f", {s.kv_cache_dtype} KV cache" if s.kv_cache_dtype != "auto" else ""
     print(f"sparrow bench on {report['meta']['device_name']} ({s.device}, {s.dtype}{quant}); load average "

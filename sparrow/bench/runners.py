@@ -34,23 +34,14 @@ def engine_kwargs(s: Settings, max_model_len: int | None) -> dict:
 
 
 def sparrow_model_random(cfg: dict, full_cfg: dict, s: Settings):
-    """sparrow's model for the shape dict ``cfg`` (``full_cfg``: its config.json form) on the device, filled with
-    ``model_shapes.random_weights`` for ``s.seed`` (the weights of ``build_random_hf_model``) one module at a
-    time, quantized as ``s`` asks (``--quantization``, ``--quantize-lm-head``) as they stream in. Raises
-    UnsupportedArchitectureError if sparrow lacks the architecture."""
-    from sparrow.config import ModelConfig
-    from sparrow.loader.model_loader import build_model, finish_loading
-    from sparrow.loader.weights import load_weights
-    from sparrow.model_shapes import random_weights
-    from sparrow.models.registry import get_model_class
-    from sparrow.quant import config_for_quantization
+    """sparrow's model for the shape dict ``cfg`` on the device (``model_shapes.random_model``): the random weights
+    of ``s.seed`` (those of ``build_random_hf_model``) streamed in one module at a time and quantized as ``s``
+    asks (``--quantization``, ``--quantize-lm-head``) as they come, or random GGUF blocks of llama.cpp's type mix
+    for ``--quantization gguf-q4_k_m`` / ``gguf-q8_0`` (``full_cfg``, the config.json form, is derived from ``cfg``
+    again there). Raises UnsupportedArchitectureError if sparrow lacks the architecture."""
+    from sparrow.model_shapes import random_model
 
-    mcfg = ModelConfig.from_hf(full_cfg)
-    quant_config = config_for_quantization(s.quantization)  # on-load quantization of the random bf16 weights
-    model = build_model(get_model_class(mcfg.architecture), mcfg, _DTYPES[s.dtype], s.device, quant_config)
-    load_weights(model, random_weights(cfg, _DTYPES[s.dtype], s.device, seed=s.seed))
-    finish_loading(model, quant_config, s.quantize_lm_head)
-    return model
+    return random_model(cfg, _DTYPES[s.dtype], s.device, s.quantization, s.quantize_lm_head, s.seed)
 
 
 def sparrow_from_shape(cfg: dict, full_cfg: dict, s: Settings, engine_kw: dict, meta: dict | None = None):

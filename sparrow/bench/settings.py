@@ -65,6 +65,11 @@ def resolve_settings(args) -> Settings:
                                       CacheConfig.gpu_memory_utilization),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", None) or CacheConfig.kv_cache_dtype,
     )
+    from sparrow.random_gguf import is_recipe
+
+    if is_recipe(s.quantization) and not args.model_shape:
+        raise InvalidRequestError(f"--quantization {s.quantization} makes random GGUF blocks: it needs --model-shape "
+                                  "(a .gguf file loads in its own blocks, without --quantization)")
     if s.hf_dtype and args.model_shape:
         raise InvalidRequestError("--hf-dtype works with --model only (a random-weight shape is shared in one dtype)")
     if s.decode_tokens < 2:

@@ -144,6 +144,11 @@ def _from_gptq_awq(qc: dict, method: str) -> dict:
     return dict(layout="awq", group=group, symmetric=False, ignored_layers=ignored)
 
 
+QUANTIZE_CHUNK_ROWS = 1024
+"""Rows quantized at a time at load (on-load int4): the fp32 temporaries of one chunk, not of a whole tensor, add
+to the load's peak (tests/loader/test_load_memory.py)."""
+
+
 @register_quantization
 @dataclasses.dataclass(frozen=True)
 class Int4Config(QuantizationConfig):
@@ -296,9 +301,11 @@ class Int4LinearMethod(LinearMethodBase):
             start, rows = self._rows(layer, shard_id)
             if tuple(loaded.shape) != (rows, layer.in_features):
                 raise shape_error(name, loaded, (rows, layer.in_features))
-            packed, scale, _ = quantize_int4_ref(loaded.to(param.device), group, True, layer.params_dtype)
-            param.data.narrow(0, start, rows).copy_(packed)
-            layer.weight_scale.data.narrow(0, start, rows).copy_(scale)
+            for r0 in range(0, rows, QUANTIZE_CHUNK_ROWS):  # rows quantize independently: bounded fp32 temporaries
+                part = loaded[r0:r0 + QUANTIZE_CHUNK_ROWS]
+                packed, scale, _ = quantize_int4_ref(part.to(param.device), group, True, layer.params_dtype)
+                param.data.narrow(0, start + r0, part.shape[0]).copy_(packed)
+                layer.weight_scale.data.narrow(0, start + r0, part.shape[0]).copy_(scale)
 
         return load
 
