@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sparrow.distributed import divide, tp_rank, tp_size
+from sparrow.errors import ModelLoadError
 from sparrow.kernels import use_triton
 from sparrow.kernels.attention.paged_attention import paged_attention_ref
 from sparrow.layers.forward_batch import ForwardBatch
@@ -44,11 +46,30 @@ class Attention(nn.Module):
                   self.scale, self.sliding_window, self.soft_cap, c.k_scale, c.v_scale)
 
 
+def local_heads(num_heads: int, num_kv_heads: int, layer_idx: int = 0) -> tuple[int, int, int]:
+    """(query heads, KV heads, first KV head) of this tensor-parallel rank: the query heads split evenly; KV heads
+    split evenly when there are at least as many as ranks, else replicated (each rank holds the one KV head its
+    query heads read: rank r of T holds head r // (T / num_kv_heads)). Raises ModelLoadError when the heads do not
+    split over the ranks."""
+    world, rank = tp_size(), tp_rank()
+    hq = divide(num_heads, world, f"layer {layer_idx}'s num_attention_heads")
+    if num_kv_heads >= world:
+        hkv = divide(num_kv_heads, world, f"layer {layer_idx}'s num_key_value_heads")
+        return hq, hkv, rank * hkv
+    if world % num_kv_heads:
+        raise ModelLoadError(f"layer {layer_idx}'s num_key_value_heads ({num_kv_heads}) neither divides nor is a "
+                             f"multiple of tensor_parallel_size={world}")
+    return hq, 1, rank // (world // num_kv_heads)
+
+
 class SelfAttention(nn.Module):
     """The attention block of a decoder layer, shared by every architecture:
     qkv_proj -> (q_norm / k_norm, per head or over all heads) -> RoPE -> paged attention -> o_proj.
 
     x [R, H] -> [R, H]. HF names: qkv_proj packs q_proj | k_proj | v_proj; q_norm, k_norm, o_proj.
+    Tensor parallel: qkv_proj is column-parallel over heads (``local_heads``), o_proj row-parallel (one all-reduce);
+    the Attention (and so the KV cache sized from it) holds this rank's heads; whole-projection q/k norms sum their
+    squares over the ranks (``ShardedRMSNorm``).
     Config flags read here: ``qk_norm`` / ``qk_norm_per_head`` (MiniMax-M2 norms the whole [Hq*D] / [Hkv*D]
     projection), ``attention_k_eq_v`` (Gemma 4 full layers: no v_proj, V = the raw K projection), Gemma 4's
     scale-free v_norm, per-layer head dim / KV heads / window / rope / rotary dim from ``config.layers``.
@@ -60,19 +81,31 @@ class SelfAttention(nn.Module):
     def __init__(self, config, layer_idx: int, dtype: torch.dtype):
         super().__init__()
         from sparrow.layers.linear import Linear
-        from sparrow.layers.norm import RMSNorm
+        from sparrow.layers.norm import RMSNorm, ShardedRMSNorm
         from sparrow.layers.rotary import RotaryEmbedding
 
         spec = config.layers[layer_idx]
-        hq, hkv, d = config.num_attention_heads, spec.num_kv_heads, spec.head_dim
+        full_hq, full_hkv, d = config.num_attention_heads, spec.num_kv_heads, spec.head_dim
+        hq, hkv, kv_first = local_heads(full_hq, full_hkv, layer_idx)
         self.hq, self.hkv, self.d = hq, hkv, d
         self.k_eq_v = config.attention_k_eq_v and spec.layer_type == "full_attention"
-        sizes = [hq * d, hkv * d] if self.k_eq_v else [hq * d, hkv * d, hkv * d]
-        self.qkv_proj = Linear(config.hidden_size, output_sizes=sizes, bias=config.attention_bias, dtype=dtype)
-        self.o_proj = Linear(hq * d, config.hidden_size, bias=config.get("attention_out_bias", False), dtype=dtype)
+        sizes = [full_hq * d, full_hkv * d] if self.k_eq_v else [full_hq * d, full_hkv * d, full_hkv * d]
+        q_range, kv_range = (tp_rank() * hq * d, hq * d), (kv_first * d, hkv * d)
+        ranges = [q_range, kv_range] if self.k_eq_v else [q_range, kv_range, kv_range]
+        self.qkv_proj = Linear(config.hidden_size, output_sizes=sizes, bias=config.attention_bias, dtype=dtype,
+                               parallel="column", shard_ranges=ranges)
+        self.o_proj = Linear(full_hq * d, config.hidden_size, bias=config.get("attention_out_bias", False),
+                             dtype=dtype, parallel="row")
         kind = config.norm_kind
         self.per_head_norm = config.qk_norm_per_head
-        if config.qk_norm:
+        if config.qk_norm and not self.per_head_norm and tp_size() > 1:  # over the ranks' shares of the projection
+            if kind != "llama":
+                raise ModelLoadError(f"layer {layer_idx}: whole-projection q/k norms of kind {kind!r} are not "
+                                     "supported with tensor_parallel_size > 1")
+            eps = config.rms_norm_eps
+            self.q_norm = ShardedRMSNorm(full_hq * d, q_range[0], hq * d, eps, dtype)
+            self.k_norm = ShardedRMSNorm(full_hkv * d, kv_range[0], hkv * d, eps, dtype)
+        elif config.qk_norm:
             qn, kn = (d, d) if self.per_head_norm else (hq * d, hkv * d)
             self.q_norm = RMSNorm(qn, config.rms_norm_eps, kind=kind, dtype=dtype)
             self.k_norm = RMSNorm(kn, config.rms_norm_eps, kind=kind, dtype=dtype)

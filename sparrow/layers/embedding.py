@@ -4,18 +4,32 @@ HF does, with soft-token injection: rows marked as soft take caller-supplied vec
 an untied LM head, whose logits are ``logits(hidden)``. The method comes from the enclosing
 ``quant_config_scope`` (``get_embedding_method``; a float table outside any), as a ``Linear``'s does.
 Shapes: R = rows, S = rows whose logits are computed, V = vocab (``num_embeddings``), H = hidden (``embedding_dim``).
+
+Vocab-parallel (tensor_parallel_size T > 1, vLLM's VocabParallelEmbedding): rank r holds table rows
+``vocab_range`` = [r V', (r + 1) V') with V' = ceil(V / T) (rows past V are zeros), looks up the ids in its range
+(the others give zero rows) and one all-reduce sums the ranks' rows. An untied LM head is split the same way; its
+[S, V'] logits are gathered by ``sparrow.layers.logits.gather_logits``.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from sparrow.distributed import get_tp
 from sparrow.quant.base import EmbeddingMethodBase, set_layer_method
 from sparrow.quant.scope import current_quant_config
 
 
+def vocab_range(vocab_size: int) -> tuple[int, int]:
+    """(first row, rows held) of this rank's share of a [V, H] table: V' = ceil(V / T) rows from r V'."""
+    tp = get_tp()
+    rows = -(-vocab_size // tp.world_size)
+    return tp.rank * rows, rows
+
+
 class VocabEmbedding(nn.Module):
-    """forward(input_ids [R] int64) -> [R, H] in the model dtype ``dtype``; logits(hidden [S, H]) -> [S, V]."""
+    """forward(input_ids [R] int64) -> [R, H] in the model dtype ``dtype``; logits(hidden [S, H]) -> [S, V']
+    (V' = V on one rank; module doc)."""
 
     quant_kind = "embedding"
 
@@ -23,6 +37,7 @@ class VocabEmbedding(nn.Module):
                  dtype: torch.dtype = torch.float32, quant_method: EmbeddingMethodBase | None = None):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.params_dtype = vocab_size, hidden_size, dtype
+        self.vocab_range = vocab_range(vocab_size)
         self.scale = scale
         self.prefix = ""
         self.set_quant_method(quant_method or current_quant_config().get_embedding_method(None))
@@ -36,7 +51,14 @@ class VocabEmbedding(nn.Module):
         """Negative ids read row 0 (padding rows); an id >= V fails as indexing does (IndexError on CPU).
         soft_embeds [n_soft, H] replace the rows where soft_mask [R] (bool) is True, unscaled
         (as transformers' ``inputs_embeds`` path: the caller's vectors go in as given)."""
-        x = self.quant_method.embedding(self, input_ids.clamp(min=0))
+        start, rows = self.vocab_range
+        if rows == self.num_embeddings:
+            x = self.quant_method.embedding(self, input_ids.clamp(min=0))
+        else:
+            local = input_ids - start
+            mine = (local >= 0) & (local < rows)
+            x = self.quant_method.embedding(self, torch.where(mine, local, 0))
+            x = get_tp().all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
         if self.scale is not None:
             x = x * torch.tensor(self.scale, dtype=x.dtype)
         if soft_embeds is not None:
@@ -45,7 +67,7 @@ class VocabEmbedding(nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, H] @ table.T -> [S, V] in hidden's dtype (the LM head on this table)."""
+        """hidden [S, H] @ table.T -> [S, V'] in hidden's dtype (the LM head on this rank's rows of the table)."""
         return self.quant_method.apply(self, hidden)
 
     def extra_repr(self) -> str:

@@ -2,7 +2,9 @@
 (logits = cap * tanh(logits / cap)). The product is the model's LM head method (``CausalLM.lm_head_method``):
 ``TableLMHeadMethod`` (the LM table's own weight method: ``F.linear`` on a float table, the GGUF kernel on a
 GGUF file's blocks; tied, the embedding's table) unless ``quantize_lm_head`` gave the model a
-``QuantizedLMHeadMethod`` on a format's linear method (``QuantizationConfig.get_lm_head_linear_method``)."""
+``QuantizedLMHeadMethod`` on a format's linear method (``QuantizationConfig.get_lm_head_linear_method``).
+Vocab-parallel: the LM table (tied: the embedding's) is this rank's [V', H] rows (``sparrow.layers.embedding``), a
+method computes [S, V'] and ``gather_logits`` concatenates the ranks' logits into [S, V], the same on every rank."""
 from __future__ import annotations
 
 import torch
@@ -54,6 +56,17 @@ class QuantizedLMHeadMethod(LMHeadMethodBase):
 
     def apply(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return model.lm_head_quantized(hidden)
+
+
+def gather_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """This rank's logits [S, V'] -> [S, V]: the ranks' concatenated in rank order, the padding past V dropped; with
+    one rank ``logits`` itself."""
+    from sparrow.distributed import get_tp
+
+    tp = get_tp()
+    if tp.world_size == 1:
+        return logits
+    return tp.all_gather(logits, dim=-1)[..., :vocab_size]
 
 
 class LogitsProcessor(nn.Module):

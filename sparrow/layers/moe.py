@@ -25,7 +25,9 @@ import logging
 import torch
 from torch import nn
 
+from sparrow.distributed import get_tp
 from sparrow.kernels.activation.act import get_activation
+from sparrow.layers.moe_parallel import ExpertShards
 from sparrow.kernels.moe.moe_ref import gate_up_act
 from sparrow.quant.base import FusedMoEMethodBase, set_layer_method
 from sparrow.quant.scope import current_quant_config
@@ -63,7 +65,10 @@ class FusedMoE(nn.Module):
     ) -> None:
         super().__init__()
         get_activation(activation)  # fail at build time on an unknown name
+        self.shards = ExpertShards(num_experts, intermediate_size)  # this rank's experts / width
+        num_experts, intermediate_size = self.shards.num_experts, self.shards.intermediate_size
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.reduce_results = True
         self.activation, self.pair_threshold, self.swiglu_limit = activation, pair_threshold, swiglu_limit
         self.params_dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
         self.prefix = ""
@@ -72,12 +77,32 @@ class FusedMoE(nn.Module):
     def set_quant_method(self, method: FusedMoEMethodBase) -> None:
         """(Re)create the expert parameters with ``method`` on the device of the previous ones (dropped)."""
         set_layer_method(self, method)
+        self.shards.bind_loaders(self)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 reduce: bool = True, batch=None) -> torch.Tensor:
         """``batch``: the step's ForwardBatch (per-row facts), when called inside a model step: rows with an
         adapter add its expert deltas per (row, expert) pair, before the activation (gate_up_proj) and before
-        the weighted reduce (down_proj)."""
+        the weighted reduce (down_proj). Over several ranks (``sparrow.layers.moe_parallel``) the outputs are
+        combined here (``reduce=True`` only); ``reduce_results=False`` leaves the all-reduce of the tp / all_reduce
+        ways to the caller (``MoEBlock`` sums a shared expert in first)."""
+        adapters = batch.adapter_ids if self.lora is not None and batch is not None else None
+        mode = self.shards.mode
+        if mode is not None:
+            if not reduce:
+                raise ValueError("FusedMoE over several ranks combines its outputs itself: call it with reduce=True")
+            if mode == "all_to_all":  # each pair's adapter travels with it
+                def compute(xs, ids, pair_adapters):
+                    ones = torch.ones(ids.shape, dtype=torch.float32, device=xs.device)
+                    lora = None if pair_adapters is None else self.lora.bind(pair_adapters, ids)
+                    return self.quant_method.apply(self, xs, ones, ids, lora=lora)
+
+                return self.shards.all_to_all(compute, x, topk_weights, topk_ids, adapters)
+            if mode == "all_reduce":
+                topk_weights, topk_ids = self.shards.local_routing(topk_weights, topk_ids)
+            lora = None if adapters is None else self.lora.bind(adapters, topk_ids)
+            out = self.quant_method.apply(self, x, topk_weights, topk_ids, lora=lora)
+            return get_tp().all_reduce(out) if self.reduce_results else out
         if self.lora is not None and batch is not None and batch.adapter_ids is not None:
             lora = self.lora.bind(batch.adapter_ids, topk_ids)
             return self.quant_method.apply(self, x, topk_weights, topk_ids, reduce, lora=lora)
@@ -116,7 +141,9 @@ class MoEBlock(nn.Module):
     ``shared_expert_gate`` (DeepSeek's ``shared_experts.`` maps onto ``shared_expert.``).
 
     out = experts(expert_input or x, gate(x)) [+ sigmoid(x . shared_expert_gate) * shared_expert(x)]
-    (the sigmoid gate only with ``shared_expert_gate=True``, Qwen2-MoE). ``shared_expert`` is any
+    (the sigmoid gate only with ``shared_expert_gate=True``, Qwen2-MoE). Over several ranks the shared expert is
+    tensor parallel and the routed and shared partial sums are all-reduced once (``sparrow.layers.moe_parallel``);
+    with all_to_all dispatch the routed output arrives combined and the shared expert reduces its own. ``shared_expert`` is any
     [R, H] -> [R, H] module (SharedExpert, or a quantizable dense MLP). ``gate`` is a Router, or a
     HashRouter, in which case forward needs ``input_ids``. forward(x [R, H]) -> [R, H].
     """
@@ -131,6 +158,14 @@ class MoEBlock(nn.Module):
                 raise ValueError("MoEBlock: shared_expert_gate=True needs a shared_expert")
             self.shared_expert_gate = nn.Linear(experts.hidden_size, 1, bias=False, dtype=experts.params_dtype)
             self.shared_expert_gate.weight.requires_grad_(False)
+        # over several ranks (tp / all_reduce experts, a row-parallel shared expert): one all-reduce of the sum
+        down = getattr(shared_expert, "down_proj", None)
+        self.reduce_once = experts.shards.mode in ("tp", "all_reduce") and (
+            shared_expert is None or getattr(down, "parallel", None) == "row")
+        if self.reduce_once:
+            experts.reduce_results = False
+            if down is not None:
+                down.reduce_results = False
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None,
                 expert_input: torch.Tensor | None = None, batch=None) -> torch.Tensor:
@@ -142,4 +177,4 @@ class MoEBlock(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
-        return out
+        return get_tp().all_reduce(out) if self.reduce_once else out

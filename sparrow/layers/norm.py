@@ -96,3 +96,30 @@ class RMSNorm(nn.Module):
         if not next_norms:
             return y
         return (y,) + tuple(n(y) for n in next_norms)
+
+
+class ShardedRMSNorm(nn.Module):
+    """A 'llama'-kind RMSNorm over a dimension of ``full_size`` split over the tensor-parallel ranks (MiniMax-M2's
+    q/k norms over the whole [Hq D] / [Hkv D] projection): this rank holds elements [start, start + size) of x and of
+    ``weight``; the sum of squares is all-reduced, so each rank's slice is that of the full norm.
+    forward(x [R, size]) -> [R, size] in x's dtype; ``weight`` loads from the checkpoint's [full_size] vector."""
+
+    def __init__(self, full_size: int, start: int, size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.full_size, self.start, self.eps = full_size, start, eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self._load
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id, name: str) -> None:
+        from sparrow.errors import ModelLoadError
+
+        if tuple(loaded.shape) != (self.full_size,):
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(loaded.shape)}, expected {(self.full_size,)}")
+        param.data.copy_(loaded[self.start:self.start + param.shape[0]])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from sparrow.distributed import get_tp
+
+        xf = x.float()
+        var = get_tp().all_reduce(xf.pow(2).sum(-1, keepdim=True)) / self.full_size
+        return (xf * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight

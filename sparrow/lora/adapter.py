@@ -230,10 +230,16 @@ class _Mapper:
     def _linear(self, hf: str, mpath: str, target, shard: int | None, a: torch.Tensor, b: torch.Tensor) -> None:
         r = a.shape[0]
         self.check_rank(hf, r)
-        n_i = target.output_sizes[shard or 0]
-        if tuple(a.shape) != (r, target.in_features) or tuple(b.shape) != (n_i, r):
+        n_i = target.full_output_sizes[shard or 0]  # the checkpoint's sizes (a parallel layer holds a share)
+        k = target.in_features * (target.tp_size if target.parallel == "row" else 1)
+        if tuple(a.shape) != (r, k) or tuple(b.shape) != (n_i, r):
             self.fail(hf, f"has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, expected "
-                          f"({r}, {target.in_features}) / ({n_i}, {r})")
+                          f"({r}, {k}) / ({n_i}, {r})")
+        if target.parallel == "column":  # this rank's rows of B: the delta of its output rows
+            start, size = target.shard_ranges[shard or 0]
+            b = b[start:start + size]
+        elif target.parallel == "row":  # this rank's columns of A: a partial delta, summed with the output's
+            a = a[:, target.tp_rank * target.in_features:(target.tp_rank + 1) * target.in_features]
         row = sum(target.output_sizes[: shard or 0])
         self.linear_parts.setdefault(mpath, []).append((row, a, b * _scaling(self.cfg, hf, r)))
 
@@ -249,7 +255,8 @@ class _Mapper:
     def _experts(self, hf: str, mpath: str, target, a: torch.Tensor, b: torch.Tensor) -> None:
         from sparrow.models.base import EXPERT_TENSORS
 
-        e, h, i = target.num_experts, target.hidden_size, target.intermediate_size
+        part = target.shards  # this rank's experts / width (sparrow.layers.moe_parallel); factors are cut to it
+        e, h, i = part.global_experts, target.hidden_size, part.global_width
         per_expert = _PER_EXPERT.match(hf)
         if per_expert is not None and per_expert.group(3) in EXPERT_TENSORS:  # experts.N.gate_proj: one expert's
             stacked, block = EXPERT_TENSORS[per_expert.group(3)]
@@ -259,8 +266,15 @@ class _Mapper:
             if expert >= e or tuple(a.shape) != (r, k) or tuple(b.shape) != (n_i, r):
                 self.fail(hf, f"has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, expected ({r}, {k}) / "
                               f"({n_i}, {r}) for one of {e} experts")
+            expert -= part.expert_start
+            if not 0 <= expert < target.num_experts:
+                return  # another rank's expert
+            if part.mode == "tp" and stacked == "gate_up_proj":
+                b = b[part.width_start:part.width_start + target.intermediate_size]
+            elif part.mode == "tp":
+                a = a[:, part.width_start:part.width_start + target.intermediate_size]
             self.expert_parts.setdefault((mpath, stacked), {}).setdefault(expert, []).append(
-                (block * i, a, b * _scaling(self.cfg, hf, r)))
+                (block * target.intermediate_size, a, b * _scaling(self.cfg, hf, r)))
             return
         # fused 3-D parameter (PEFT target_parameters): which one, by the factors' shapes
         stacked = {(h, 2 * i): "gate_up_proj", (i, h): "down_proj"}.get((a.shape[1], b.shape[0]))
@@ -271,6 +285,14 @@ class _Mapper:
         self.check_rank(f"{hf}.{stacked}", r)
         a3 = a.reshape(e, r, a.shape[1])  # [E, r, in]
         b3 = b.reshape(b.shape[0], r, e).permute(2, 0, 1).contiguous()  # [E, out, r]
+        a3, b3 = a3[part.expert_start:part.expert_start + target.num_experts], \
+            b3[part.expert_start:part.expert_start + target.num_experts]
+        if part.mode == "tp":
+            cut = slice(part.width_start, part.width_start + target.intermediate_size)
+            if stacked == "gate_up_proj":  # the gate's and the up's rows of this rank's width
+                b3 = torch.cat([half[:, cut] for half in b3.chunk(2, dim=1)], dim=1).contiguous()
+            else:
+                a3 = a3[:, :, cut].contiguous()
         self.targets[mpath, stacked] = (a3, b3 * _scaling(self.cfg, f"{hf}.{stacked}", r))
         self.rank = max(self.rank, r)
 

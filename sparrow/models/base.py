@@ -20,7 +20,7 @@ from torch import nn
 from sparrow.config import ModelConfig
 from sparrow.layers.embedding import VocabEmbedding
 from sparrow.layers.forward_batch import ForwardBatch
-from sparrow.layers.logits import LogitsProcessor, TableLMHeadMethod
+from sparrow.layers.logits import LogitsProcessor, TableLMHeadMethod, gather_logits
 from sparrow.layers.mlp import GatedMLP
 from sparrow.layers.moe import FusedMoE, MoEBlock
 from sparrow.layers.router import Router
@@ -123,7 +123,8 @@ class CausalLM(nn.Module):
         return self.lm_table.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.logits_processor(self.lm_head_method.apply(self, hidden))
+        """hidden [S', H] -> fp32 logits [S', V] (vocab-parallel: this rank's [S', V'] gathered over the ranks)."""
+        return self.logits_processor(gather_logits(self.lm_head_method.apply(self, hidden), self.config.vocab_size))
 
     def quantize_lm_head(self, method) -> None:
         """Compute the logits with ``method`` (``layers.logits.QuantizedLMHeadMethod`` on a format's

@@ -96,7 +96,10 @@ class Gemma4DecoderLayer(nn.Module):
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             dense = self.mlp(pre, batch)
         weights, ids = self.router(h)  # the router reads the raw residual
-        moe = self.experts(pre2, weights, ids, reduce=False, batch=batch)  # [R K, H]: the reduce is fused below
+        if self.experts.shards.mode is not None:  # several ranks: the experts combine (sum) their outputs
+            moe, weights = self.experts(pre2, weights, ids, batch=batch), None
+        else:
+            moe = self.experts(pre2, weights, ids, reduce=False, batch=batch)  # [R K, H]: the reduce is fused below
         if stream is not None:
             torch.cuda.current_stream(h.device).wait_stream(stream)
         # (h + post_feedforward_layernorm(post_feedforward_layernorm_1(dense) + post_feedforward_layernorm_2(

@@ -132,11 +132,16 @@ class EmbeddingMethodBase:
 
 class UnquantizedEmbeddingMethod(EmbeddingMethodBase):
     """Every format's default table (``QuantizationConfig.get_embedding_method``): ``weight`` [V, H] in the model
-    dtype; rows by indexing, logits by ``F.linear``."""
+    dtype (vocab-parallel: this rank's [V', H] rows); rows by indexing, logits by ``F.linear``."""
 
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
-        layer.weight = nn.Parameter(torch.empty(layer.num_embeddings, layer.embedding_dim, dtype=dtype),
-                                    requires_grad=False)
+        start, rows = layer.vocab_range  # rows < V: this rank's share (vocab-parallel)
+        layer.weight = nn.Parameter(torch.empty(rows, layer.embedding_dim, dtype=dtype), requires_grad=False)
+        if rows != layer.num_embeddings:
+            from sparrow.quant.weight_loaders import vocab_shard_loader
+
+            layer.weight.weight_loader, layer.weight.vocab_range = vocab_shard_loader, (start, rows)
+            layer.weight.checkpoint_shape = (layer.num_embeddings, layer.embedding_dim)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return layer.weight[ids]

@@ -49,6 +49,7 @@ from sparrow.quant.base import LinearMethodBase, QuantizationConfig
 from sparrow.quant.fp8_moe import Fp8MoEMethod, check_fp8_tensor
 from sparrow.quant.unquantized import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
 from sparrow.quant.registry import register_quantization
+from sparrow.quant.weight_loaders import set_shard_layout
 from sparrow.kernels.gemm.fp8 import (
     AMAX_EPS,
     FP8_DTYPE,
@@ -231,6 +232,7 @@ class Fp8LinearMethod(LinearMethodBase):
         if self.from_checkpoint:
             layer.weight.weight_loader = self._checkpoint_loader(layer)
             layer.weight_scale_inv.weight_loader = self._checkpoint_loader(layer)
+            set_shard_layout(layer.weight_scale_inv, n=(0, GROUP), k=(1, GROUP))  # a TP share: whole blocks
         else:
             layer.weight.weight_loader = self._quantizing_loader(layer)
             layer.weight_scale_inv.weight_loader = self._reject_scale

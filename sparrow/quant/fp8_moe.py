@@ -29,6 +29,7 @@ from sparrow.kernels.gemm.fp8 import FP8_DTYPE, GROUP, quantize_fp8_block_ref
 from sparrow.quant.on_load import create_staged_experts
 from sparrow.quant.unquantized import stacked_expert_param
 from sparrow.quant.base import FusedMoEMethodBase
+from sparrow.quant.weight_loaders import set_shard_layout
 
 
 def fp8_checkpoint_aligned(layer: nn.Module) -> bool:
@@ -72,6 +73,8 @@ class Fp8MoEMethod(FusedMoEMethodBase):
                                               ("w2_scale", nb(h), nb(i), 1, torch.float32)):
             param = stacked_expert_param(layer, rows, cols, blocks, dt)
             param.weight_loader = self._checkpoint_loader(layer, param.weight_loader)
+            if dt == torch.float32:  # a TP share of an expert's scales: whole blocks
+                set_shard_layout(param, n=(0, GROUP), k=(1, GROUP))
             setattr(layer, pname, param)
 
     @staticmethod

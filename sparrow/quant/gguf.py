@@ -172,7 +172,8 @@ class GGUFMoEMethod(FusedMoEMethodBase):
 class GGUFEmbeddingMethod(EmbeddingMethodBase):
     """A vocab table on a GGUF file's rows: ``weight`` is a placeholder whose loader keeps the tensor as it comes;
     after loading the table is one segment ``layer.gguf_segments`` = [(ggml type or None, V, "gguf_weight_0")], its
-    buffer uint8 [V, H // B * T] (a float file type: [V, H] in the model dtype). ``embedding``: the rows' blocks
+    buffer uint8 [V, H // B * T] (a float file type: [V, H] in the model dtype; vocab-parallel: this rank's V' rows,
+    zero blocks past V, which dequantize to zero rows). ``embedding``: the rows' blocks
     gathered and dequantized (``gguf_blocks.dequantize``: bit-exact with gguf-py), cast to the model dtype as the
     float table would hold them; torch ops on the device with no host sync (a CUDA graph captures it).
     ``apply``: the linears' GGUF kernel (``gguf_linear``) on the same bytes."""
@@ -185,6 +186,10 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
             if got != shape:
                 raise ModelLoadError(f"tensor {name!r} has shape {got}, expected {shape}")
             kept = loaded.contiguous() if is_packed(loaded) else loaded.to(layer.params_dtype)
+            start, rows = layer.vocab_range  # vocab-parallel: this rank's rows (whole rows of blocks), zeros past V
+            if rows != shape[0]:
+                part = kept[start:start + rows]
+                kept = torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
             layer.gguf_table = (getattr(loaded, "ggml_type", None), kept)
 
         layer.weight = _placeholder(load)

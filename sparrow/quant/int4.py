@@ -50,7 +50,9 @@ from sparrow.errors import ModelLoadError
 from sparrow.kernels.gemm.int4 import DEFAULT_GROUP, GROUP_SIZES, PACK, num_groups, quantize_int4_ref
 from sparrow.quant._compressed_tensors import check_extras
 from sparrow.quant.base import LinearMethodBase, QuantizationConfig, mark_unnamed
-from sparrow.quant.int4_layouts import AWQ_ORDER, convert, finish_scale, finish_zero, layout_tensors, shape_error
+from sparrow.quant.int4_layouts import AWQ_ORDER, convert, finish_scale, finish_zero, layout_tensors, shape_error, \
+    shard_layout
+from sparrow.quant.weight_loaders import set_shard_layout
 from sparrow.quant.int4_moe import Int4MoEMethod
 from sparrow.quant.registry import register_quantization
 from sparrow.quant.scope import layers_named
@@ -265,6 +267,7 @@ class Int4LinearMethod(LinearMethodBase):
             param = nn.Parameter(torch.empty(shape, dtype=dt), requires_grad=False)
             param.weight_loader = self._checkpoint_loader(layer, kind)
             param.optional = kind == "g_idx"  # only checked: desc_act=false makes it k // group
+            set_shard_layout(param, **shard_layout(self.config.layout, kind, self.config.group))
             setattr(layer, suffix, param)
 
     @staticmethod

@@ -99,6 +99,20 @@ CHECKPOINT_TENSORS: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 
+def shard_layout(layout: str, kind: str, group: int) -> dict:
+    """Where a checkpoint tensor of ``kind`` in ``layout`` holds the output rows N and input columns K, as
+    ``sparrow.quant.weight_loaders.set_shard_layout`` takes them (a tensor-parallel share is cut from it)."""
+    if kind == "shape":
+        return dict(n=(0, 1), k=(0, 1), special=("shape",))
+    if kind == "g_idx":
+        return dict(n=None, k=(0, 1), special=("g_idx", group))
+    if layout == "compressed-tensors":
+        return {"packed": dict(n=(0, 1), k=(1, PACK)), "scale": dict(n=(0, 1), k=(1, group)),
+                "zero": dict(n=(0, PACK), k=(1, group))}[kind]
+    packed = dict(n=(1, 1), k=(0, PACK)) if layout == "gptq" else dict(n=(1, PACK), k=(0, 1))
+    return {"packed": packed, "scale": dict(n=(1, 1), k=(0, group)), "zero": dict(n=(1, PACK), k=(0, group))}[kind]
+
+
 def layout_tensors(config) -> tuple[tuple[str, str], ...]:
     """The (suffix, kind) pairs a layer of ``config``'s checkpoint holds (no zero points when symmetric for
     compressed-tensors, which drops them)."""

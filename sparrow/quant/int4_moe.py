@@ -22,7 +22,8 @@ from torch import nn
 from sparrow.errors import ModelLoadError
 from sparrow.kernels.gemm.int4 import PACK, dequantize_int4_ref, num_groups, quantize_int4_ref
 from sparrow.quant.base import FusedMoEMethodBase, mark_unnamed
-from sparrow.quant.int4_layouts import convert, finish_scale, finish_zero, layout_tensors
+from sparrow.quant.int4_layouts import convert, finish_scale, finish_zero, layout_tensors, shard_layout
+from sparrow.quant.weight_loaders import set_shard_layout
 from sparrow.quant.on_load import create_staged_experts
 from sparrow.quant.unquantized import stacked_expert_param
 
@@ -66,6 +67,7 @@ class Int4MoEMethod(FusedMoEMethodBase):
                 param = stacked_expert_param(layer, r, c, blocks, dt)
                 param.weight_loader = self._loader(layer, kind, rows // blocks, k, param.weight_loader)
                 param.optional = kind == "g_idx"  # only checked: desc_act=false makes it k // group
+                set_shard_layout(param, **shard_layout(self.config.layout, kind, group))
                 setattr(layer, _param_name(stacked, kind), param)
 
     def _loader(self, layer: nn.Module, kind: str, rows: int, k: int, expert_loader):

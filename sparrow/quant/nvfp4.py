@@ -42,6 +42,7 @@ from sparrow.quant._compressed_tensors import check_extras
 from sparrow.quant.base import LinearMethodBase, QuantizationConfig
 from sparrow.quant.nvfp4_moe import NAMES, Nvfp4MoEMethod, check_nvfp4_tensor, global_scale_shape
 from sparrow.quant.registry import register_quantization
+from sparrow.quant.weight_loaders import set_shard_layout
 from sparrow.quant.scope import layers_named
 from sparrow.quant.unquantized import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
 
@@ -189,6 +190,8 @@ class Nvfp4LinearMethod(LinearMethodBase):
         if self.from_checkpoint:
             for pname, kind in zip(NAMES[self.layout], ("codes", "scale", "global", "global")):
                 getattr(layer, pname).weight_loader = self._checkpoint_loader(layer, kind)
+            set_shard_layout(getattr(layer, self.codes), k=(1, 2))  # a TP share: whole bytes, whole groups
+            set_shard_layout(getattr(layer, self.scale), k=(1, GROUP))
         else:
             getattr(layer, self.codes).weight_loader = self._quantizing_loader(layer)
             for pname in NAMES[self.layout][1:]:

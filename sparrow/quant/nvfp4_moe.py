@@ -24,6 +24,7 @@ from sparrow.kernels.gemm.nvfp4 import GROUP, SCALE_DTYPE, quantize_nvfp4_ref
 from sparrow.quant.base import FusedMoEMethodBase
 from sparrow.quant.on_load import create_staged_experts
 from sparrow.quant.unquantized import stacked_expert_param
+from sparrow.quant.weight_loaders import set_shard_layout
 
 NAMES = {  # checkpoint suffix of (e2m1 codes, e4m3 scales, global scale, activation scale) per layout
     "modelopt": ("weight", "weight_scale", "weight_scale_2", "input_scale"),
@@ -85,6 +86,8 @@ class Nvfp4MoEMethod(FusedMoEMethodBase):
                 param.weight_loader = self._checkpoint_loader(layer, param.weight_loader, kind, k)
                 if kind == "global":
                     param.checkpoint_shape = global_scale_shape(self.layout)  # for load messages
+                else:  # a TP share of an expert's codes / scales: whole bytes, whole groups
+                    set_shard_layout(param, k=(1, 2 if kind == "codes" else GROUP))
                 setattr(layer, pname, param)
             getattr(layer, _PARAMS[stacked][3]).optional = True
 
