@@ -88,12 +88,22 @@ def load_model_module(path: str, dtype: torch.dtype, quantization: str | None, q
 
 def _start_workers(config: EngineConfig, build, seed: int):
     """The WorkerGroup of ranks 1..N-1 building ``build(device)`` (this process joins as rank 0), or None with one
-    rank."""
+    rank. Raises InvalidRequestError for a one-rank LLM while a tensor-parallel one runs in this process (its layers
+    would read that group's rank and size)."""
     if config.parallel.world_size == 1:
+        _check_no_group()
         return None
     from sparrow.engine.workers import WorkerGroup
 
     return WorkerGroup.start(config, build, seed)
+
+
+def _check_no_group() -> None:
+    from sparrow.distributed import tp_size
+
+    if tp_size() > 1:
+        raise InvalidRequestError(f"a tensor-parallel LLM of {tp_size()} ranks is running in this process: close() it "
+                                  "before making a one-rank LLM (layers read the process's rank and size)")
 
 
 @contextlib.contextmanager
@@ -253,6 +263,7 @@ class LLM:
             raise InvalidRequestError(f"LLM.from_model runs on one rank (a model built in this process is not split "
                                       f"over ranks): for tensor_parallel_size={built.parallel.world_size} use "
                                       "LLM(path, ...) or LLM.from_builder")
+        _check_no_group()
         if torch.device(built.device).type != torch.device(device).type or built.dtype != dtype:
             raise InvalidRequestError(f"device={built.device!r}, dtype={built.dtype!r} do not match the model's "
                                       f"weights ({device}, {dtype})")

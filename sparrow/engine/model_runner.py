@@ -33,9 +33,9 @@ class ModelRunner:
         for speculative verify steps of up to k draft tokens). ``extra_kv_bytes_per_token``: KV bytes per token
         of another pool with as many blocks (a draft model's), taken from the same memory budget. ``workers``:
         on rank 0 of a tensor-parallel group, its ``sparrow.engine.workers.WorkerGroup`` (each step's inputs are
-        sent to it); None on one rank and on the workers themselves. In a group of several ranks
-        (``sparrow.distributed.get_tp()``) every rank builds its runner at once: the KV pool is the smallest
-        any rank sizes."""
+        sent to it); None on one rank and on the workers themselves. With ``config.parallel.world_size`` > 1 every
+        rank of the group (``sparrow.distributed.get_tp()``) builds its runner at once: the KV pool is the
+        smallest any rank sizes."""
         self.config = config
         self.model = model
         self.workers = workers
@@ -52,7 +52,8 @@ class ModelRunner:
                                     config.lora.max_cpu_loras)
         if self.lora is not None and workers is not None:
             self.lora.slot_writes = []  # sent to the workers with each step
-        self.kv_pool = agree_over_ranks(self._kv_pool(extra_kv_bytes_per_token, query_lens))
+        self.kv_pool = agree_over_ranks(self._kv_pool(extra_kv_bytes_per_token, query_lens),
+                                        config.parallel.world_size)
         """The KV pool's size and what set it (``sparrow.engine.kv_budget.KVPool``), sized before graph capture."""
         self.num_blocks = self.kv_pool.num_blocks
         self.pad_block = self.num_blocks  # one extra block, never handed out: CUDA-graph padding rows write here

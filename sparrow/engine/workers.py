@@ -68,6 +68,8 @@ class WorkerSpec:
     seed: int
     """torch.manual_seed before building, as on rank 0."""
     timeout_s: float = COLLECTIVE_TIMEOUT_S
+    cpu_threads: int = 1
+    """torch's CPU threads on a CPU rank: rank 0's count."""
 
 
 def rank_device(config: EngineConfig, rank: int) -> str:
@@ -103,9 +105,9 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         config = spec.config
         device = rank_device(config, rank)
         if device == "cpu":
-            from sparrow.devices import ensure_cpu_threads
+            from sparrow.devices import set_cpu_threads
 
-            ensure_cpu_threads()
+            set_cpu_threads(spec.cpu_threads)
         comm = init_distributed(rank, config.parallel.world_size, spec.init_method, device, spec.timeout_s)
         set_expert_parallel(config.parallel.enable_expert_parallel, config.parallel.expert_dispatch)
         torch.manual_seed(spec.seed)
@@ -177,7 +179,8 @@ class WorkerGroup:
               timeout_s: float = COLLECTIVE_TIMEOUT_S) -> "WorkerGroup":
         """Spawn ranks 1..N-1 (N = config.parallel.world_size) building ``build(device)`` and join the group as rank
         0 (expert parallelism set as the config says). Raises InvalidRequestError (``check_parallel``), WorkerError
-        when a worker fails before the group formed, RuntimeError when another group is active in this process."""
+        when a worker fails before the group formed; InvalidRequestError also when another group is active in this
+        process."""
         import torch.multiprocessing as mp
 
         from sparrow.distributed import get_tp
@@ -185,9 +188,9 @@ class WorkerGroup:
 
         check_parallel(config)
         if get_tp().world_size > 1:
-            raise RuntimeError("a tensor-parallel LLM is already running in this process: close() it first")
+            raise InvalidRequestError("a tensor-parallel LLM is already running in this process: close() it first")
         group = cls(config.parallel.world_size)
-        spec = WorkerSpec(config, build, local_init_method(), seed, timeout_s)
+        spec = WorkerSpec(config, build, local_init_method(), seed, timeout_s, torch.get_num_threads())
         ctx = mp.get_context("spawn")
         try:
             for rank in range(1, group.world_size):
