@@ -272,18 +272,19 @@ class LLM:
         return llm
 
     @classmethod
-    def from_builder(cls, build, model_config: ModelConfig, tokenizer=None, seed: int = 0,
+    def from_builder(cls, build, model_config: ModelConfig, tokenizer=None, seed: int | None = None,
                      **engine_args) -> "LLM":
         """An LLM around the model ``build(device)`` returns (a loaded sparrow model on ``device``, as
         ``from_model`` takes one). ``build`` must be picklable (a top-level function, or a functools.partial of
         one): with tensor_parallel_size=N every rank calls it in its own process, after the group formed (rank r
         with its device: cuda:r, or 'cpu'), so each builds its shard. ``model_config``: the model's ModelConfig
         (the engine arguments are checked against it before any rank builds). ``seed``: torch.manual_seed before
-        building (on every rank) and the sampler's seed, as LLM's. ``engine_args``: LLM's engine arguments
+        building (on every rank) and the sampler's seed, as LLM's (None: neither, as ``from_model``). ``engine_args``: LLM's engine arguments
         (``from_model``'s list, plus tensor_parallel_size and enable_expert_parallel). Raises what ``build``
         raises (WorkerError when a worker's build fails) and InvalidRequestError for a bad engine argument."""
         config = engine_config(model_config, **engine_args)
-        torch.manual_seed(seed)
+        if seed is not None:
+            torch.manual_seed(seed)
         workers = _start_workers(config, build, seed)
         llm = cls.__new__(cls)
         with _starting(workers):
@@ -299,11 +300,12 @@ class LLM:
         self.tokenizer = tokenizer
         self._workers = workers
         """The tensor-parallel ranks 1..N-1 (``sparrow.engine.workers.WorkerGroup``) when this LLM has several;
-        stopped by ``close``, by garbage collection of the LLM and at exit."""
-        if workers is not None:
-            weakref.finalize(self, workers.shutdown)
+        stopped by ``close``, by garbage collection of the engine (``llm.engine``, kept alive by the LLM) and at
+        exit."""
         self.engine = Engine(config, model, tokenizer, draft_model=self._load_draft(config),
                              make_speculator=make_speculative_decoder, workers=workers)
+        if workers is not None:
+            weakref.finalize(self.engine, workers.shutdown)
         self.engine.runner.sampler.reseed(seed)
         self.model_path = path
         self.load_time: float | None = None

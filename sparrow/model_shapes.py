@@ -215,35 +215,55 @@ def build_random_hf_model(cfg: dict, dtype: torch.dtype, device: str, seed: int 
     return model.eval()
 
 
-def random_llm(name: str, *, device: str = "auto", dtype: str = "auto", quantization: str | None = None,
-               quantize_lm_head: bool = False, seed: int = 0, **engine_args):
-    """A tokenizer-less ``LLM`` of the named shape with random weights (``random_weights`` with ``seed``, streamed
-    into sparrow's model one module at a time and quantized at load when ``quantization`` names a format, so
-    the float model never exists whole): prompts are token ids, outputs carry token ids and no text. The same
-    arguments give the same weights, those of ``build_random_hf_model``. ``engine_args``: LLM's engine arguments (max_model_len default: the shape's
-    positions, capped as LLM caps them). Raises InvalidRequestError for an unknown name, device, dtype or
-    format, UnsupportedArchitectureError when sparrow lacks the shape's architecture."""
-    import gc
-
+def build_random_model(name: str, dtype: str, quantization: str | None, quantize_lm_head: bool, seed: int,
+                       device: str) -> torch.nn.Module:
+    """sparrow's model of the named shape on ``device`` in ``dtype`` (a TORCH_DTYPES name), filled by
+    ``random_weights`` with ``seed`` one module at a time and quantized at load when ``quantization`` names a
+    format (every tensor-parallel rank calls it with its device: the same weights everywhere)."""
     from sparrow.config import ModelConfig
-    from sparrow.devices import TORCH_DTYPES, peak_memory, reset_peak_memory, resolve_device, resolve_dtype
-    from sparrow.llm import LLM
+    from sparrow.devices import TORCH_DTYPES
     from sparrow.loader.model_loader import build_model, finish_loading
     from sparrow.loader.weights import load_weights
     from sparrow.models.registry import get_model_class
-    from sparrow.quant import check_quantization, config_for_quantization
+    from sparrow.quant import config_for_quantization
+
+    cfg = shape_config(name)
+    mcfg = ModelConfig.from_hf(full_config_dict(cfg))
+    quant_config = config_for_quantization(quantization)
+    model = build_model(get_model_class(mcfg.architecture), mcfg, TORCH_DTYPES[dtype], device, quant_config)
+    load_weights(model, random_weights(cfg, TORCH_DTYPES[dtype], device, seed=seed))
+    finish_loading(model, quant_config, quantize_lm_head)
+    return model
+
+
+def random_llm(name: str, *, device: str = "auto", dtype: str = "auto", quantization: str | None = None,
+               quantize_lm_head: bool = False, seed: int = 0, **engine_args):
+    """A tokenizer-less ``LLM`` of the named shape with random weights (``build_random_model``: ``random_weights``
+    with ``seed``, streamed into sparrow's model one module at a time and quantized at load when ``quantization``
+    names a format, so the float model never exists whole): prompts are token ids, outputs carry token ids and
+    no text. The same arguments give the same weights, those of ``build_random_hf_model``. ``engine_args``: LLM's
+    engine arguments (max_model_len default: the shape's positions, capped as LLM caps them); with
+    tensor_parallel_size > 1 every rank builds the shape with the same seed (``LLM.from_builder``). Raises
+    InvalidRequestError for an unknown name, device, dtype or format, UnsupportedArchitectureError when sparrow
+    lacks the shape's architecture."""
+    import functools
+    import gc
+
+    from sparrow.config import ModelConfig
+    from sparrow.devices import peak_memory, reset_peak_memory, resolve_device, resolve_dtype
+    from sparrow.llm import LLM
+    from sparrow.quant import check_quantization
 
     cfg = shape_config(name)
     check_quantization(quantization)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    mcfg = ModelConfig.from_hf(full_config_dict(cfg))
-    cls = get_model_class(mcfg.architecture)
-    quant_config = config_for_quantization(quantization)
+    build = functools.partial(build_random_model, name, dtype, quantization, quantize_lm_head, seed)
+    if engine_args.get("tensor_parallel_size", 1) > 1:
+        return LLM.from_builder(build, ModelConfig.from_hf(full_config_dict(cfg)), device=device, dtype=dtype,
+                                **engine_args)
     reset_peak_memory(device)
-    model = build_model(cls, mcfg, TORCH_DTYPES[dtype], device, quant_config)
-    load_weights(model, random_weights(cfg, TORCH_DTYPES[dtype], device, seed=seed))
-    finish_loading(model, quant_config, quantize_lm_head)
+    model = build(device)
     peak = peak_memory(device)
     gc.collect()
     if device.startswith("cuda"):

@@ -65,8 +65,8 @@ class WorkerSpec:
     """build(device) -> the loaded model, on this rank's device."""
     init_method: str
     """The group's rendezvous (``sparrow.distributed.state.local_init_method``)."""
-    seed: int
-    """torch.manual_seed before building, as on rank 0."""
+    seed: int | None
+    """torch.manual_seed before building, as on rank 0 (None: not seeded)."""
     timeout_s: float = COLLECTIVE_TIMEOUT_S
     cpu_threads: int = 1
     """torch's CPU threads on a CPU rank: rank 0's count."""
@@ -101,6 +101,7 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
     ``conn`` (then exit without waiting for the group's teardown)."""
     from sparrow.distributed import destroy_distributed, init_distributed, set_expert_parallel
 
+    _exit_with_parent()
     try:
         config = spec.config
         device = rank_device(config, rank)
@@ -110,7 +111,8 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
             set_cpu_threads(spec.cpu_threads)
         comm = init_distributed(rank, config.parallel.world_size, spec.init_method, device, spec.timeout_s)
         set_expert_parallel(config.parallel.enable_expert_parallel, config.parallel.expert_dispatch)
-        torch.manual_seed(spec.seed)
+        if spec.seed is not None:
+            torch.manual_seed(spec.seed)
         runner = _build_runner(config.replace(device=device), spec.build(device))
         serve_steps(runner, comm)
     except BaseException as e:  # noqa: BLE001  (reported to rank 0, whatever it is)
@@ -122,6 +124,23 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
             os._exit(1)
     destroy_distributed()
     conn.close()
+
+
+def _exit_with_parent(poll_s: float = 1.0) -> None:
+    """A thread that ends this worker when rank 0's process is gone (killed without a shutdown): no orphan waits
+    out a collective's timeout."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch():
+        while parent.is_alive():
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="sparrow-tp-parent-watch", daemon=True).start()
 
 
 def _build_runner(config: EngineConfig, model: torch.nn.Module):
@@ -175,7 +194,7 @@ class WorkerGroup:
         self.closed = False
 
     @classmethod
-    def start(cls, config: EngineConfig, build: Callable[[str], torch.nn.Module], seed: int,
+    def start(cls, config: EngineConfig, build: Callable[[str], torch.nn.Module], seed: int | None,
               timeout_s: float = COLLECTIVE_TIMEOUT_S) -> "WorkerGroup":
         """Spawn ranks 1..N-1 (N = config.parallel.world_size) building ``build(device)`` and join the group as rank
         0 (expert parallelism set as the config says). Raises InvalidRequestError (``check_parallel``), WorkerError
