@@ -155,10 +155,45 @@ def test_worker_failing_in_a_step_raises_naming_rank(base):
     assert not multiprocessing.active_children()
 
 
-def test_close_and_garbage_collection_leave_no_child_process(base):
-    llm = _from_builder(_tp_builders.load_fp32, base)
-    (proc,) = llm._workers.procs
-    del llm
-    gc.collect()
-    assert not proc.is_alive() and proc.exitcode == 0  # the shutdown message, not a kill
+def test_random_shape_on_two_ranks_equals_one_and_gc_stops_the_workers():
+    """``random_llm`` (serve --model-shape) builds the shape on every rank with the same seed; dropping the LLM
+    stops its worker with the shutdown message (exit code 0, not a kill)."""
+    from sparrow.model_shapes import random_llm
+
+    params = SamplingParams(temperature=0.0, max_tokens=5, logprobs=2, ignore_eos=True)
+    kw = dict(device="cpu", dtype="float32", max_model_len=64, seed=3)
+    expected = _run(random_llm("tiny-moe", **kw), params)
+    two = random_llm("tiny-moe", tensor_parallel_size=2, **kw)
+    (proc,) = two._workers.procs
+    try:
+        _same(expected, _run(two, params))
+    finally:
+        del two
+        gc.collect()
+    assert not proc.is_alive() and proc.exitcode == 0
     assert not multiprocessing.active_children()
+
+
+def test_bench_tensor_parallel_flag(tmp_path):
+    """``sparrow bench --model-shape X --tensor-parallel-size 2`` runs, and its workers end with its engine."""
+    import json
+
+    from sparrow.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model-shape", "tiny-dense", "--device", "cpu", "--batch-sizes", "1", "--prompt-len",
+                 "5", "--decode-tokens", "3", "--no-hf", "--tensor-parallel-size", "2", "--out", str(out)]) == 0
+    assert any(r["engine"] == "sparrow" for r in json.loads(out.read_text())["results"])
+    gc.collect()
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "bench"])
+def test_cli_parallel_flags(command):
+    from sparrow.cli import build_parser
+    from sparrow.cli_support import parallel_args
+
+    args = build_parser().parse_args([command, "--tensor-parallel-size", "2", "--enable-expert-parallel"])
+    assert parallel_args(args) == dict(tensor_parallel_size=2, enable_expert_parallel=True)
+    assert parallel_args(build_parser().parse_args([command])) == dict(tensor_parallel_size=1,
+                                                                       enable_expert_parallel=False)
