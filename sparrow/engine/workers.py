@@ -5,7 +5,8 @@ starts ``WorkerGroup``: N - 1 processes (torch.multiprocessing's spawn context; 
 the CPU with gloo) that join the process group (``sparrow.distributed.init_distributed``, expert parallelism set
 after it), build the same model with the same arguments (``build(device)``, a picklable callable: the layers read
 ``tp_rank()`` / ``tp_size()`` as they are built), make a ModelRunner exactly as rank 0's engine does (their KV
-pools agree on the fewest blocks, their CUDA graphs cover the same buckets) and then follow ``serve_steps``.
+pools agree on the fewest blocks, their CUDA graphs cover the same buckets) and then follow
+``worker_process.serve_steps``.
 
 Each step rank 0 sends one pickled ``StepInputs`` (the step's rows after padding, whether and with what q it is a
 graph replay, the LoRA slot writes since the last step) and, when the step is fed on the device, the fed ids as a
@@ -27,54 +28,22 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import threading
 import time
-import traceback
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from sparrow.config import EngineConfig
-from sparrow.errors import InvalidRequestError, SparrowError
+from sparrow.engine.worker_process import COLLECTIVE_TIMEOUT_S, SHUTDOWN, WorkerSpec, rank_device, worker_main
+from sparrow.errors import InvalidRequestError, WorkerError
 
 log = logging.getLogger(__name__)
 
-COLLECTIVE_TIMEOUT_S = 600.0
-"""How long a collective (the group's rendezvous included) waits for a missing rank before it raises."""
 REPORT_WAIT_S = 5.0
 """How long rank 0 waits for a worker's report after a collective raised, before it re-raises the collective's
 own error."""
-SHUTDOWN = "shutdown"
-
-
-class WorkerError(SparrowError):
-    """A tensor-parallel worker failed (an exception while loading or in a step, or its process died); the
-    message names the rank and quotes the worker's error."""
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What a worker needs to build the runner rank 0 builds (picklable: it crosses the spawn)."""
-
-    config: EngineConfig
-    """Rank 0's engine config (each rank uses its own device)."""
-    build: Callable[[str], torch.nn.Module]
-    """build(device) -> the loaded model, on this rank's device."""
-    init_method: str
-    """The group's rendezvous (``sparrow.distributed.state.local_init_method``)."""
-    seed: int | None
-    """torch.manual_seed before building, as on rank 0 (None: not seeded)."""
-    timeout_s: float = COLLECTIVE_TIMEOUT_S
-    cpu_threads: int = 1
-    """torch's CPU threads on a CPU rank: rank 0's count."""
-
-
-def rank_device(config: EngineConfig, rank: int) -> str:
-    """The device of ``rank``: cuda:rank on CUDA, else the CPU."""
-    return f"cuda:{rank}" if config.device.startswith("cuda") else "cpu"
 
 
 def check_parallel(config: EngineConfig) -> None:
@@ -94,74 +63,6 @@ def check_parallel(config: EngineConfig) -> None:
         if torch.cuda.device_count() < world:
             raise InvalidRequestError(f"tensor_parallel_size={world} needs {world} GPUs, "
                                       f"{torch.cuda.device_count()} are visible")
-
-
-def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
-    """A worker process: join the group, build the model and runner, follow the steps; report any error on
-    ``conn`` (then exit without waiting for the group's teardown)."""
-    from sparrow.distributed import destroy_distributed, init_distributed, set_expert_parallel
-
-    _exit_with_parent()
-    try:
-        config = spec.config
-        device = rank_device(config, rank)
-        if device == "cpu":
-            from sparrow.devices import set_cpu_threads
-
-            set_cpu_threads(spec.cpu_threads)
-        comm = init_distributed(rank, config.parallel.world_size, spec.init_method, device, spec.timeout_s)
-        set_expert_parallel(config.parallel.enable_expert_parallel, config.parallel.expert_dispatch)
-        if spec.seed is not None:
-            torch.manual_seed(spec.seed)
-        runner = _build_runner(config.replace(device=device), spec.build(device))
-        serve_steps(runner, comm)
-    except BaseException as e:  # noqa: BLE001  (reported to rank 0, whatever it is)
-        text = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-        try:
-            conn.send(text[-20000:])  # well under a pipe's buffer: never blocks on a rank 0 that is not reading
-            conn.close()
-        finally:
-            os._exit(1)
-    destroy_distributed()
-    conn.close()
-
-
-def _exit_with_parent(poll_s: float = 1.0) -> None:
-    """A thread that ends this worker when rank 0's process is gone (killed without a shutdown): no orphan waits
-    out a collective's timeout."""
-    import multiprocessing
-
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch():
-        while parent.is_alive():
-            time.sleep(poll_s)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="sparrow-tp-parent-watch", daemon=True).start()
-
-
-def _build_runner(config: EngineConfig, model: torch.nn.Module):
-    from sparrow.engine.model_runner import ModelRunner, graph_query_lens
-
-    return ModelRunner(config, model, graph_query_lens(config))
-
-
-def serve_steps(runner, comm) -> None:
-    """A worker's loop: receive each step's StepInputs (and fed ids) from rank 0 and run ``runner.execute`` on
-    them, until SHUTDOWN."""
-    while True:
-        inputs = comm.broadcast_object(None, 0)
-        if inputs == SHUTDOWN:
-            return
-        feed = None
-        if inputs.num_fed:
-            feed = comm.broadcast(torch.empty(inputs.num_fed, dtype=torch.int64, device=runner.device), 0)
-        if inputs.lora_slots:
-            runner.lora.replay_slot_writes(inputs.lora_slots)
-        runner.execute(inputs, feed)
 
 
 @contextlib.contextmanager
@@ -214,7 +115,7 @@ class WorkerGroup:
         try:
             for rank in range(1, group.world_size):
                 recv, send = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_worker_main, args=(rank, spec, send), name=f"sparrow-tp-rank{rank}",
+                proc = ctx.Process(target=worker_main, args=(rank, spec, send), name=f"sparrow-tp-rank{rank}",
                                    daemon=True)
                 with _main_not_rerun():
                     proc.start()

@@ -12,9 +12,10 @@ import multiprocessing
 import time
 
 import pytest
+import torch
 
 from sparrow import LLM, SamplingParams
-from sparrow.engine.workers import WorkerError
+from sparrow.errors import WorkerError
 from sparrow.loader.model_loader import read_model_config
 from sparrow.lora.request import LoRARequest
 from tests.engine import _tp_builders
@@ -74,8 +75,16 @@ def _run(llm, params, loras=None):
     return llm.generate([ids_prompt(p) for p in random_prompts(LENGTHS)], params, lora_request=loras)
 
 
+def _soft(llm):
+    """A prompt with two soft-token rows (caller-supplied embeddings, pickled with the step's rows)."""
+    g = torch.Generator().manual_seed(5)
+    prompt = {"prompt_token_ids": random_prompts([9])[0], "soft_embeds": torch.randn(2, 64, generator=g),
+              "soft_positions": [2, 3]}
+    return llm.generate([prompt], LORA)
+
+
 def _runs(llm, base):
-    return [_run(llm, GREEDY), _run(llm, SEEDED)] + [_run(llm, LORA, lr) for lr in _loras(base)]
+    return [_run(llm, GREEDY), _run(llm, SEEDED), _soft(llm)] + [_run(llm, LORA, lr) for lr in _loras(base)]
 
 
 class TestDense:
@@ -93,12 +102,12 @@ class TestDense:
         finally:
             two.close()
 
-    def test_greedy_logprobs_prompt_logprobs_and_seeded_sampling_equal_tp1(self, runs):
-        for expected, got in zip(runs[0][:2], runs[1][:2]):
+    def test_greedy_logprobs_prompt_logprobs_seeded_sampling_and_soft_tokens_equal_tp1(self, runs):
+        for expected, got in zip(runs[0][:3], runs[1][:3]):  # and soft-token rows
             _same(expected, got)
 
     def test_lora_slot_swaps_equal_tp1(self, runs):
-        for expected, got in zip(runs[0][2:], runs[1][2:]):
+        for expected, got in zip(runs[0][3:], runs[1][3:]):
             _same(expected, got)
 
 
