@@ -116,21 +116,22 @@ class ModelRunner:
         feed = fed_tokens(plan, previous)
         inputs = self._step_inputs(plan, rows)
         feed = feed if inputs.num_fed else None
+        prompt_lp = {}
+
+        def prompt_logprobs(j: int, logits: torch.Tensor) -> None:  # j-th entry of rows.prompt_rows
+            i, _, m = rows.prompt_rows[j]
+            item = plan.seqs[i]
+            targets = item.seq.tokens(item.start + 1, item.start + 1 + m)
+            prompt_lp[i] = prompt_logprob_rows(logits, targets, item.seq.params.prompt_logprobs)
+
         if self.workers is None:
-            logits, prompt_logits = self.execute(inputs, feed)
+            logits = self.execute(inputs, feed, prompt_logprobs)
         else:
             if self.lora is not None:
                 inputs.lora_slots, self.lora.slot_writes = self.lora.slot_writes, []
             with self.workers.guard():
                 self.workers.send(inputs, feed)
-                logits, prompt_logits = self.execute(inputs, feed)
-        if prompt_logits is None:
-            return self._sample(plan, logits)
-        prompt_lp = {}
-        for (i, _, m), lg in zip(rows.prompt_rows, prompt_logits):
-            item = plan.seqs[i]
-            targets = item.seq.tokens(item.start + 1, item.start + 1 + m)
-            prompt_lp[i] = prompt_logprob_rows(lg, targets, item.seq.params.prompt_logprobs)
+                logits = self.execute(inputs, feed, prompt_logprobs)
         return self._sample(plan, logits, prompt_lp)
 
     def _step_inputs(self, plan: StepPlan, rows: StepRows) -> StepInputs:
@@ -147,25 +148,30 @@ class ModelRunner:
         return StepInputs(rows, num_fed=n_fed, measure_kv_scales=self.kv_cache.scales_pending and prefill)
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs, feed: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
+    def execute(self, inputs: StepInputs, feed: torch.Tensor | None = None,
+                on_prompt_logits=None) -> torch.Tensor | None:
         """The forward part of a step, the same on every tensor-parallel rank (its collectives run in the same
         order everywhere): the graph replay or eager forward of ``inputs`` and the logits calls. ``feed``:
-        [inputs.num_fed] int64 on the device, the fed rows' input ids (None: none). Returns (logits [R', V] of the
-        sampled rows or None when none is sampled, the logits [m, V] of each ``rows.prompt_rows`` entry in order;
-        None for a graph replay)."""
+        [inputs.num_fed] int64 on the device, the fed rows' input ids (None: none). ``on_prompt_logits(j,
+        logits)``: called with the logits [m, V] of the j-th ``rows.prompt_rows`` entry as each is computed (one
+        at a time: a long prompt chunk's [m, V] is freed before the next), None to drop them. Returns the logits
+        [R', V] of the sampled rows, None when no row is sampled."""
         rows, q = inputs.rows, inputs.graph_q
         if q is not None:
             logits = self.graphs.run(len(rows.seq_lens), q, rows.input_ids, rows.positions, rows.slot_mapping,
                                      rows.seq_lens, rows.block_tables, feed=feed, adapter_ids=rows.adapter_ids)
             if inputs.keep is not None:
                 logits = logits[torch.tensor(inputs.keep, device=logits.device)]
-            return logits, None
+            return logits
         batch = forward_batch(rows, feed, self.pad_block, self.device)
         with self.kv_cache.calculating_scales(inputs.measure_kv_scales):  # calculate_kv_scales: the first prefill
             hidden = self.model(batch)
         logits = self.model.compute_logits(hidden[batch.sample_rows]) if rows.sample_rows else None
-        return logits, [self.model.compute_logits(hidden[row0:row0 + m]) for _, row0, m in rows.prompt_rows]
+        for j, (_, row0, m) in enumerate(rows.prompt_rows):
+            prompt = self.model.compute_logits(hidden[row0:row0 + m])
+            if on_prompt_logits is not None:
+                on_prompt_logits(j, prompt)
+        return logits
 
     def _graph_query_len(self, plan: StepPlan, rows) -> int | None:
         """The q of the captured graph that runs ``plan``: the smallest captured q >= its longest sequence (all

@@ -206,3 +206,24 @@ def test_cli_parallel_flags(command):
     assert parallel_args(args) == dict(tensor_parallel_size=2, enable_expert_parallel=True)
     assert parallel_args(build_parser().parse_args([command])) == dict(tensor_parallel_size=1,
                                                                        enable_expert_parallel=False)
+
+
+def test_ngram_speculation_on_two_ranks_equals_one_and_draft_models_are_refused(base):
+    """n-gram verify steps (k + 1 rows per sequence) run on every rank; a draft model is refused before any spawn."""
+    from sparrow.errors import InvalidRequestError
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    prompts = [ids_prompt([1, 2, 3, 4] * 3), ids_prompt(random_prompts([7])[0])]
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=1, ignore_eos=True)
+    kw = dict(max_model_len=64, speculative_config=spec)
+    expected = make_llm(base, **kw).generate(prompts, params)
+    two = make_llm(base, tensor_parallel_size=2, **kw)
+    try:
+        _same(expected, two.generate(prompts, params))
+        assert two.get_metrics()["sparrow:spec_decode_num_accepted_tokens"] > 0
+    finally:
+        two.close()
+    draft = {"method": "draft_model", "model": str(base), "num_speculative_tokens": 2}
+    with pytest.raises(InvalidRequestError, match="draft_model.*tensor_parallel_size=2"):
+        make_llm(base, max_model_len=64, speculative_config=draft, tensor_parallel_size=2)
+    assert not multiprocessing.active_children()
