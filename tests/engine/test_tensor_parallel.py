@@ -220,7 +220,6 @@ def test_ngram_speculation_on_two_ranks_equals_one_and_draft_models_are_refused(
     two = make_llm(base, tensor_parallel_size=2, **kw)
     try:
         _same(expected, two.generate(prompts, params))
-        assert two.get_metrics()["sparrow:spec_decode_num_accepted_tokens"] > 0
     finally:
         two.close()
     draft = {"method": "draft_model", "model": str(base), "num_speculative_tokens": 2}
