@@ -94,6 +94,10 @@ def _engine_flags(args) -> list[str]:
         flags += ["--quantize-lm-head"]
     if args.enforce_eager:
         flags += ["--enforce-eager"]
+    if args.tensor_parallel_size > 1:
+        flags += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    if args.enable_expert_parallel:
+        flags += ["--enable-expert-parallel"]
     return flags
 
 
@@ -271,7 +275,8 @@ def build_llm(args):
     """The in-process LLM with the server's engine settings."""
     kw = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=max(args.streams),
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-              quantization=args.quantization, quantize_lm_head=args.quantize_lm_head)
+              quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
+              tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel)
     if args.model_shape:
         from sparrow.model_shapes import random_llm
 
@@ -399,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantize-lm-head", action="store_true")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="ranks of both sides, one GPU each (1; sparrow spawns ranks 1..N-1)")
+    ap.add_argument("--enable-expert-parallel", action="store_true", help="MoE experts split over the ranks")
     ap.add_argument("--client-procs", type=int, default=0,
                     help="client processes the streams are spread over (default: one per 16 streams)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (0)")

@@ -11,7 +11,7 @@ import os
 import sys
 
 from sparrow.cli_support import (chat_prompt as _chat_prompt, chat_tokenizer as _chat_tokenizer, cmd_models,
-                                 kv_cache_args, length_note, line_editing, stats_line)
+                                 kv_cache_args, length_note, line_editing, parallel_args, stats_line)
 from sparrow import cli_args
 from sparrow.errors import SparrowError
 
@@ -78,7 +78,8 @@ def _llm(args, tokenizer=None):
               quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
               num_kv_blocks=args.num_kv_blocks, max_num_seqs=max(1, getattr(args, "n", 1)),
               gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
-              speculative_config=args.speculative_config, tokenizer=tokenizer, **kv_cache_args(args), **lora)
+              speculative_config=args.speculative_config, tokenizer=tokenizer, **kv_cache_args(args),
+              **parallel_args(args), **lora)
     if lora:  # read and check the adapter now: chat would report a bad one at each turn
         llm.engine.runner.lora.load(_lora_request(args))
     # max_num_seqs = the completions of one request: the CPU KV pool is sized to them, not to 64 sequences

@@ -100,6 +100,14 @@ def add_model_args(p: argparse.ArgumentParser, kv_cache: bool = True, gguf_recip
                        default=CacheConfig.kv_cache_memory, metavar="BYTES",
                        help="KV cache size in bytes, e.g. 8GiB, 8G (= 8GiB), 512MiB, 8GB (10^9); overrides "
                             "--gpu-memory-utilization; not with --num-kv-blocks (default: off)")
+    from sparrow.config import ParallelConfig
+
+    par = field_docs(ParallelConfig)
+    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=ParallelConfig.tensor_parallel_size,
+                   metavar="N", help=par.get("tensor_parallel_size", "") + " sparrow starts ranks 1..N-1 itself "
+                   f"(default {ParallelConfig.tensor_parallel_size})")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help=par.get("enable_expert_parallel", "") + " (with --tensor-parallel-size > 1)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads of torch's ops (default 1 on a machine with <= 2 cores, else half the cores, "
                         "whatever OMP_NUM_THREADS says; the same for LLM())")

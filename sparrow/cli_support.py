@@ -134,6 +134,13 @@ def kv_cache_args(args) -> dict:
                 kv_cache_dtype_skip_layers=args.kv_cache_dtype_skip_layers)
 
 
+def parallel_args(args) -> dict:
+    """LLM's tensor / expert parallel arguments from --tensor-parallel-size / --enable-expert-parallel (every
+    command that loads a model)."""
+    return dict(tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                enable_expert_parallel=bool(getattr(args, "enable_expert_parallel", False)))
+
+
 def chat_prompt(tokenizer, messages: list[dict], model: str | None = None) -> str:
     """The rendered conversation; without a chat template the error says which packaged model can chat."""
     from sparrow.errors import InvalidRequestError

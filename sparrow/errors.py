@@ -38,3 +38,9 @@ class LoRAAdapterNotFoundError(LoRAAdapterError):
 class InsufficientMemoryError(InvalidRequestError):
     """The KV pool the memory settings allow cannot hold one sequence of max_model_len tokens (or does not fit the
     free device memory); the message names the weights, free and total memory and the setting to change."""
+
+
+class WorkerError(SparrowError):
+    """A tensor-parallel worker (rank 1..N-1, ``sparrow.engine.workers``) failed: an exception while loading or in
+    a step, or its process died. The message names the rank and quotes the worker's error; the LLM's group is
+    broken afterwards (every later step raises it again)."""

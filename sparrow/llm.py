@@ -3,14 +3,18 @@ parts meet: the loader builds the model (and a draft model), ``sparrow.spec_deco
 ``engine.engine.Engine`` runs them."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import time
+import weakref
 from typing import Iterator, Sequence as Seq
 
 import torch
 
-from sparrow.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from sparrow.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig, \
+    SpeculativeConfig
 from sparrow.devices import TORCH_DTYPES, ensure_cpu_threads, peak_memory, reset_peak_memory
 from sparrow.engine.engine import Engine
 from sparrow.errors import InvalidRequestError
@@ -20,7 +24,7 @@ from sparrow.spec_decode.decoder import make_speculative_decoder
 
 log = logging.getLogger(__name__)
 
-_E, _C, _S = EngineConfig, CacheConfig, SchedulerConfig  # the engine arguments' defaults are their fields'
+_E, _C, _S, _P = EngineConfig, CacheConfig, SchedulerConfig, ParallelConfig  # the engine arguments' defaults are their fields'
 
 
 def engine_config(model: ModelConfig, *, device: str = _E.device, dtype: str = _E.dtype,
@@ -34,9 +38,12 @@ def engine_config(model: ModelConfig, *, device: str = _E.device, dtype: str = _
                   max_loras: int = LoRAConfig.max_loras, max_lora_rank: int = LoRAConfig.max_lora_rank,
                   max_cpu_loras: int | None = LoRAConfig.max_cpu_loras, kv_cache_dtype: str = _C.kv_cache_dtype,
                   calculate_kv_scales: bool = _C.calculate_kv_scales,
-                  kv_cache_dtype_skip_layers=_C.kv_cache_dtype_skip_layers) -> EngineConfig:
+                  kv_cache_dtype_skip_layers=_C.kv_cache_dtype_skip_layers,
+                  tensor_parallel_size: int = _P.tensor_parallel_size,
+                  enable_expert_parallel: bool = _P.enable_expert_parallel) -> EngineConfig:
     """The EngineConfig for LLM's flat engine arguments (``num_kv_blocks`` is ``cache.num_blocks``;
-    ``speculative_config``: vLLM's dict, ``SpeculativeConfig.from_dict``). The configs validate themselves:
+    ``speculative_config``: vLLM's dict, ``SpeculativeConfig.from_dict``; ``tensor_parallel_size`` and
+    ``enable_expert_parallel``: ``ParallelConfig``'s). The configs validate themselves:
     InvalidRequestError names the first bad argument (cache and scheduler settings, the speculative config,
     then device, dtype, max_model_len and the pool size)."""
     cache = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
@@ -48,9 +55,13 @@ def engine_config(model: ModelConfig, *, device: str = _E.device, dtype: str = _
         raise InvalidRequestError(f"enable_lora={enable_lora!r} must be True or False")
     lora = (LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
             if enable_lora else None)
+    if not isinstance(enable_expert_parallel, bool):
+        raise InvalidRequestError(f"enable_expert_parallel={enable_expert_parallel!r} must be True or False")
+    parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                              enable_expert_parallel=enable_expert_parallel)
     return EngineConfig(model=model, device=device, dtype=dtype, max_model_len=max_model_len, cache=cache,
                         scheduler=scheduler, enforce_eager=enforce_eager,
-                        speculative=SpeculativeConfig.from_dict(speculative_config), lora=lora)
+                        speculative=SpeculativeConfig.from_dict(speculative_config), lora=lora, parallel=parallel)
 
 
 def _model_placement(model: torch.nn.Module) -> tuple[str, str]:
@@ -65,6 +76,49 @@ def _model_placement(model: torch.nn.Module) -> tuple[str, str]:
     if not params:
         raise InvalidRequestError("the model has no float32 / bfloat16 / float16 parameter to take its dtype from")
     return str(params[0].device), names[params[0].dtype]
+
+
+def load_model_module(path: str, dtype: torch.dtype, quantization: str | None, quantize_lm_head: bool,
+                      device: str) -> torch.nn.Module:
+    """The model ``load_model`` loads from ``path`` onto ``device`` (a tensor-parallel worker's build)."""
+    from sparrow.loader.model_loader import load_model
+
+    return load_model(path, dtype, device, quantization=quantization, quantize_lm_head=quantize_lm_head).model
+
+
+def _start_workers(config: EngineConfig, build, seed: int):
+    """The WorkerGroup of ranks 1..N-1 building ``build(device)`` (this process joins as rank 0), or None with one
+    rank. Raises InvalidRequestError for a one-rank LLM while a tensor-parallel one runs in this process (its layers
+    would read that group's rank and size)."""
+    if config.parallel.world_size == 1:
+        _check_no_group()
+        return None
+    from sparrow.engine.workers import WorkerGroup
+
+    return WorkerGroup.start(config, build, seed)
+
+
+def _check_no_group() -> None:
+    from sparrow.distributed import tp_size
+
+    if tp_size() > 1:
+        raise InvalidRequestError(f"a tensor-parallel LLM of {tp_size()} ranks is running in this process: close() it "
+                                  "before making a one-rank LLM (layers read the process's rank and size)")
+
+
+@contextlib.contextmanager
+def _starting(workers):
+    """Around rank 0's build: a worker's failure raises WorkerError (``WorkerGroup.guard``), and the workers are
+    stopped when the build raises."""
+    if workers is None:
+        yield
+        return
+    try:
+        with workers.guard():
+            yield
+    except BaseException:
+        workers.shutdown()
+        raise
 
 
 def _per_prompt_loras(lora_request, n: int) -> list:
@@ -110,6 +164,11 @@ class LLM:
     the scales are the checkpoint's k_scale / v_scale where it has them, else 1.0, or with calculate_kv_scales=True
     measured on the first prefill; kv_cache_dtype_skip_layers: layers kept in the model dtype ('sliding_window' and
     / or attention-layer indices; ``sparrow.kv_cache``).
+    tensor_parallel_size, enable_expert_parallel (vLLM's names; ``ParallelConfig``): split the model over that many
+    processes; this one is rank 0 (scheduler, sampler, outputs) and sparrow spawns the others, each loading the same
+    model with the same arguments (on CUDA rank r uses cuda:r; on the CPU gloo). ``close()`` stops them (so do
+    garbage collection and exit); a failing worker raises WorkerError naming its rank and error; a draft-model
+    speculative config is refused (``sparrow.engine.workers``).
     tokenizer: a transformers tokenizer to use instead of the model's; skip_tokenizer_init=True runs without one.
     seed: seeds torch's global generator before loading and the sampler's generator that requests without their
     own ``SamplingParams.seed`` draw from (vLLM's ``seed``): a fresh LLM with the same seed, given the same
@@ -128,7 +187,9 @@ class LLM:
                  enable_lora: bool = False, max_loras: int = LoRAConfig.max_loras,
                  max_lora_rank: int = LoRAConfig.max_lora_rank, max_cpu_loras: int | None = LoRAConfig.max_cpu_loras,
                  kv_cache_dtype: str = _C.kv_cache_dtype, calculate_kv_scales: bool = _C.calculate_kv_scales,
-                 kv_cache_dtype_skip_layers=_C.kv_cache_dtype_skip_layers):
+                 kv_cache_dtype_skip_layers=_C.kv_cache_dtype_skip_layers,
+                 tensor_parallel_size: int = _P.tensor_parallel_size,
+                 enable_expert_parallel: bool = _P.enable_expert_parallel):
         from sparrow.default_model import default_model_path
         from sparrow.loader.model_loader import load_model, read_model_config
         from sparrow.quant import check_quantization
@@ -150,16 +211,20 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=kv_cache_memory,
             speculative_config=speculative_config, enable_lora=enable_lora, max_loras=max_loras,
             max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras, kv_cache_dtype=kv_cache_dtype,
-            calculate_kv_scales=calculate_kv_scales, kv_cache_dtype_skip_layers=kv_cache_dtype_skip_layers)
+            calculate_kv_scales=calculate_kv_scales, kv_cache_dtype_skip_layers=kv_cache_dtype_skip_layers,
+            tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=enable_expert_parallel)
         torch.manual_seed(seed)
-        reset_peak_memory(config.device)
-        loaded = load_model(path, TORCH_DTYPES[config.dtype], config.device, quantization=quantization,
-                            quantize_lm_head=quantize_lm_head)
-        load_peak = peak_memory(config.device)
-        # skip_tokenizer_init (vLLM's name): no tokenizer; prompts must be {'prompt_token_ids': [...]}, no text out
-        if tokenizer is None and not skip_tokenizer_init:
-            tokenizer = load_tokenizer(path)
-        self._start(config.replace(model=loaded.config), loaded.model, tokenizer, path, seed)
+        build = functools.partial(load_model_module, path, TORCH_DTYPES[config.dtype], quantization, quantize_lm_head)
+        workers = _start_workers(config, build, seed)
+        with _starting(workers):
+            reset_peak_memory(config.device)
+            loaded = load_model(path, TORCH_DTYPES[config.dtype], config.device, quantization=quantization,
+                                quantize_lm_head=quantize_lm_head)
+            load_peak = peak_memory(config.device)
+            # skip_tokenizer_init (vLLM's name): no tokenizer; prompts must be {'prompt_token_ids': [...]}, no text
+            if tokenizer is None and not skip_tokenizer_init:
+                tokenizer = load_tokenizer(path)
+            self._start(config.replace(model=loaded.config), loaded.model, tokenizer, path, seed, workers)
         self.load_time = time.perf_counter() - start
         self.load_peak_memory = load_peak
 
@@ -194,6 +259,11 @@ class LLM:
             if engine_args.get(name, "auto") == "auto":
                 engine_args[name] = own
         built = engine_config(config, **engine_args)
+        if built.parallel.world_size > 1:
+            raise InvalidRequestError(f"LLM.from_model runs on one rank (a model built in this process is not split "
+                                      f"over ranks): for tensor_parallel_size={built.parallel.world_size} use "
+                                      "LLM(path, ...) or LLM.from_builder")
+        _check_no_group()
         if torch.device(built.device).type != torch.device(device).type or built.dtype != dtype:
             raise InvalidRequestError(f"device={built.device!r}, dtype={built.dtype!r} do not match the model's "
                                       f"weights ({device}, {dtype})")
@@ -201,12 +271,41 @@ class LLM:
         llm._start(built, model, tokenizer, None)
         return llm
 
+    @classmethod
+    def from_builder(cls, build, model_config: ModelConfig, tokenizer=None, seed: int | None = None,
+                     **engine_args) -> "LLM":
+        """An LLM around the model ``build(device)`` returns (a loaded sparrow model on ``device``, as
+        ``from_model`` takes one). ``build`` must be picklable (a top-level function, or a functools.partial of
+        one): with tensor_parallel_size=N every rank calls it in its own process, after the group formed (rank r
+        with its device: cuda:r, or 'cpu'), so each builds its shard. ``model_config``: the model's ModelConfig
+        (the engine arguments are checked against it before any rank builds). ``seed``: torch.manual_seed before
+        building (on every rank) and the sampler's seed, as LLM's (None: neither, as ``from_model``). ``engine_args``: LLM's engine arguments
+        (``from_model``'s list, plus tensor_parallel_size and enable_expert_parallel). Raises what ``build``
+        raises (WorkerError when a worker's build fails) and InvalidRequestError for a bad engine argument."""
+        config = engine_config(model_config, **engine_args)
+        if seed is not None:
+            torch.manual_seed(seed)
+        workers = _start_workers(config, build, seed)
+        llm = cls.__new__(cls)
+        with _starting(workers):
+            model = build(config.device)
+            own = getattr(model, "config", None)
+            llm._start(config.replace(model=own) if isinstance(own, ModelConfig) else config, model, tokenizer,
+                       None, seed, workers)
+        return llm
+
     def _start(self, config: EngineConfig, model: torch.nn.Module, tokenizer, path: str | None,
-               seed: int | None = None) -> None:
+               seed: int | None = None, workers=None) -> None:
         ensure_cpu_threads()
         self.tokenizer = tokenizer
+        self._workers = workers
+        """The tensor-parallel ranks 1..N-1 (``sparrow.engine.workers.WorkerGroup``) when this LLM has several;
+        stopped by ``close``, by garbage collection of the engine (``llm.engine``, kept alive by the LLM) and at
+        exit."""
         self.engine = Engine(config, model, tokenizer, draft_model=self._load_draft(config),
-                             make_speculator=make_speculative_decoder)
+                             make_speculator=make_speculative_decoder, workers=workers)
+        if workers is not None:
+            weakref.finalize(self.engine, workers.shutdown)
         self.engine.runner.sampler.reseed(seed)
         self.model_path = path
         self.load_time: float | None = None
@@ -225,6 +324,13 @@ class LLM:
     @property
     def config(self) -> EngineConfig:
         return self.engine.config
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (a no-op with one rank, and after the first call); the LLM cannot
+        generate afterwards when it had several ranks."""
+        workers = getattr(self, "_workers", None)
+        if workers is not None:
+            workers.shutdown()
 
     def get_tokenizer(self):
         return self.tokenizer

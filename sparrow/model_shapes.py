@@ -269,6 +269,15 @@ def random_model(cfg: dict, dtype: torch.dtype, device: str, quantization: str |
     return model
 
 
+def build_random_model(name: str, dtype: str, quantization: str | None, quantize_lm_head: bool, seed: int,
+                       device: str) -> torch.nn.Module:
+    """``random_model`` of the named shape in ``dtype`` (a TORCH_DTYPES name) on ``device``, the argument last: a
+    picklable builder every tensor-parallel rank calls with its device (the same weights everywhere)."""
+    from sparrow.devices import TORCH_DTYPES
+
+    return random_model(shape_config(name), TORCH_DTYPES[dtype], device, quantization, quantize_lm_head, seed)
+
+
 def random_llm(name: str, *, device: str = "auto", dtype: str = "auto", quantization: str | None = None,
                quantize_lm_head: bool = False, seed: int = 0, **engine_args):
     """A tokenizer-less ``LLM`` of the named shape with random weights (``random_model``: ``random_weights`` with
@@ -276,12 +285,14 @@ def random_llm(name: str, *, device: str = "auto", dtype: str = "auto", quantiza
     a format, or random GGUF blocks of llama.cpp's type mix for "gguf-q4_k_m" / "gguf-q8_0", so the float model
     never exists whole): prompts are token ids, outputs carry token ids and no text. The same arguments give the
     same weights (unquantized: those of ``build_random_hf_model``). ``engine_args``: LLM's engine arguments
-    (max_model_len default: the shape's positions, capped as LLM caps them). Raises InvalidRequestError for an
-    unknown name, device, dtype or format, UnsupportedArchitectureError when sparrow lacks the shape's
-    architecture."""
+    (max_model_len default: the shape's positions, capped as LLM caps them); with tensor_parallel_size > 1 every
+    rank builds the shape with the same seed (``LLM.from_builder``). Raises InvalidRequestError for an unknown
+    name, device, dtype or format, UnsupportedArchitectureError when sparrow lacks the shape's architecture."""
+    import functools
     import gc
 
-    from sparrow.devices import TORCH_DTYPES, peak_memory, reset_peak_memory, resolve_device, resolve_dtype
+    from sparrow.config import ModelConfig
+    from sparrow.devices import peak_memory, reset_peak_memory, resolve_device, resolve_dtype
     from sparrow.llm import LLM
     from sparrow.random_gguf import shape_quant_config
 
@@ -289,8 +300,12 @@ def random_llm(name: str, *, device: str = "auto", dtype: str = "auto", quantiza
     shape_quant_config(quantization)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
+    build = functools.partial(build_random_model, name, dtype, quantization, quantize_lm_head, seed)
+    if engine_args.get("tensor_parallel_size", 1) > 1:
+        return LLM.from_builder(build, ModelConfig.from_hf(full_config_dict(cfg)), device=device, dtype=dtype,
+                                **engine_args)
     reset_peak_memory(device)
-    model = random_model(cfg, TORCH_DTYPES[dtype], device, quantization, quantize_lm_head, seed)
+    model = build(device)
     peak = peak_memory(device)
     gc.collect()
     if device.startswith("cuda"):

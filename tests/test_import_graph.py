@@ -21,7 +21,7 @@ PACKAGE = "sparrow"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
-    ("switches", "devices", "cache", "structured_outputs", "outputs"),
+    ("switches", "devices", "cache", "structured_outputs", "outputs", "distributed"),
     ("sampling_params", "tokenizer", "default_model"),
     ("kernels",),
     ("distributed",),

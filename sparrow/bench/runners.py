@@ -30,7 +30,8 @@ def engine_kwargs(s: Settings, max_model_len: int | None) -> dict:
     return dict(max_model_len=mml, num_kv_blocks=top * -(-mml // block) + top, max_num_seqs=max(top, 1),
                 max_num_batched_tokens=max(budget, max(s.prompt_lens)), enable_prefix_caching=False,
                 enforce_eager=s.enforce_eager, gpu_memory_utilization=s.gpu_memory_utilization,
-                kv_cache_dtype=s.kv_cache_dtype)
+                kv_cache_dtype=s.kv_cache_dtype, tensor_parallel_size=s.tensor_parallel_size,
+                enable_expert_parallel=s.enable_expert_parallel)
 
 
 def sparrow_model_random(cfg: dict, full_cfg: dict, s: Settings):
@@ -48,16 +49,33 @@ def sparrow_from_shape(cfg: dict, full_cfg: dict, s: Settings, engine_kw: dict, 
     """``sparrow_model_random`` wrapped in an Engine by ``LLM.from_model`` (no tokenizer); ``meta`` (if given)
     gets ``load_peak_memory_bytes``, the peak while the weights streamed in (before the KV pool and graphs).
     Raises UnsupportedArchitectureError if sparrow lacks the architecture."""
+    import functools
+
+    from sparrow.config import ModelConfig
     from sparrow.llm import LLM
 
+    # a --max-model-len beyond the shape's positions only sizes the KV pool (num_kv_blocks); prompt + decode
+    # tokens were checked against the positions
+    mcfg = ModelConfig.from_hf(full_cfg)
+    kw = dict(engine_kw, max_model_len=min(engine_kw["max_model_len"], mcfg.max_position_embeddings))
     reset_peak_memory(s.device)
+    if s.tensor_parallel_size > 1:  # every rank builds the shape with the same seed
+        llm = LLM.from_builder(functools.partial(_shape_model_on, cfg, full_cfg, s), mcfg, device=s.device,
+                               dtype=s.dtype, **kw)
+        if meta is not None:
+            meta["load_peak_memory_bytes"] = peak_memory(s.device)  # rank 0's peak, KV pool and graphs included
+        return llm.engine
     model = sparrow_model_random(cfg, full_cfg, s)
     if meta is not None:
         meta["load_peak_memory_bytes"] = peak_memory(s.device)
-    # a --max-model-len beyond the shape's positions only sizes the KV pool (num_kv_blocks); prompt + decode
-    # tokens were checked against the positions
-    kw = dict(engine_kw, max_model_len=min(engine_kw["max_model_len"], model.config.max_position_embeddings))
     return LLM.from_model(model, device=s.device, dtype=s.dtype, **kw).engine
+
+
+def _shape_model_on(cfg: dict, full_cfg: dict, s: Settings, device: str):
+    """``sparrow_model_random`` on ``device`` (a tensor-parallel rank's build)."""
+    import dataclasses
+
+    return sparrow_model_random(cfg, full_cfg, dataclasses.replace(s, device=device))
 
 
 def load_hf_pretrained(path: Path, s: Settings):

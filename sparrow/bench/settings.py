@@ -28,6 +28,10 @@ class Settings:
     """Fraction of GPU memory sparrow's engine may use, weights + KV pool (--gpu-memory-utilization)."""
     kv_cache_dtype: str = CacheConfig.kv_cache_dtype
     """sparrow's KV cache storage (--kv-cache-dtype: auto, fp8, fp8_e4m3)."""
+    tensor_parallel_size: int = 1
+    """sparrow's ranks (--tensor-parallel-size; rank r on cuda:r); transformers runs on one device."""
+    enable_expert_parallel: bool = False
+    """sparrow's MoE layers split their experts over the ranks (--enable-expert-parallel)."""
 
     @property
     def max_model_len(self) -> int:
@@ -64,6 +68,8 @@ def resolve_settings(args) -> Settings:
         gpu_memory_utilization=_given(getattr(args, "gpu_memory_utilization", None),
                                       CacheConfig.gpu_memory_utilization),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", None) or CacheConfig.kv_cache_dtype,
+        tensor_parallel_size=_given(getattr(args, "tensor_parallel_size", None), 1),
+        enable_expert_parallel=bool(getattr(args, "enable_expert_parallel", False)),
     )
     from sparrow.random_gguf import is_recipe
 

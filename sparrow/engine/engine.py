@@ -26,7 +26,7 @@ from sparrow.config import TORCH_DTYPES, EngineConfig
 from sparrow.engine.block_manager import BlockManager
 from sparrow.engine.detokenizer import IncrementalDetokenizer
 from sparrow.engine.grammar import GrammarCompilers, SequenceGrammar, check_supported, wait_any
-from sparrow.engine.model_runner import ModelRunner, kv_bytes_per_token
+from sparrow.engine.model_runner import ModelRunner, graph_query_lens, kv_bytes_per_token
 from sparrow.engine.requests import check_stop, held_back, own_params, parse_prompt
 from sparrow.engine.sampler import make_generator
 from sparrow.engine.scheduler import Scheduler
@@ -42,22 +42,24 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer,
-                 draft_model: torch.nn.Module | None = None, make_speculator: MakeSpeculator | None = None):
+                 draft_model: torch.nn.Module | None = None, make_speculator: MakeSpeculator | None = None,
+                 workers=None):
         """``draft_model``: the loaded draft of ``config.speculative`` when its method is 'draft_model';
         ``make_speculator``: builds the speculator of ``config.speculative`` (``sparrow.engine.speculator``;
-        ``LLM`` passes ``sparrow.spec_decode.make_speculative_decoder``). Raises InvalidRequestError for a
-        speculative config without it."""
+        ``LLM`` passes ``sparrow.spec_decode.make_speculative_decoder``). ``workers``: the tensor-parallel ranks
+        1..N-1 (``sparrow.engine.workers.WorkerGroup``) when this process is rank 0 of several; the runner sends
+        them every step. Raises InvalidRequestError for a speculative config without make_speculator."""
         self.config = config
         self.tokenizer = tokenizer
         spec = config.speculative
         if spec is not None and make_speculator is None:
             raise InvalidRequestError("speculative_config is set but the engine was given no make_speculator "
                                       "(LLM passes sparrow.spec_decode's)")
-        query_lens = tuple(range(1, spec.num_speculative_tokens + 2)) if spec is not None else (1,)
+        query_lens = graph_query_lens(config)
         cache = config.cache
         draft_bytes = (kv_bytes_per_token(draft_model, TORCH_DTYPES[config.dtype], cache.kv_cache_dtype,
                                           cache.kv_cache_dtype_skip_layers) if draft_model is not None else 0)
-        self.runner = ModelRunner(config, model, query_lens, extra_kv_bytes_per_token=draft_bytes)
+        self.runner = ModelRunner(config, model, query_lens, extra_kv_bytes_per_token=draft_bytes, workers=workers)
         self.spec = make_speculator(config, self.runner.num_blocks, draft_model) if spec is not None else None
         """The speculator (``sparrow.engine.speculator.Speculator``) when ``config.speculative`` is set; the
         scheduler drives it, the engine reports each applied step to it (``step_done``)."""

@@ -33,6 +33,26 @@ class StepRows:
     """[R] the LoRA slot of each row (-1: base model); None when LoRA is off."""
 
 
+@dataclass
+class StepInputs:
+    """Everything a rank needs to run one step's forward and logits calls: what rank 0 broadcasts to the other
+    tensor-parallel ranks before its own forward (``sparrow.engine.workers``), and what every rank's
+    ``ModelRunner.execute`` runs. Host values only (pickled in one broadcast); fed tokens follow as a tensor."""
+
+    rows: StepRows
+    """The rows (padded to ``graph_q`` rows per sequence when ``keep`` is set; soft vectors on the CPU)."""
+    graph_q: int | None = None
+    """q of the CUDA graph (bucket of len(rows.seq_lens) sequences) that runs the step; None: eager."""
+    keep: list[int] | None = None
+    """[R'] rows of a padded graph step that are real (their logits are kept); None: every row."""
+    num_fed: int = 0
+    """Rows whose input ids are fed on the device (the previous step's sampled ids, [num_fed] int64)."""
+    measure_kv_scales: bool = False
+    """Rank 0's KV cache measures its pending FP8 scales in this (eager prefill) step: the others do too."""
+    lora_slots: list = field(default_factory=list)
+    """(slot, LoRARequest or None) of each LoRA slot rank 0 wrote (None: cleared) since the last step."""
+
+
 def step_rows(plan: StepPlan, block_size: int, lora_slots: dict[int, int] | None = None) -> StepRows:
     """The rows of ``plan``: a sequence's rows are positions start .. start + num_new_tokens - 1, their K/V
     slots read from its block table (allocated by the scheduler). ``lora_slots``: lora_int_id -> adapter slot of

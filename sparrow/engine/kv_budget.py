@@ -130,3 +130,27 @@ def plan_kv_pool(*, bytes_per_token: int, block_size: int, max_model_len: int, m
         return KVPool(want, block_size, bytes_per_token, f"{what}, capped at max_num_seqs={max_num_seqs} x "
                                                          f"max_model_len={max_model_len}")
     return KVPool(fits, block_size, bytes_per_token, what)
+
+
+def agree_over_ranks(pool: KVPool, world_size: int) -> KVPool:
+    """``pool`` with the fewest blocks any rank of the tensor-parallel group of ``world_size`` ranks
+    (``sparrow.distributed.get_tp()``) sized, so every rank's block manager view is the same (a collective: every
+    rank calls it once, at start-up); ``pool`` itself for one rank."""
+    import dataclasses
+
+    import torch
+
+    from sparrow.distributed import get_tp
+
+    if world_size == 1:
+        return pool
+    comm = get_tp()
+    if comm.world_size != world_size:
+        raise RuntimeError(f"the KV pool of {world_size} ranks needs their group; this process is in one of "
+                           f"{comm.world_size}")
+    counts = comm.all_gather(torch.tensor([pool.num_blocks], dtype=torch.int64, device=comm.device), dim=0)
+    fewest = int(counts.min())
+    if fewest == pool.num_blocks:
+        return pool
+    return dataclasses.replace(pool, num_blocks=fewest, budget=f"{pool.budget}; the fewest of "
+                                                               f"{comm.world_size} ranks")

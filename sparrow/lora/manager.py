@@ -75,6 +75,10 @@ class LoRAManager:
         """lora_int_id -> the real path of its folder when it was first read (every id seen, cached or not)."""
         self.slots: OrderedDict[int, int] = OrderedDict()
         """lora_int_id -> slot, least recently used first."""
+        self.slot_writes: list[tuple[int, LoRARequest | None]] | None = None
+        """None, or on rank 0 of a tensor-parallel group (the model runner sets a list): (slot, the LoRARequest
+        written there or None: cleared) in order since the runner last took them; it sends them with the next step
+        and the other ranks ``replay_slot_writes`` them (each reads the adapter for its own model)."""
         log.info("LoRA: %d slots of rank %d, %.1f MiB of buffers; host cache of %d adapters", max_loras,
                  max_lora_rank, sum(b.nbytes for b in self.buffers.values()) / 2**20, self.max_cpu_loras)
 
@@ -137,6 +141,8 @@ class LoRAManager:
         if slot is not None:
             for buf in self.buffers.values():
                 buf.write(slot, None)
+            if self.slot_writes is not None:
+                self.slot_writes.append((slot, None))
             log.info("LoRA: adapter id %d removed, slot %d free", lora_int_id, slot)
         return known
 
@@ -186,3 +192,21 @@ class LoRAManager:
         log.info("LoRA: adapter %r (id %d) -> slot %d", adapter.request.lora_name, adapter.request.lora_int_id, slot)
         for key, buf in self.buffers.items():
             buf.write(slot, adapter.targets.get(key))
+        if self.slot_writes is not None:
+            self.slot_writes.append((slot, adapter.request))
+
+    def replay_slot_writes(self, writes: list[tuple[int, LoRARequest | None]]) -> None:
+        """Make the slots what another rank's ``slot_writes`` made its own (a tensor-parallel worker, before it runs
+        the step they came with): each adapter read through this manager's host cache (LoRAAdapterError when its
+        folder cannot be read here), a None entry clears its slot."""
+        for slot, request in writes:
+            held = next((lid for lid, s in self.slots.items() if s == slot), None)
+            if request is None:
+                if held is not None:
+                    self.remove(held)
+                continue
+            adapter = self.load(request)
+            if held is not None:
+                del self.slots[held]
+            self._write(slot, adapter)
+            self.slots[request.lora_int_id] = slot

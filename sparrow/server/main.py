@@ -13,12 +13,12 @@ def _build_llm(args):
     argument, or for both --model and --model-shape."""
     from sparrow.errors import InvalidRequestError
 
-    from sparrow.cli_support import kv_cache_args
+    from sparrow.cli_support import kv_cache_args, parallel_args
 
     engine = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                   num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager,
                   gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
-                  speculative_config=args.speculative_config, **kv_cache_args(args))
+                  speculative_config=args.speculative_config, **kv_cache_args(args), **parallel_args(args))
     if args.max_num_seqs is not None:
         engine["max_num_seqs"] = args.max_num_seqs
     if args.enable_lora:
