@@ -21,7 +21,7 @@ PACKAGE = "sparrow"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
-    ("switches", "devices", "cache", "structured_outputs", "outputs", "distributed"),
+    ("switches", "devices", "cache", "structured_outputs", "outputs"),
     ("sampling_params", "tokenizer", "default_model"),
     ("kernels",),
     ("distributed",),

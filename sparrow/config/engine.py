@@ -124,6 +124,12 @@ class ParallelConfig:
             raise InvalidRequestError(f"expert_dispatch={self.expert_dispatch!r} is not one of "
                                       f"{', '.join(EXPERT_DISPATCH_MODES)}")
 
+    @property
+    def world_size(self) -> int:
+        """Ranks (processes, one device each) the model spans: tensor_parallel_size (experts shard over the same
+        ranks)."""
+        return self.tensor_parallel_size
+
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 """max_model_len=None takes the model's positions, at most this many (a smaller KV pool by default)."""
