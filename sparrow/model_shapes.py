@@ -250,7 +250,7 @@ def random_model(cfg: dict, dtype: torch.dtype, device: str, quantization: str |
     UnsupportedArchitectureError when sparrow lacks the architecture."""
     from sparrow import random_gguf
     from sparrow.config import ModelConfig
-    from sparrow.loader.model_loader import _packed_or_float, build_model, check_quantize_lm_head, finish_loading
+    from sparrow.loader.model_loader import build_model, check_quantize_lm_head, finish_loading, packed_or_float
     from sparrow.loader.weights import load_weights
     from sparrow.models.registry import get_model_class
 
@@ -260,7 +260,7 @@ def random_model(cfg: dict, dtype: torch.dtype, device: str, quantization: str |
     model = build_model(get_model_class(mcfg.architecture), mcfg, dtype, device, quant_config)
     if random_gguf.is_recipe(quantization):
         params = dict(model.named_parameters())
-        tensors = ((n, _packed_or_float(model, params, n, t))
+        tensors = ((n, packed_or_float(model, params, n, t))
                    for n, t in random_gguf_weights(cfg, quantization, dtype, device, seed=seed))
     else:
         tensors = random_weights(cfg, dtype, device, seed=seed)

@@ -155,7 +155,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     def filtered():
         for name, t in tensors:
             if native_gguf:
-                t = _packed_or_float(model, params, name, t)
+                t = packed_or_float(model, params, name, t)
             if name == "rope_freqs":
                 rope_freqs.append(t)
                 continue
@@ -187,8 +187,10 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     return LoadedModel(model, config, path, is_gguf, ckpt.metadata if is_gguf else None, quant_config)
 
 
-def _packed_or_float(model, params: dict, name: str, t: torch.Tensor) -> torch.Tensor:
-    """GGUF tensor ``t`` as its packed rows where its parameter takes them (``gguf_blocks``), else dequantized."""
+def packed_or_float(model, params: dict, name: str, t: torch.Tensor) -> torch.Tensor:
+    """GGUF tensor ``t`` (checkpoint name ``name``) as its packed rows uint8 [rows, K // B * T] where the parameter
+    it loads into (``params``: ``model.named_parameters()`` as a dict) takes packed blocks (``gguf_blocks``), else
+    dequantized to float (gguf-py's formulas); a tensor that is not packed GGUF is returned as it is."""
     from sparrow.quant.gguf import dequantize_packed, is_packed
 
     if not is_packed(t):
