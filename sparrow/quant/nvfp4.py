@@ -235,9 +235,9 @@ class Nvfp4LinearMethod(LinearMethodBase):
             if tuple(loaded.shape) != (rows, layer.in_features):
                 raise ModelLoadError(f"tensor {name!r} has shape {tuple(loaded.shape)}, "
                                      f"expected {(rows, layer.in_features)}")
-            packed, scale, g = quantize_nvfp4_ref(loaded.to(param.device), "modelopt")
-            getattr(layer, self.codes).data[start:start + rows].copy_(packed)
-            getattr(layer, self.scale).data[start:start + rows].copy_(scale)
+            out = (getattr(layer, self.codes).data[start:start + rows],
+                   getattr(layer, self.scale).data[start:start + rows])
+            _, _, g = quantize_nvfp4_ref(loaded.to(param.device), "modelopt", out=out)  # written in place
             getattr(layer, self.global_scale).data[start:start + rows].fill_(float(g))
 
         return load

@@ -132,9 +132,8 @@ class Nvfp4MoEMethod(FusedMoEMethodBase):
             rows = n // blocks
             for x in range(e):
                 for b in range(blocks):
-                    packed, scale, g = quantize_nvfp4_ref(w.data[x, b * rows:(b + 1) * rows], "modelopt")
-                    out[0][x, b * rows:(b + 1) * rows].copy_(packed)
-                    out[1][x, b * rows:(b + 1) * rows].copy_(scale)
+                    part = slice(b * rows, (b + 1) * rows)
+                    _, _, g = quantize_nvfp4_ref(w.data[x, part], "modelopt", out=(out[0][x, part], out[1][x, part]))
                     out[2][x, b].copy_(g)
             del w
             for pname, t in zip(_PARAMS[stacked], out):

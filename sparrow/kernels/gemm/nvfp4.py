@@ -119,20 +119,33 @@ def _modelopt_rows(wg: torch.Tensor, g2: torch.Tensor) -> tuple[torch.Tensor, to
     return pack_nvfp4_ref(e2m1_codes_ref(x.flatten(-2), ties="modelopt")), scale
 
 
-def quantize_nvfp4_ref(w: torch.Tensor, convention: str = "modelopt"
+def quantize_nvfp4_ref(w: torch.Tensor, convention: str = "modelopt",
+                       out: tuple[torch.Tensor, torch.Tensor] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize one weight w [N, K] (float, K a multiple of 16) -> (packed uint8 [N, K/2], scale e4m3 [N, K/16],
     global fp32 [1]) by ``convention``'s formula (module doc): "modelopt" (global = ``weight_scale_2``) or
     "compressed-tensors" (global = ``weight_global_scale``, dequantize with ``divide_global=True``).
-    Raises ValueError for another convention or a shape / dtype the format cannot hold."""
+    ``out`` (modelopt only): (packed, scale) tensors of those shapes written chunk by chunk and returned, so a
+    load holds no second copy of the codes. Raises ValueError for another convention or a shape / dtype the
+    format cannot hold."""
     if convention == "modelopt":
         _groups(w)  # checks the shape
         chunks = w.split(_chunk_rows(w), dim=-2)
         amax = torch.stack([c.abs().amax() for c in chunks]).amax().float()  # exact in any float dtype
         g2 = amax / (E2M1_MAX * E4M3_MAX)
         g2 = torch.where(g2 > 0, g2, 1.0).reshape(1)  # all zeros (or all below 2688 x fp32's least): 0 / 0 else
-        parts = [_modelopt_rows(_groups(c).float(), g2) for c in chunks]
-        return torch.cat([p for p, _ in parts], dim=-2), torch.cat([s for _, s in parts], dim=-2), g2
+        if out is None:
+            out = (torch.empty(*w.shape[:-1], w.shape[-1] // 2, dtype=torch.uint8, device=w.device),
+                   torch.empty(*w.shape[:-1], w.shape[-1] // GROUP, dtype=SCALE_DTYPE, device=w.device))
+        start = 0
+        for c in chunks:
+            packed, scale = _modelopt_rows(_groups(c).float(), g2)
+            out[0].narrow(-2, start, c.shape[-2]).copy_(packed)
+            out[1].narrow(-2, start, c.shape[-2]).copy_(scale)
+            start += c.shape[-2]
+        return out[0], out[1], g2
+    if out is not None:
+        raise ValueError("quantize_nvfp4_ref: out= is the modelopt convention's")
     wg = _groups(w).float()  # [N, G, 16]
     if convention == "compressed-tensors":
         amax = wg.abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
