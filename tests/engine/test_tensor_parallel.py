@@ -149,7 +149,7 @@ def test_worker_failing_to_load_raises_naming_rank(base):
     with pytest.raises(WorkerError, match=r"rank 1 failed: RuntimeError: injected load failure on rank 1"):
         _from_builder(_tp_builders.fail_to_load_on_workers, base)
     assert time.monotonic() - start < FAIL_WITHIN_S
-    assert not multiprocessing.active_children()
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("sparrow-tp-")]
 
 
 def test_worker_failing_in_a_step_raises_naming_rank(base):
@@ -161,7 +161,7 @@ def test_worker_failing_in_a_step_raises_naming_rank(base):
     with pytest.raises(WorkerError, match="rank 1"):  # the group stays broken
         llm.generate([ids_prompt([1, 2, 3])], SamplingParams(max_tokens=2))
     llm.close()
-    assert not multiprocessing.active_children()
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("sparrow-tp-")]
 
 
 def test_random_shape_on_two_ranks_equals_one_and_gc_stops_the_workers():
@@ -180,7 +180,7 @@ def test_random_shape_on_two_ranks_equals_one_and_gc_stops_the_workers():
         del two
         gc.collect()
     assert not proc.is_alive() and proc.exitcode == 0
-    assert not multiprocessing.active_children()
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("sparrow-tp-")]
 
 
 def test_bench_tensor_parallel_flag(tmp_path):
@@ -194,7 +194,7 @@ def test_bench_tensor_parallel_flag(tmp_path):
                  "5", "--decode-tokens", "3", "--no-hf", "--tensor-parallel-size", "2", "--out", str(out)]) == 0
     assert any(r["engine"] == "sparrow" for r in json.loads(out.read_text())["results"])
     gc.collect()
-    assert not multiprocessing.active_children()
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("sparrow-tp-")]
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "serve", "bench"])
@@ -225,4 +225,4 @@ def test_ngram_speculation_on_two_ranks_equals_one_and_draft_models_are_refused(
     draft = {"method": "draft_model", "model": str(base), "num_speculative_tokens": 2}
     with pytest.raises(InvalidRequestError, match="draft_model.*tensor_parallel_size=2"):
         make_llm(base, max_model_len=64, speculative_config=draft, tensor_parallel_size=2)
-    assert not multiprocessing.active_children()
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("sparrow-tp-")]

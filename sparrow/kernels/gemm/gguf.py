@@ -301,7 +301,7 @@ def gguf_linear_ref(x: torch.Tensor, qweight: torch.Tensor, ggml_type: int,
         yt.zero_()
     if bias is not None:
         yt += bias.float()[:, None]
-    return yt.t().to(x.dtype)
+    return yt.t().contiguous().to(x.dtype)  # contiguous [R, N], as F.linear returns (in-place users: masks)
 
 
 def gguf_linear_triton(x: torch.Tensor, qweight: torch.Tensor, ggml_type: int,

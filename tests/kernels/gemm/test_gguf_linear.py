@@ -139,6 +139,18 @@ def test_twin_buffers_made_in_inference_mode_serve_plain_calls(monkeypatch):
     assert torch.equal(gg.gguf_linear_ref(x, qweight, qtype), first)
 
 
+def test_twin_output_is_contiguous_like_f_linear():
+    """The twin returns a contiguous [R, N] in every dtype, as F.linear does: structured output masks the LM
+    head's logits in place (xgrammar's CPU bitmask), which a transposed view defeated (SmolLM2 stopped after
+    '{"')."""
+    qtype = BLOCK_TYPES[0]
+    qweight = _qweight(qtype, 8, 256, seed=3, device="cpu")
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
+        y = gg.gguf_linear_ref(x, qweight, qtype)
+        assert y.shape == (3, 8) and y.dtype == dtype and y.is_contiguous()
+
+
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
 def test_twin_dequantize_rows_bit_exact(qtype):
     """The twin's own CPU decoders (``dequantize_rows``: fast paths for the hot types) equal gguf-py's
