@@ -144,12 +144,18 @@ def _from_builder(build, path):
                             dtype="float32", max_model_len=64, tensor_parallel_size=2)
 
 
+def _tp_workers() -> list:
+    """This process's live tensor-parallel worker processes (``sparrow-tp-rankN``; a server test's frontend may
+    share the pytest worker)."""
+    return [p for p in multiprocessing.active_children() if p.name.startswith("sparrow-tp-")]
+
+
 def test_worker_failing_to_load_raises_naming_rank(base):
     start = time.monotonic()
     with pytest.raises(WorkerError, match=r"rank 1 failed: RuntimeError: injected load failure on rank 1"):
         _from_builder(_tp_builders.fail_to_load_on_workers, base)
     assert time.monotonic() - start < FAIL_WITHIN_S
-    assert not [p for p in multiprocessing.active_children() if p.name.startswith("sparrow-tp-")]
+    assert not _tp_workers()
 
 
 def test_worker_failing_in_a_step_raises_naming_rank(base):
@@ -161,7 +167,7 @@ def test_worker_failing_in_a_step_raises_naming_rank(base):
     with pytest.raises(WorkerError, match="rank 1"):  # the group stays broken
         llm.generate([ids_prompt([1, 2, 3])], SamplingParams(max_tokens=2))
     llm.close()
-    assert not [p for p in multiprocessing.active_children() if p.name.startswith("sparrow-tp-")]
+    assert not _tp_workers()
 
 
 def test_random_shape_on_two_ranks_equals_one_and_gc_stops_the_workers():
@@ -180,7 +186,7 @@ def test_random_shape_on_two_ranks_equals_one_and_gc_stops_the_workers():
         del two
         gc.collect()
     assert not proc.is_alive() and proc.exitcode == 0
-    assert not [p for p in multiprocessing.active_children() if p.name.startswith("sparrow-tp-")]
+    assert not _tp_workers()
 
 
 def test_bench_tensor_parallel_flag(tmp_path):
@@ -194,7 +200,7 @@ def test_bench_tensor_parallel_flag(tmp_path):
                  "5", "--decode-tokens", "3", "--no-hf", "--tensor-parallel-size", "2", "--out", str(out)]) == 0
     assert any(r["engine"] == "sparrow" for r in json.loads(out.read_text())["results"])
     gc.collect()
-    assert not [p for p in multiprocessing.active_children() if p.name.startswith("sparrow-tp-")]
+    assert not _tp_workers()
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "serve", "bench"])
@@ -225,4 +231,4 @@ def test_ngram_speculation_on_two_ranks_equals_one_and_draft_models_are_refused(
     draft = {"method": "draft_model", "model": str(base), "num_speculative_tokens": 2}
     with pytest.raises(InvalidRequestError, match="draft_model.*tensor_parallel_size=2"):
         make_llm(base, max_model_len=64, speculative_config=draft, tensor_parallel_size=2)
-    assert not [p for p in multiprocessing.active_children() if p.name.startswith("sparrow-tp-")]
+    assert not _tp_workers()
